@@ -1,0 +1,208 @@
+//! Command line and environment. Every flag has an environment twin (`SLIDEGATE_*`).
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::sync::Arc;
+
+use clap::{Parser, Subcommand, ValueEnum};
+
+use crate::config;
+use crate::limiter::{Limiter, LimiterOptions, SystemClock};
+use crate::store::{MemoryStore, Store};
+
+#[derive(Debug, Parser)]
+#[command(
+    name = "slidegate",
+    version,
+    about = "Envoy external rate-limit server with exact rolling windows"
+)]
+pub struct Cli {
+    #[command(subcommand)]
+    pub command: Option<Command>,
+    #[command(flatten)]
+    pub serve: ServeArgs,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Validate a config file or directory; print every error and exit non-zero if any.
+    Check {
+        #[arg(long, env = "SLIDEGATE_CONFIG")]
+        config: PathBuf,
+    },
+}
+
+#[derive(Debug, Clone, clap::Args)]
+pub struct ServeArgs {
+    /// A YAML file, or a directory of *.yaml / *.yml files (dotfiles ignored).
+    #[arg(long, env = "SLIDEGATE_CONFIG")]
+    pub config: Option<PathBuf>,
+    /// gRPC listen address (RateLimitService, health, reflection).
+    #[arg(long, env = "SLIDEGATE_GRPC_ADDR", default_value = "0.0.0.0:8081")]
+    pub grpc_addr: SocketAddr,
+    /// HTTP listen address (/healthz, /readyz, POST /json).
+    #[arg(long, env = "SLIDEGATE_HTTP_ADDR", default_value = "0.0.0.0:8080")]
+    pub http_addr: SocketAddr,
+    /// Redis URL; without it slidegate runs on its embedded in-process store.
+    #[arg(long = "redis", env = "SLIDEGATE_REDIS_URL")]
+    pub redis_url: Option<String>,
+    /// Answer OK overall for every request (statuses still say what would happen).
+    #[arg(long, env = "SLIDEGATE_SHADOW_MODE")]
+    pub shadow_mode: bool,
+    /// Add RateLimit-Policy, RateLimit and Retry-After to responses.
+    #[arg(long, env = "SLIDEGATE_RESPONSE_HEADERS")]
+    pub response_headers: bool,
+    /// Fill the response's dynamic_metadata with the request and matched rules' metadata.
+    #[arg(long, env = "SLIDEGATE_DYNAMIC_METADATA")]
+    pub dynamic_metadata: bool,
+    /// Log output format.
+    #[arg(long, env = "SLIDEGATE_LOG_FORMAT", value_enum, default_value_t = LogFormat::Text)]
+    pub log_format: LogFormat,
+    /// Log filter (tracing's EnvFilter syntax); RUST_LOG is used when this is absent.
+    #[arg(long, env = "SLIDEGATE_LOG_LEVEL")]
+    pub log_level: Option<String>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum LogFormat {
+    Text,
+    Json,
+}
+
+/// The binary's entry point.
+pub fn main() -> ExitCode {
+    let cli = Cli::parse();
+    match cli.command {
+        Some(Command::Check { config }) => check(&config),
+        None => serve(cli.serve),
+    }
+}
+
+fn check(path: &std::path::Path) -> ExitCode {
+    match config::load_path(path) {
+        Ok(loaded) => {
+            let rules = loaded.limits.rules();
+            println!(
+                "{}: {} file(s), {} rule(s), OK",
+                path.display(),
+                loaded.files.len(),
+                rules.len()
+            );
+            ExitCode::SUCCESS
+        }
+        Err(errors) => {
+            eprintln!("{errors}");
+            eprintln!("{}: {} error(s)", path.display(), errors.0.len());
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn init_logging(args: &ServeArgs) {
+    use tracing_subscriber::EnvFilter;
+    let filter = match &args.log_level {
+        Some(level) => EnvFilter::new(level),
+        None => EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info")),
+    };
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr);
+    match args.log_format {
+        LogFormat::Text => builder.init(),
+        LogFormat::Json => builder.json().init(),
+    }
+}
+
+fn serve(args: ServeArgs) -> ExitCode {
+    init_logging(&args);
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            tracing::error!("cannot start the async runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    match runtime.block_on(serve_async(args)) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(message) => {
+            tracing::error!("{message}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+async fn serve_async(args: ServeArgs) -> Result<(), String> {
+    let Some(config_path) = &args.config else {
+        return Err(
+            "--config (or SLIDEGATE_CONFIG) is required: a YAML file or a directory".into(),
+        );
+    };
+    let loaded = config::load_path(config_path).map_err(|e| format!("config rejected:\n{e}"))?;
+    tracing::info!(
+        config = %config_path.display(),
+        files = loaded.files.len(),
+        domains = loaded.limits.domains.len(),
+        "config loaded"
+    );
+    let store: Arc<dyn Store> = match &args.redis_url {
+        None => Arc::new(MemoryStore::new()),
+        Some(_) => {
+            return Err(
+                "--redis is not supported yet: run without it to use the embedded store".into(),
+            );
+        }
+    };
+    let options = LimiterOptions {
+        global_shadow_mode: args.shadow_mode,
+        response_headers: args.response_headers,
+        dynamic_metadata: args.dynamic_metadata,
+    };
+    let limiter = Arc::new(Limiter::new(
+        loaded.limits,
+        store,
+        Arc::new(SystemClock),
+        options,
+    ));
+    let grpc = tokio::net::TcpListener::bind(args.grpc_addr)
+        .await
+        .map_err(|e| format!("cannot listen on {} (gRPC): {e}", args.grpc_addr))?;
+    let http = tokio::net::TcpListener::bind(args.http_addr)
+        .await
+        .map_err(|e| format!("cannot listen on {} (HTTP): {e}", args.http_addr))?;
+    tracing::info!(grpc = %args.grpc_addr, http = %args.http_addr, store = limiter.store_name(), "serving");
+    crate::server::run(grpc, http, limiter, shutdown_signal())
+        .await
+        .map_err(|e| e.to_string())
+}
+
+/// Completes on SIGTERM or Ctrl-C.
+async fn shutdown_signal() {
+    let ctrl_c = async {
+        if let Err(e) = tokio::signal::ctrl_c().await {
+            tracing::warn!("cannot listen for Ctrl-C: {e}");
+            std::future::pending::<()>().await;
+        }
+    };
+    #[cfg(unix)]
+    let term = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            Err(e) => {
+                tracing::warn!("cannot listen for SIGTERM: {e}");
+                std::future::pending::<()>().await;
+            }
+        }
+    };
+    #[cfg(not(unix))]
+    let term = std::future::pending::<()>();
+    tokio::select! {
+        _ = ctrl_c => {},
+        _ = term => {},
+    }
+}

@@ -1,0 +1,8 @@
+//! Configuration: the YAML model ([`model`]), loading and validation into compiled rules
+//! ([`load`]), and config durations ([`duration`]).
+
+pub mod duration;
+pub mod load;
+pub mod model;
+
+pub use load::{ConfigError, ConfigErrors, Loaded, compile_sources, load_path};

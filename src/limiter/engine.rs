@@ -1,0 +1,389 @@
+//! The decision for one request: validate, match, ask the store, and shape the statuses.
+
+use std::borrow::Cow;
+use std::collections::HashSet;
+use std::sync::Arc;
+
+use arc_swap::ArcSwap;
+
+use super::headers;
+use super::key::{self, Variant};
+use super::rules::{Limit, Limits, Match, Rule, Segment, Window};
+use super::{
+    Clock, Code, Decision, Descriptor, LimiterError, ReportedLimit, Request, Status, Unit,
+};
+use crate::store::{CheckItem, ItemOutcome, Role, Store};
+
+/// Switches that change answers for every domain.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct LimiterOptions {
+    /// Answer OK overall whatever the statuses say (statuses are unchanged).
+    pub global_shadow_mode: bool,
+    /// Add `RateLimit-Policy`, `RateLimit` and, when over, `Retry-After` to the response.
+    pub response_headers: bool,
+    /// Fill `dynamic_metadata` with the request and the matched rules' `metadata`.
+    pub dynamic_metadata: bool,
+}
+
+/// Decides requests against the current limits and a store.
+pub struct Limiter {
+    limits: ArcSwap<Limits>,
+    store: Arc<dyn Store>,
+    clock: Arc<dyn Clock>,
+    options: LimiterOptions,
+}
+
+/// The rule a request descriptor found.
+enum Found<'a> {
+    Nothing,
+    /// The caller's `limit` override, which wins over the config.
+    Override(Window),
+    Rule(Match<'a>),
+}
+
+/// What one request descriptor turned into. `replaces`: a matched rule that names another
+/// matched rule takes it out of the decision (OK without a limit, its log untouched).
+enum Plan<'a> {
+    /// No rule (or replaced): OK without a limit.
+    NoLimit,
+    Unlimited,
+    /// Sent to the store as item `item`.
+    Check {
+        item: usize,
+        rule: Option<&'a Arc<Rule>>,
+    },
+}
+
+impl Limiter {
+    pub fn new(
+        limits: Limits,
+        store: Arc<dyn Store>,
+        clock: Arc<dyn Clock>,
+        options: LimiterOptions,
+    ) -> Limiter {
+        Limiter {
+            limits: ArcSwap::from_pointee(limits),
+            store,
+            clock,
+            options,
+        }
+    }
+
+    /// Replaces the limits at once: a request sees either the old or the new set, never a mix.
+    pub fn replace_limits(&self, limits: Limits) {
+        self.limits.store(Arc::new(limits));
+    }
+
+    pub fn limits(&self) -> Arc<Limits> {
+        self.limits.load_full()
+    }
+
+    pub fn store_name(&self) -> &'static str {
+        self.store.name()
+    }
+
+    pub async fn should_rate_limit(&self, request: &Request) -> Result<Decision, LimiterError> {
+        validate(request)?;
+        let limits = self.limits.load_full();
+        let now_ms = self.clock.now_ms();
+        let Some(root) = limits.domain(&request.domain) else {
+            return Ok(self.finish(
+                request,
+                Vec::new(),
+                vec![Status::unlimited_by_config(); request.descriptors.len()],
+                Code::Ok,
+                None,
+            ));
+        };
+
+        // First every descriptor's rule, so that `replaces` can see all of them.
+        let found: Vec<Found<'_>> = request
+            .descriptors
+            .iter()
+            .map(|descriptor| match descriptor.limit {
+                Some(over) => match Unit::from_proto(over.unit) {
+                    Some(unit) => {
+                        Found::Override(Window::per_unit(over.requests_per_unit, unit, None))
+                    }
+                    // `validate` rejected unknown units already.
+                    None => Found::Nothing,
+                },
+                None => root
+                    .find(&descriptor.entries)
+                    .map_or(Found::Nothing, Found::Rule),
+            })
+            .collect();
+        let replaced: HashSet<&str> = found
+            .iter()
+            .filter_map(|f| match f {
+                Found::Rule(m) => Some(m.rule.replaces.iter().map(|n| &**n)),
+                _ => None,
+            })
+            .flatten()
+            .collect();
+
+        let request_hits = u64::from(request.hits_addend.max(1));
+        let mut plans = Vec::with_capacity(request.descriptors.len());
+        let mut items: Vec<CheckItem<'_>> = Vec::with_capacity(request.descriptors.len());
+        for (descriptor, found) in request.descriptors.iter().zip(found) {
+            let hits = descriptor.hits_addend.unwrap_or(request_hits);
+            match found {
+                Found::Nothing => plans.push(Plan::NoLimit),
+                Found::Override(window) => {
+                    let segments = value_segments(descriptor);
+                    let variant = Variant::Override {
+                        window_ms: window.length_ms,
+                    };
+                    items.push(CheckItem {
+                        key: key::build(&request.domain, &segments, variant, None),
+                        windows: Cow::Owned(vec![window]),
+                        ban_ms: None,
+                        hits,
+                        role: Role::Enforce,
+                    });
+                    plans.push(Plan::Check {
+                        item: items.len() - 1,
+                        rule: None,
+                    });
+                }
+                Found::Rule(m) if replaced.iter().any(|name| m.rule.is_named(name)) => {
+                    plans.push(Plan::NoLimit)
+                }
+                Found::Rule(m) => match &m.rule.limit {
+                    Limit::Unlimited => plans.push(Plan::Unlimited),
+                    Limit::Windows { windows, ban_ms } => {
+                        let rule = m.rule;
+                        items.push(CheckItem {
+                            key: key::build(
+                                &request.domain,
+                                &m.segments,
+                                Variant::Configured,
+                                rule.tag_by.as_deref(),
+                            ),
+                            windows: Cow::Borrowed(windows),
+                            ban_ms: *ban_ms,
+                            hits,
+                            role: if rule.shadow_mode {
+                                Role::Shadow
+                            } else if rule.quota_mode {
+                                Role::Quota
+                            } else {
+                                Role::Enforce
+                            },
+                        });
+                        plans.push(Plan::Check {
+                            item: items.len() - 1,
+                            rule: Some(rule),
+                        });
+                    }
+                },
+            }
+        }
+
+        let outcome = if items.is_empty() {
+            Default::default()
+        } else {
+            self.store.check(&items, now_ms).await?
+        };
+        let overall = if items.is_empty() || outcome.admitted {
+            Code::Ok
+        } else {
+            Code::OverLimit
+        };
+
+        let statuses = plans
+            .iter()
+            .map(|plan| match plan {
+                Plan::NoLimit => Status::unlimited_by_config(),
+                Plan::Unlimited => Status {
+                    code: Code::Ok,
+                    current_limit: None,
+                    limit_remaining: u32::MAX,
+                    duration_until_reset_ms: None,
+                },
+                Plan::Check { item, rule } => {
+                    let shadow = rule.is_some_and(|r| r.shadow_mode);
+                    match outcome.items.get(*item) {
+                        Some(found) => status_of(&items[*item].windows, found, shadow),
+                        None => Status::unlimited_by_config(),
+                    }
+                }
+            })
+            .collect::<Vec<_>>();
+        let windows_of = |n: usize| match plans.get(n) {
+            Some(Plan::Check { item, .. }) => Some(&*items[*item].windows),
+            _ => None,
+        };
+        let headers = if self.options.response_headers {
+            headers::build(&statuses, windows_of, overall)
+        } else {
+            Vec::new()
+        };
+        let rules: Vec<&Arc<Rule>> = plans
+            .iter()
+            .filter_map(|p| match p {
+                Plan::Check {
+                    rule: Some(rule), ..
+                } => Some(*rule),
+                _ => None,
+            })
+            .collect();
+        Ok(self.finish(request, headers, statuses, overall, Some(&rules)))
+    }
+
+    fn finish(
+        &self,
+        request: &Request,
+        response_headers: Vec<(String, String)>,
+        statuses: Vec<Status>,
+        overall: Code,
+        rules: Option<&[&Arc<Rule>]>,
+    ) -> Decision {
+        let overall = if self.options.global_shadow_mode {
+            Code::Ok
+        } else {
+            overall
+        };
+        let dynamic_metadata = self
+            .options
+            .dynamic_metadata
+            .then(|| dynamic_metadata(request, rules.unwrap_or_default()));
+        Decision {
+            overall,
+            statuses,
+            response_headers,
+            dynamic_metadata,
+        }
+    }
+}
+
+fn value_segments(descriptor: &Descriptor) -> Vec<Segment<'_>> {
+    descriptor
+        .entries
+        .iter()
+        .map(|(key, value)| Segment::Value { key, value })
+        .collect()
+}
+
+/// The status of one checked descriptor.
+fn status_of(windows: &[Window], outcome: &ItemOutcome, shadow: bool) -> Status {
+    let over_code = if shadow { Code::Ok } else { Code::OverLimit };
+    let report = |w: &Window| ReportedLimit {
+        name: w.name.clone(),
+        requests_per_unit: w.limit,
+        unit: w.unit,
+        window_ms: w.length_ms,
+    };
+    if outcome.ban_remaining_ms > 0 {
+        return Status {
+            code: over_code,
+            current_limit: windows.first().map(report),
+            limit_remaining: 0,
+            duration_until_reset_ms: Some(outcome.ban_remaining_ms),
+        };
+    }
+    let pairs = windows.iter().zip(&outcome.windows);
+    if outcome.fits {
+        // Binding window: the least remaining; on a tie, the first in the rule.
+        let binding = pairs.min_by_key(|(w, o)| u64::from(w.limit).saturating_sub(o.count));
+        match binding {
+            Some((w, o)) => Status {
+                code: Code::Ok,
+                current_limit: Some(report(w)),
+                limit_remaining: clamp_u32(u64::from(w.limit).saturating_sub(o.count)),
+                duration_until_reset_ms: Some(o.reset_ms),
+            },
+            None => Status::unlimited_by_config(),
+        }
+    } else {
+        // Binding window: the one that makes the caller wait longest.
+        let binding = pairs.rev().max_by_key(|(_, o)| o.reset_ms);
+        Status {
+            code: over_code,
+            current_limit: binding.map(|(w, _)| report(w)),
+            limit_remaining: 0,
+            duration_until_reset_ms: binding.map(|(_, o)| o.reset_ms),
+        }
+    }
+}
+
+fn clamp_u32(n: u64) -> u32 {
+    u32::try_from(n).unwrap_or(u32::MAX)
+}
+
+/// Rejects malformed requests before anything is read or recorded.
+fn validate(request: &Request) -> Result<(), LimiterError> {
+    let invalid = |m: String| Err(LimiterError::InvalidRequest(m));
+    if request.domain.is_empty() {
+        return invalid("rate limit domain must not be empty".into());
+    }
+    if request.descriptors.is_empty() {
+        return invalid("rate limit descriptor list must not be empty".into());
+    }
+    for (n, descriptor) in request.descriptors.iter().enumerate() {
+        if descriptor.entries.is_empty() {
+            return invalid(format!("descriptors[{n}] has no entries"));
+        }
+        if let Some(e) = descriptor
+            .entries
+            .iter()
+            .position(|(key, _)| key.is_empty())
+        {
+            return invalid(format!("descriptors[{n}].entries[{e}] has an empty key"));
+        }
+        if let Some(over) = descriptor
+            .limit
+            .filter(|o| Unit::from_proto(o.unit).is_none())
+        {
+            return invalid(format!(
+                "descriptors[{n}].limit.unit must be one of SECOND, MINUTE, HOUR, DAY, WEEK, MONTH, YEAR (got {})",
+                over.unit
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// The reference server's `dynamic_metadata` shape: the request, plus the matched rules'
+/// `metadata` merged (first value wins).
+fn dynamic_metadata(
+    request: &Request,
+    rules: &[&Arc<Rule>],
+) -> serde_json::Map<String, serde_json::Value> {
+    use serde_json::{Map, Value, json};
+    let descriptors: Vec<Value> = request
+        .descriptors
+        .iter()
+        .map(|d| {
+            let mut out = Map::new();
+            let entries: Vec<Value> = d.entries.iter().map(|(k, v)| Value::String(format!("{k}={v}"))).collect();
+            out.insert("entries".into(), Value::Array(entries));
+            if let Some(limit) = d.limit {
+                out.insert(
+                    "limit".into(),
+                    json!({"requestsPerUnit": limit.requests_per_unit, "unit": Unit::from_proto(limit.unit).map_or("UNKNOWN".to_string(), |u| u.name().to_uppercase())}),
+                );
+            }
+            if let Some(hits) = d.hits_addend {
+                out.insert("hitsAddend".into(), json!(hits));
+            }
+            Value::Object(out)
+        })
+        .collect();
+    let mut metadata = Map::new();
+    for rule in rules {
+        if let Some(Value::Object(fields)) = &rule.metadata {
+            for (k, v) in fields {
+                metadata.entry(k.clone()).or_insert_with(|| v.clone());
+            }
+        }
+    }
+    let mut out = Map::new();
+    out.insert("domain".into(), Value::String(request.domain.clone()));
+    out.insert("descriptors".into(), Value::Array(descriptors));
+    out.insert("hitsAddend".into(), json!(request.hits_addend.max(1)));
+    if !metadata.is_empty() {
+        out.insert("metadata".into(), Value::Object(metadata));
+    }
+    out
+}

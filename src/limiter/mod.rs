@@ -1,0 +1,96 @@
+//! The rate-limit domain: rules and matching, store keys, and the decision for a request.
+//! Nothing here knows about gRPC or Redis; the service turns protobuf into [`Request`] and
+//! [`Decision`] back, and stores implement [`crate::store::Store`].
+
+pub mod clock;
+pub mod engine;
+pub mod headers;
+pub mod key;
+pub mod rules;
+pub mod unit;
+
+pub use clock::{Clock, ManualClock, SystemClock};
+pub use engine::{Limiter, LimiterOptions};
+pub use unit::Unit;
+
+/// A `ShouldRateLimit` request in domain terms.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Request {
+    pub domain: String,
+    pub descriptors: Vec<Descriptor>,
+    /// The request-wide hits; 0 is read as 1.
+    pub hits_addend: u32,
+}
+
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Descriptor {
+    pub entries: Vec<(String, String)>,
+    pub limit: Option<Override>,
+    /// When present, this descriptor's hits (0: check only), winning over the request's.
+    pub hits_addend: Option<u64>,
+}
+
+/// A limit sent by the caller. `unit` is the raw proto value, checked by the limiter.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Override {
+    pub requests_per_unit: u32,
+    pub unit: i32,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Code {
+    Ok,
+    OverLimit,
+}
+
+/// The limit a status reports: the binding window.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ReportedLimit {
+    pub name: Option<std::sync::Arc<str>>,
+    pub requests_per_unit: u32,
+    pub unit: Unit,
+    /// The exact window, which `unit` may only approximate.
+    pub window_ms: u64,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Status {
+    pub code: Code,
+    pub current_limit: Option<ReportedLimit>,
+    pub limit_remaining: u32,
+    pub duration_until_reset_ms: Option<u64>,
+}
+
+impl Status {
+    /// No rule applies (or it was replaced): OK, no limit.
+    pub fn unlimited_by_config() -> Status {
+        Status {
+            code: Code::Ok,
+            current_limit: None,
+            limit_remaining: 0,
+            duration_until_reset_ms: None,
+        }
+    }
+}
+
+/// The answer to a request.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Decision {
+    pub overall: Code,
+    /// One per request descriptor, in request order.
+    pub statuses: Vec<Status>,
+    pub response_headers: Vec<(String, String)>,
+    /// `dynamic_metadata`, when switched on.
+    pub dynamic_metadata: Option<serde_json::Map<String, serde_json::Value>>,
+}
+
+/// Why a request was not decided.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum LimiterError {
+    #[error("{0}")]
+    InvalidRequest(String),
+    #[error("no rate limit configuration loaded")]
+    NoConfig,
+    #[error(transparent)]
+    Store(#[from] crate::store::StoreError),
+}

@@ -1,0 +1,260 @@
+//! The compiled rule tree and descriptor matching.
+//!
+//! The config loader builds a [`Limits`] once per load; requests only read it. Matching walks one
+//! tree level per request entry with hash look-ups (exact value, then the wildcards of that key in
+//! file order, then the key-only child), so its cost grows with the descriptor's depth, not with
+//! the number of rules.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use super::unit::Unit;
+
+/// One window of a rule: at most `limit` hits in any interval of `length_ms`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Window {
+    pub limit: u32,
+    pub length_ms: u64,
+    /// The unit reported in `current_limit`: the configured unit, or the nearest one for an
+    /// arbitrary window.
+    pub unit: Unit,
+    /// The window's `name`, reported in `current_limit` and matched by `replaces`.
+    pub name: Option<Arc<str>>,
+}
+
+impl Window {
+    /// A window of exactly one unit, as the reference format writes it.
+    pub fn per_unit(limit: u32, unit: Unit, name: Option<Arc<str>>) -> Window {
+        Window {
+            limit,
+            length_ms: unit.millis(),
+            unit,
+            name,
+        }
+    }
+}
+
+/// What a matched rule asks for.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Limit {
+    /// Every window must have room; windows share one log, trimmed by the longest.
+    Windows {
+        windows: Vec<Window>,
+        /// After going over, reject everything on this descriptor for this long.
+        ban_ms: Option<u64>,
+    },
+    /// Matched, never limited; answered without touching the store.
+    Unlimited,
+}
+
+/// A configured rule: where it sits and how it behaves.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Rule {
+    /// Stat-style path, e.g. `messaging.message_type_marketing.to_number`.
+    pub path: String,
+    pub limit: Limit,
+    /// Names of rules this one removes from a request's decision when both match.
+    pub replaces: Vec<Arc<str>>,
+    pub shadow_mode: bool,
+    pub quota_mode: bool,
+    pub detailed_metric: bool,
+    /// Free-form `metadata`, returned in `dynamic_metadata` when that is switched on.
+    pub metadata: Option<serde_json::Value>,
+    /// Entry key whose value decides the store's hash tag (co-locates a request's descriptors).
+    pub tag_by: Option<String>,
+    /// File and line the rule came from, for introspection and errors.
+    pub source: Arc<str>,
+}
+
+impl Rule {
+    /// Whether `name` names this rule (any of its windows).
+    pub fn is_named(&self, name: &str) -> bool {
+        match &self.limit {
+            Limit::Windows { windows, .. } => {
+                windows.iter().any(|w| w.name.as_deref() == Some(name))
+            }
+            Limit::Unlimited => false,
+        }
+    }
+}
+
+/// A value pattern with `*` wildcards anywhere (`foo*`, `*bar`, `a*b*c`).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Pattern {
+    text: String,
+}
+
+impl Pattern {
+    pub fn new(text: impl Into<String>) -> Pattern {
+        Pattern { text: text.into() }
+    }
+
+    pub fn as_str(&self) -> &str {
+        &self.text
+    }
+
+    /// `*` matches zero or more characters. Greedy-left matching of the literal pieces is exact
+    /// for a pattern made only of literals and `*`.
+    pub fn matches(&self, value: &str) -> bool {
+        let mut pieces = self.text.split('*');
+        let first = pieces.next().unwrap_or_default();
+        let Some(mut rest) = value.strip_prefix(first) else {
+            return false;
+        };
+        let mut pieces: Vec<&str> = pieces.collect();
+        let Some(last) = pieces.pop() else {
+            // No `*` at all: the whole value had to equal the text.
+            return rest.is_empty();
+        };
+        for piece in pieces {
+            match rest.find(piece) {
+                Some(at) => rest = &rest[at + piece.len()..],
+                None => return false,
+            }
+        }
+        rest.len() >= last.len() && rest.ends_with(last)
+    }
+}
+
+/// One node of the tree: the rule that applies when the request's last entry lands here, and the
+/// children for the next entry.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Node {
+    pub rule: Option<Arc<Rule>>,
+    pub children: HashMap<String, KeyChildren>,
+}
+
+/// The children of a node that share one entry key.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct KeyChildren {
+    pub exact: HashMap<String, Node>,
+    /// In file order; the first match wins.
+    pub wildcards: Vec<WildcardChild>,
+    pub any_value: Option<Box<Node>>,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct WildcardChild {
+    pub pattern: Pattern,
+    /// All values matching the pattern share one log (`share_threshold`).
+    pub shared: bool,
+    pub node: Node,
+}
+
+/// All loaded rules, by domain.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Limits {
+    pub domains: HashMap<String, Node>,
+}
+
+/// How one level of a matched descriptor enters the log's identity.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Segment<'a> {
+    /// Counted per concrete value (exact, key-only and non-shared wildcard matches).
+    Value { key: &'a str, value: &'a str },
+    /// Counted once for every value that matches the pattern (`share_threshold`).
+    Shared { key: &'a str, pattern: &'a str },
+}
+
+/// The rule a descriptor matched and the segments that identify its log.
+#[derive(Debug, PartialEq, Eq)]
+pub struct Match<'a> {
+    pub rule: &'a Arc<Rule>,
+    pub segments: Vec<Segment<'a>>,
+}
+
+impl Limits {
+    pub fn domain(&self, domain: &str) -> Option<&Node> {
+        self.domains.get(domain)
+    }
+
+    /// Every rule with the domain it belongs to, for introspection.
+    pub fn rules(&self) -> Vec<(&str, &Arc<Rule>)> {
+        fn walk<'a>(domain: &'a str, node: &'a Node, out: &mut Vec<(&'a str, &'a Arc<Rule>)>) {
+            if let Some(rule) = &node.rule {
+                out.push((domain, rule));
+            }
+            for children in node.children.values() {
+                children.exact.values().for_each(|n| walk(domain, n, out));
+                children
+                    .wildcards
+                    .iter()
+                    .for_each(|w| walk(domain, &w.node, out));
+                if let Some(n) = &children.any_value {
+                    walk(domain, n, out);
+                }
+            }
+        }
+        let mut out = Vec::new();
+        for (domain, root) in &self.domains {
+            walk(domain, root, &mut out);
+        }
+        out.sort_by(|a, b| (a.0, &a.1.path).cmp(&(b.0, &b.1.path)));
+        out
+    }
+}
+
+impl Node {
+    /// Finds the rule for a descriptor: one level per entry, no backtracking, and a rule only
+    /// at the node the last entry reaches.
+    pub fn find<'a>(&'a self, entries: &'a [(String, String)]) -> Option<Match<'a>> {
+        let mut node = self;
+        let mut segments = Vec::with_capacity(entries.len());
+        for (key, value) in entries {
+            let children = node.children.get(key.as_str())?;
+            if let Some(next) = children.exact.get(value.as_str()) {
+                segments.push(Segment::Value { key, value });
+                node = next;
+            } else if let Some(w) = children.wildcards.iter().find(|w| w.pattern.matches(value)) {
+                segments.push(if w.shared {
+                    Segment::Shared {
+                        key,
+                        pattern: w.pattern.as_str(),
+                    }
+                } else {
+                    Segment::Value { key, value }
+                });
+                node = &w.node;
+            } else {
+                node = children.any_value.as_deref()?;
+                segments.push(Segment::Value { key, value });
+            }
+        }
+        node.rule.as_ref().map(|rule| Match { rule, segments })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn wildcard_patterns() {
+        let cases = [
+            ("foo*", "foo", true),
+            ("foo*", "foo1", true),
+            ("foo*", "fo", false),
+            ("*bar", "xbar", true),
+            ("*bar", "barx", false),
+            ("bar*b", "barab", true),
+            ("bar*b", "barb", true),
+            ("bar*b", "bara", false),
+            ("bar*b", "xbarb", false),
+            ("foo*bar*baz", "foobarbaz", true),
+            ("foo*bar*baz", "foo123baz", false),
+            ("foo*bar*baz", "fooXbarYbaz", true),
+            ("a*a", "a", false),
+            ("a*a", "aa", true),
+            ("*", "", true),
+            ("exact", "exact", true),
+            ("exact", "exactly", false),
+        ];
+        for (pattern, value, expected) in cases {
+            assert_eq!(
+                Pattern::new(pattern).matches(value),
+                expected,
+                "{pattern} ~ {value}"
+            );
+        }
+    }
+}

@@ -1,0 +1,421 @@
+//! The embedded store: the same sliding-window-log semantics as Redis, in process.
+//!
+//! Logs live in a fixed number of shards, each behind its own mutex, so unrelated descriptors do
+//! not contend. A batch locks the shards it touches in index order (no deadlock between batches)
+//! and holds them for the whole decision, which makes a batch atomic exactly as a Lua call is in
+//! Redis. No lock is held across an `.await`: `check` does all its work before returning.
+//!
+//! A log keeps one entry per admitted request (time, running total of hits) instead of one per
+//! hit, so a request with many hits costs one entry, and counting any window is a binary search.
+
+use std::collections::hash_map::RandomState;
+use std::collections::{HashMap, VecDeque};
+use std::hash::BuildHasher;
+use std::sync::{Mutex, MutexGuard};
+
+use super::{CheckItem, CheckOutcome, ItemOutcome, Store, StoreFuture, WindowOutcome, admits};
+use crate::limiter::rules::Window;
+
+const SHARDS: usize = 64;
+/// How often a shard drops idle logs, at the latest (checked on access, no timer task).
+const SWEEP_EVERY_MS: u64 = 10_000;
+
+pub struct MemoryStore {
+    shards: Box<[Mutex<Shard>]>,
+    hasher: RandomState,
+}
+
+#[derive(Default)]
+struct Shard {
+    slots: HashMap<String, Slot>,
+    next_sweep_ms: u64,
+}
+
+#[derive(Default)]
+struct Slot {
+    entries: VecDeque<Entry>,
+    /// Running total of hits up to and including the last entry trimmed away.
+    trimmed_total: u64,
+    ban_until_ms: u64,
+    /// After this the slot holds nothing that any window or ban still needs.
+    keep_until_ms: u64,
+}
+
+#[derive(Clone, Copy)]
+struct Entry {
+    at_ms: u64,
+    /// Running total of hits including this entry.
+    total: u64,
+}
+
+impl Default for MemoryStore {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl MemoryStore {
+    pub fn new() -> MemoryStore {
+        MemoryStore {
+            shards: (0..SHARDS).map(|_| Mutex::new(Shard::default())).collect(),
+            hasher: RandomState::new(),
+        }
+    }
+
+    /// Number of descriptors that currently hold state, for tests and introspection.
+    pub fn len(&self) -> usize {
+        self.shards.iter().map(|s| lock(s).slots.len()).sum()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    fn shard_of(&self, key: &str) -> usize {
+        // SHARDS is a power of two, so the mask keeps the index in range.
+        (self.hasher.hash_one(key) as usize) & (SHARDS - 1)
+    }
+
+    fn decide(&self, items: &[CheckItem<'_>], now_ms: u64) -> CheckOutcome {
+        let shard_of: Vec<usize> = items
+            .iter()
+            .map(|i| self.shard_of(i.key.as_str()))
+            .collect();
+        let mut order = shard_of.clone();
+        order.sort_unstable();
+        order.dedup();
+        let mut guards: Vec<(usize, MutexGuard<'_, Shard>)> = order
+            .into_iter()
+            .map(|i| (i, lock(&self.shards[i])))
+            .collect();
+        for (_, shard) in guards.iter_mut() {
+            shard.sweep(now_ms);
+        }
+
+        // Phase 1: does each item fit? Hits of earlier fitting items on the same key count as
+        // pending, so two descriptors of one request that share a log cannot overshoot together.
+        let mut fits = vec![false; items.len()];
+        let mut ban_remaining = vec![0u64; items.len()];
+        for (n, item) in items.iter().enumerate() {
+            let pending: u64 = items[..n]
+                .iter()
+                .zip(&fits)
+                .filter(|(other, fit)| **fit && other.key == item.key)
+                .map(|(other, _)| other.hits)
+                .sum();
+            let longest = longest_ms(&item.windows);
+            let shard = shard_mut(&mut guards, shard_of[n]);
+            let slot = shard.slots.get_mut(item.key.as_str());
+            if let Some(slot) = slot.as_ref().filter(|s| s.ban_until_ms > now_ms) {
+                ban_remaining[n] = slot.ban_until_ms - now_ms;
+                continue;
+            }
+            let room = |slot: Option<&Slot>| {
+                item.windows.iter().all(|w| {
+                    let count = slot.map_or(0, |s| s.count(w.length_ms, now_ms));
+                    count + pending + item.hits <= u64::from(w.limit)
+                })
+            };
+            let slot = slot.map(|s| {
+                s.trim(now_ms, longest);
+                &*s
+            });
+            fits[n] = room(slot);
+            if let Some(ban_ms) = item.ban_ms.filter(|_| !fits[n]) {
+                let slot = shard.slots.entry(item.key.as_str().to_owned()).or_default();
+                slot.ban_until_ms = now_ms.saturating_add(ban_ms);
+                slot.keep_until_ms = slot.keep_until_ms.max(slot.ban_until_ms);
+                ban_remaining[n] = ban_ms;
+            }
+        }
+
+        let admitted = admits(items.iter().zip(&fits).map(|(i, f)| (i.role, *f)));
+
+        // Phase 2: record.
+        if admitted {
+            for (n, item) in items.iter().enumerate() {
+                if fits[n] && item.hits > 0 {
+                    let longest = longest_ms(&item.windows);
+                    let slot = shard_mut(&mut guards, shard_of[n])
+                        .slots
+                        .entry(item.key.as_str().to_owned())
+                        .or_default();
+                    slot.record(now_ms, item.hits, longest);
+                }
+            }
+        }
+
+        // Phase 3: report each window's state after the decision.
+        let outcomes = items
+            .iter()
+            .enumerate()
+            .map(|(n, item)| {
+                if ban_remaining[n] > 0 {
+                    return ItemOutcome {
+                        ban_remaining_ms: ban_remaining[n],
+                        fits: false,
+                        windows: Vec::new(),
+                    };
+                }
+                let slot = shard_mut(&mut guards, shard_of[n])
+                    .slots
+                    .get(item.key.as_str());
+                let windows = item
+                    .windows
+                    .iter()
+                    .map(|w| match slot {
+                        Some(slot) => slot.outcome(w, now_ms, fits[n], item.hits),
+                        None => WindowOutcome {
+                            count: 0,
+                            reset_ms: if fits[n] || item.hits <= u64::from(w.limit) {
+                                0
+                            } else {
+                                w.length_ms
+                            },
+                        },
+                    })
+                    .collect();
+                ItemOutcome {
+                    ban_remaining_ms: 0,
+                    fits: fits[n],
+                    windows,
+                }
+            })
+            .collect();
+        CheckOutcome {
+            admitted,
+            items: outcomes,
+        }
+    }
+}
+
+impl Store for MemoryStore {
+    fn check<'a>(&'a self, items: &'a [CheckItem<'a>], now_ms: u64) -> StoreFuture<'a> {
+        let outcome = self.decide(items, now_ms);
+        Box::pin(async move { Ok(outcome) })
+    }
+
+    fn name(&self) -> &'static str {
+        "memory"
+    }
+}
+
+/// The locked shard with index `index`. Every item's shard was locked (and `guards` sorted by
+/// index) before this is called, so the binary search always lands on it.
+fn shard_mut<'g>(guards: &'g mut [(usize, MutexGuard<'_, Shard>)], index: usize) -> &'g mut Shard {
+    let at = guards.partition_point(|(i, _)| *i < index);
+    &mut guards[at].1
+}
+
+fn lock(shard: &Mutex<Shard>) -> MutexGuard<'_, Shard> {
+    // A panic while holding the lock cannot leave a slot half-written in a way that breaks the
+    // invariants we rely on (entries stay sorted, totals only grow), so keep serving.
+    shard
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+fn longest_ms(windows: &[Window]) -> u64 {
+    windows.iter().map(|w| w.length_ms).max().unwrap_or(0)
+}
+
+impl Shard {
+    fn sweep(&mut self, now_ms: u64) {
+        if now_ms >= self.next_sweep_ms {
+            self.slots.retain(|_, slot| slot.keep_until_ms > now_ms);
+            self.next_sweep_ms = now_ms.saturating_add(SWEEP_EVERY_MS);
+        }
+    }
+}
+
+impl Slot {
+    /// Index of the first entry inside a window of `length_ms` ending at `now_ms`. An entry
+    /// exactly `length_ms` old is outside.
+    fn first_inside(&self, length_ms: u64, now_ms: u64) -> usize {
+        match now_ms.checked_sub(length_ms) {
+            Some(edge) => self.entries.partition_point(|e| e.at_ms <= edge),
+            None => 0,
+        }
+    }
+
+    fn total_before(&self, index: usize) -> u64 {
+        match index.checked_sub(1) {
+            Some(i) => self.entries[i].total,
+            None => self.trimmed_total,
+        }
+    }
+
+    fn last_total(&self) -> u64 {
+        self.entries.back().map_or(self.trimmed_total, |e| e.total)
+    }
+
+    fn count(&self, length_ms: u64, now_ms: u64) -> u64 {
+        self.last_total() - self.total_before(self.first_inside(length_ms, now_ms))
+    }
+
+    fn trim(&mut self, now_ms: u64, longest_ms: u64) {
+        let outside = self.first_inside(longest_ms, now_ms);
+        if outside > 0 {
+            self.trimmed_total = self.entries[outside - 1].total;
+            self.entries.drain(..outside);
+        }
+    }
+
+    fn record(&mut self, now_ms: u64, hits: u64, longest_ms: u64) {
+        // Logs stay sorted by time. If the clock stepped back, the entry is stamped with the
+        // newest time already in the log: it then stays counted a little longer, which can
+        // only make the limiter stricter, never let more through.
+        let at_ms = self.entries.back().map_or(now_ms, |e| e.at_ms.max(now_ms));
+        let total = self.last_total() + hits;
+        self.entries.push_back(Entry { at_ms, total });
+        self.keep_until_ms = self.keep_until_ms.max(at_ms.saturating_add(longest_ms));
+    }
+
+    fn outcome(&self, window: &Window, now_ms: u64, fits: bool, hits: u64) -> WindowOutcome {
+        let first = self.first_inside(window.length_ms, now_ms);
+        let before = self.total_before(first);
+        let count = self.last_total() - before;
+        let age_out = |index: usize| self.entries[index].at_ms + window.length_ms - now_ms;
+        let limit = u64::from(window.limit);
+        let reset_ms = if fits {
+            if first < self.entries.len() {
+                age_out(first)
+            } else {
+                0
+            }
+        } else if count + hits <= limit {
+            0
+        } else if hits > limit {
+            window.length_ms
+        } else {
+            // The request fits once `need` hits have aged out of this window.
+            let need = count + hits - limit;
+            let at = self.entries.partition_point(|e| e.total < before + need);
+            if at < self.entries.len() {
+                age_out(at)
+            } else {
+                window.length_ms
+            }
+        };
+        WindowOutcome { count, reset_ms }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::borrow::Cow;
+
+    use super::*;
+    use crate::limiter::key::{self, Variant};
+    use crate::limiter::rules::Segment;
+    use crate::limiter::unit::Unit;
+    use crate::store::Role;
+
+    fn item(value: &str, windows: Vec<Window>, hits: u64) -> CheckItem<'static> {
+        CheckItem {
+            key: key::build(
+                "d",
+                &[Segment::Value { key: "k", value }],
+                Variant::Configured,
+                None,
+            ),
+            windows: Cow::Owned(windows),
+            ban_ms: None,
+            hits,
+            role: Role::Enforce,
+        }
+    }
+
+    fn window(limit: u32, length_ms: u64) -> Window {
+        Window {
+            limit,
+            length_ms,
+            unit: Unit::nearest(length_ms),
+            name: None,
+        }
+    }
+
+    #[test]
+    fn an_entry_exactly_one_window_old_is_out() {
+        let store = MemoryStore::new();
+        let items = [item("a", vec![window(1, 1000)], 1)];
+        assert!(store.decide(&items, 5_000).admitted);
+        assert!(!store.decide(&items, 5_999).admitted);
+        let outcome = store.decide(&items, 6_000);
+        assert!(
+            outcome.admitted,
+            "an entry exactly 1000 ms old no longer counts"
+        );
+    }
+
+    #[test]
+    fn reset_is_the_exact_retry_after() {
+        let store = MemoryStore::new();
+        let w = vec![window(3, 10_000)];
+        for t in [1_000, 2_000, 3_000] {
+            assert!(store.decide(&[item("a", w.clone(), 1)], t).admitted);
+        }
+        // Two hits at t=4000 need the two oldest entries (1000, 2000) gone: at 12000.
+        let outcome = store.decide(&[item("a", w.clone(), 2)], 4_000);
+        assert!(!outcome.admitted);
+        assert_eq!(
+            outcome.items[0].windows[0],
+            WindowOutcome {
+                count: 3,
+                reset_ms: 8_000
+            }
+        );
+        assert!(!store.decide(&[item("a", w.clone(), 2)], 11_999).admitted);
+        assert!(store.decide(&[item("a", w.clone(), 2)], 12_000).admitted);
+    }
+
+    #[test]
+    fn rejected_batches_record_nothing_anywhere() {
+        let store = MemoryStore::new();
+        let ok = item("ok", vec![window(10, 1000)], 1);
+        let full = item("full", vec![window(0, 1000)], 1);
+        let outcome = store.decide(&[ok.clone(), full], 0);
+        assert!(!outcome.admitted);
+        assert!(outcome.items[0].fits);
+        assert_eq!(outcome.items[0].windows[0].count, 0);
+        assert!(store.is_empty());
+    }
+
+    #[test]
+    fn duplicate_keys_in_one_batch_share_the_limit() {
+        let store = MemoryStore::new();
+        let a = item("a", vec![window(3, 1000)], 2);
+        let outcome = store.decide(&[a.clone(), a.clone()], 0);
+        assert!(!outcome.admitted, "2 + 2 hits cannot both fit a limit of 3");
+        assert!(store.is_empty());
+    }
+
+    #[test]
+    fn idle_logs_are_dropped() {
+        let store = MemoryStore::new();
+        assert!(
+            store
+                .decide(&[item("a", vec![window(5, 1000)], 1)], 0)
+                .admitted
+        );
+        assert_eq!(store.len(), 1);
+        // Touch every shard after the window and the sweep interval have passed.
+        for n in 0..2000 {
+            store.decide(&[item(&format!("x{n}"), vec![window(5, 1000)], 0)], 60_000);
+        }
+        assert_eq!(
+            store.len(),
+            0,
+            "check-only requests leave no state, the old log is swept"
+        );
+    }
+
+    #[test]
+    fn clock_stepping_back_never_admits_more() {
+        let store = MemoryStore::new();
+        let w = vec![window(2, 1000)];
+        assert!(store.decide(&[item("a", w.clone(), 1)], 10_000).admitted);
+        assert!(store.decide(&[item("a", w.clone(), 1)], 9_500).admitted);
+        assert!(!store.decide(&[item("a", w.clone(), 1)], 10_900).admitted);
+    }
+}

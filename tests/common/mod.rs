@@ -1,0 +1,192 @@
+//! Test harness: starts the real slidegate server on `127.0.0.1:0` and talks to it with a tonic
+//! client, as Envoy would.
+#![allow(dead_code)] // each test binary uses a different part of the harness
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use slidegate::config;
+use slidegate::limiter::{Limiter, LimiterOptions, ManualClock};
+use slidegate::proto::envoy::extensions::common::ratelimit::v3::rate_limit_descriptor::{
+    Entry, RateLimitOverride,
+};
+use slidegate::proto::rate_limit_response::{Code, DescriptorStatus};
+use slidegate::proto::rate_limit_service_client::RateLimitServiceClient;
+use slidegate::proto::{RateLimitDescriptor, RateLimitRequest, RateLimitResponse};
+use slidegate::store::Store;
+use tokio::net::TcpListener;
+use tokio::sync::oneshot;
+use tonic::transport::Channel;
+
+pub mod redis;
+
+/// A running server and a client connected to it.
+pub struct TestServer {
+    pub grpc_addr: std::net::SocketAddr,
+    pub http_addr: std::net::SocketAddr,
+    pub clock: ManualClock,
+    pub client: RateLimitServiceClient<Channel>,
+    pub limiter: Arc<Limiter>,
+    stop: Option<oneshot::Sender<()>>,
+    join: Option<tokio::task::JoinHandle<()>>,
+}
+
+/// A fixed start time well after the epoch (2026-01-01T00:00:00Z), so windows never reach
+/// before zero.
+pub const T0: u64 = 1_767_225_600_000;
+
+impl TestServer {
+    pub async fn start(
+        config_yaml: &str,
+        store: Arc<dyn Store>,
+        options: LimiterOptions,
+    ) -> TestServer {
+        let limits = config::compile_sources(&[("test.yaml".to_string(), config_yaml.to_string())])
+            .unwrap_or_else(|e| panic!("test config rejected:\n{e}"));
+        let clock = ManualClock::new(T0);
+        let limiter = Arc::new(Limiter::new(
+            limits,
+            store,
+            Arc::new(clock.clone()),
+            options,
+        ));
+        let grpc = TcpListener::bind("127.0.0.1:0").await.expect("bind gRPC");
+        let http = TcpListener::bind("127.0.0.1:0").await.expect("bind HTTP");
+        let grpc_addr = grpc.local_addr().expect("gRPC address");
+        let http_addr = http.local_addr().expect("HTTP address");
+        let (stop, stopped) = oneshot::channel::<()>();
+        let server_limiter = limiter.clone();
+        let join = tokio::spawn(async move {
+            slidegate::server::run(grpc, http, server_limiter, async {
+                let _ = stopped.await;
+            })
+            .await
+            .expect("server failed");
+        });
+        let client = connect(grpc_addr).await;
+        TestServer {
+            grpc_addr,
+            http_addr,
+            clock,
+            client,
+            limiter,
+            stop: Some(stop),
+            join: Some(join),
+        }
+    }
+
+    pub async fn call(&self, request: RateLimitRequest) -> RateLimitResponse {
+        self.client
+            .clone()
+            .should_rate_limit(request)
+            .await
+            .unwrap_or_else(|status| panic!("call failed: {status:?}"))
+            .into_inner()
+    }
+
+    pub async fn call_err(&self, request: RateLimitRequest) -> tonic::Status {
+        match self.client.clone().should_rate_limit(request).await {
+            Ok(r) => panic!("expected an error, got {:?}", r.into_inner()),
+            Err(status) => status,
+        }
+    }
+
+    /// Stops the server and waits for it, so a panic inside it fails the test.
+    pub async fn stop(mut self) {
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
+        }
+        if let Some(join) = self.join.take() {
+            join.await.expect("server task panicked");
+        }
+    }
+}
+
+/// Connects, retrying until the server accepts (bounded by a deadline, never a blind sleep).
+pub async fn connect(addr: std::net::SocketAddr) -> RateLimitServiceClient<Channel> {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        match RateLimitServiceClient::connect(format!("http://{addr}")).await {
+            Ok(client) => return client,
+            Err(e) if tokio::time::Instant::now() > deadline => {
+                panic!("server at {addr} never accepted: {e}")
+            }
+            Err(_) => tokio::time::sleep(Duration::from_millis(20)).await,
+        }
+    }
+}
+
+/// A unique domain name per test, so tests sharing one Redis never see each other's keys.
+pub fn unique_domain(name: &str) -> String {
+    static NEXT: AtomicU64 = AtomicU64::new(0);
+    format!(
+        "{name}-{}-{}",
+        std::process::id(),
+        NEXT.fetch_add(1, Ordering::SeqCst)
+    )
+}
+
+/// A descriptor from `(key, value)` pairs.
+pub fn descriptor(entries: &[(&str, &str)]) -> RateLimitDescriptor {
+    RateLimitDescriptor {
+        entries: entries
+            .iter()
+            .map(|(k, v)| Entry {
+                key: k.to_string(),
+                value: v.to_string(),
+            })
+            .collect(),
+        limit: None,
+        hits_addend: None,
+    }
+}
+
+pub fn with_override(
+    mut d: RateLimitDescriptor,
+    requests_per_unit: u32,
+    unit: i32,
+) -> RateLimitDescriptor {
+    d.limit = Some(RateLimitOverride {
+        requests_per_unit,
+        unit,
+    });
+    d
+}
+
+pub fn with_hits(mut d: RateLimitDescriptor, hits: u64) -> RateLimitDescriptor {
+    d.hits_addend = Some(hits);
+    d
+}
+
+pub fn request(domain: &str, descriptors: Vec<RateLimitDescriptor>) -> RateLimitRequest {
+    RateLimitRequest {
+        domain: domain.to_string(),
+        descriptors,
+        hits_addend: 0,
+    }
+}
+
+pub fn ok() -> i32 {
+    Code::Ok as i32
+}
+
+pub fn over() -> i32 {
+    Code::OverLimit as i32
+}
+
+/// `duration_until_reset` in milliseconds.
+pub fn reset_ms(status: &DescriptorStatus) -> Option<u64> {
+    status
+        .duration_until_reset
+        .as_ref()
+        .map(|d| d.seconds as u64 * 1000 + d.nanos as u64 / 1_000_000)
+}
+
+/// `(requests_per_unit, unit, name)` of `current_limit`.
+pub fn limit_of(status: &DescriptorStatus) -> Option<(u32, i32, String)> {
+    status
+        .current_limit
+        .as_ref()
+        .map(|l| (l.requests_per_unit, l.unit, l.name.clone()))
+}
