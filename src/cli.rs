@@ -8,8 +8,11 @@ use std::sync::Arc;
 use clap::{Parser, Subcommand, ValueEnum};
 
 use crate::config;
-use crate::limiter::{Limiter, LimiterOptions, SystemClock};
-use crate::store::{MemoryStore, Store};
+use std::time::Duration;
+
+use crate::limiter::{FailurePolicy, Limiter, LimiterOptions, SystemClock};
+use crate::store::redis::redact;
+use crate::store::{ClockSource, MemoryStore, RedisOptions, RedisStore, Store};
 
 #[derive(Debug, Parser)]
 #[command(
@@ -47,6 +50,22 @@ pub struct ServeArgs {
     /// Redis URL; without it slidegate runs on its embedded in-process store.
     #[arg(long = "redis", env = "SLIDEGATE_REDIS_URL")]
     pub redis_url: Option<String>,
+    /// Redis connections in the pool.
+    #[arg(long, env = "SLIDEGATE_REDIS_POOL_SIZE", default_value_t = 4)]
+    pub redis_pool_size: usize,
+    /// Deadline for one Redis decision (all slots): well under Envoy's 20 ms filter timeout.
+    #[arg(long, env = "SLIDEGATE_REDIS_TIMEOUT", default_value = "15ms", value_parser = duration_arg)]
+    pub redis_timeout: Duration,
+    /// Deadline for connecting to Redis at start.
+    #[arg(long, env = "SLIDEGATE_REDIS_CONNECT_TIMEOUT", default_value = "2s", value_parser = duration_arg)]
+    pub redis_connect_timeout: Duration,
+    /// Where "now" comes from with Redis: this server's clock, or Redis TIME inside the script.
+    #[arg(long, env = "SLIDEGATE_CLOCK", value_enum, default_value_t = ClockArg::Server)]
+    pub clock: ClockArg,
+    /// What to answer when the store fails: a gRPC UNAVAILABLE error (Envoy's failure_mode_deny
+    /// decides), OK (allow) or OVER_LIMIT (deny).
+    #[arg(long, env = "SLIDEGATE_STORE_FAILURE", value_enum, default_value_t = FailureArg::Error)]
+    pub store_failure: FailureArg,
     /// Answer OK overall for every request (statuses still say what would happen).
     #[arg(long, env = "SLIDEGATE_SHADOW_MODE")]
     pub shadow_mode: bool,
@@ -62,6 +81,23 @@ pub struct ServeArgs {
     /// Log filter (tracing's EnvFilter syntax); RUST_LOG is used when this is absent.
     #[arg(long, env = "SLIDEGATE_LOG_LEVEL")]
     pub log_level: Option<String>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum ClockArg {
+    Server,
+    Redis,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum FailureArg {
+    Error,
+    Allow,
+    Deny,
+}
+
+fn duration_arg(text: &str) -> Result<Duration, String> {
+    config::duration::parse_ms(text).map(Duration::from_millis)
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -150,13 +186,30 @@ async fn serve_async(args: ServeArgs) -> Result<(), String> {
     );
     let store: Arc<dyn Store> = match &args.redis_url {
         None => Arc::new(MemoryStore::new()),
-        Some(_) => {
-            return Err(
-                "--redis is not supported yet: run without it to use the embedded store".into(),
-            );
+        Some(url) => {
+            let options = RedisOptions {
+                url: url.clone(),
+                pool_size: args.redis_pool_size,
+                timeout: args.redis_timeout,
+                connect_timeout: args.redis_connect_timeout,
+                clock: match args.clock {
+                    ClockArg::Server => ClockSource::Server,
+                    ClockArg::Redis => ClockSource::Redis,
+                },
+            };
+            let store = RedisStore::connect(options)
+                .await
+                .map_err(|e| format!("cannot use Redis at {}: {e}", redact(url)))?;
+            tracing::info!(redis = %redact(url), store = store.name(), "connected to Redis");
+            Arc::new(store)
         }
     };
     let options = LimiterOptions {
+        failure_policy: match args.store_failure {
+            FailureArg::Error => FailurePolicy::Error,
+            FailureArg::Allow => FailurePolicy::Allow,
+            FailureArg::Deny => FailurePolicy::Deny,
+        },
         global_shadow_mode: args.shadow_mode,
         response_headers: args.response_headers,
         dynamic_metadata: args.dynamic_metadata,

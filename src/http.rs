@@ -32,7 +32,7 @@ pub fn router(state: HttpState) -> Router {
 }
 
 async fn readyz(State(state): State<HttpState>) -> Response {
-    if state.ready.load(Ordering::SeqCst) {
+    if state.ready.load(Ordering::SeqCst) && state.limiter.store_ready().await {
         (StatusCode::OK, "ready\n").into_response()
     } else {
         (StatusCode::SERVICE_UNAVAILABLE, "not ready\n").into_response()

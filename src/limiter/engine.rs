@@ -12,11 +12,26 @@ use super::rules::{Limit, Limits, Match, Rule, Segment, Window};
 use super::{
     Clock, Code, Decision, Descriptor, LimiterError, ReportedLimit, Request, Status, Unit,
 };
-use crate::store::{CheckItem, ItemOutcome, Role, Store};
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use crate::store::{CheckItem, CheckOutcome, ItemOutcome, Role, Store};
+
+/// What to answer when the store fails (times out or errors).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum FailurePolicy {
+    /// A gRPC `UNAVAILABLE` error: Envoy's `failure_mode_deny` decides.
+    #[default]
+    Error,
+    /// Answer OK (fail open).
+    Allow,
+    /// Answer OVER_LIMIT for every limited descriptor (fail closed).
+    Deny,
+}
 
 /// Switches that change answers for every domain.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct LimiterOptions {
+    pub failure_policy: FailurePolicy,
     /// Answer OK overall whatever the statuses say (statuses are unchanged).
     pub global_shadow_mode: bool,
     /// Add `RateLimit-Policy`, `RateLimit` and, when over, `Retry-After` to the response.
@@ -31,7 +46,13 @@ pub struct Limiter {
     store: Arc<dyn Store>,
     clock: Arc<dyn Clock>,
     options: LimiterOptions,
+    store_errors: AtomicU64,
+    /// When a store error was last logged: failures are logged once per burst, not per call.
+    last_error_log_ms: AtomicU64,
 }
+
+/// Store errors are logged at most this often.
+const ERROR_LOG_EVERY_MS: u64 = 10_000;
 
 /// The rule a request descriptor found.
 enum Found<'a> {
@@ -66,6 +87,8 @@ impl Limiter {
             store,
             clock,
             options,
+            store_errors: AtomicU64::new(0),
+            last_error_log_ms: AtomicU64::new(0),
         }
     }
 
@@ -80,6 +103,30 @@ impl Limiter {
 
     pub fn store_name(&self) -> &'static str {
         self.store.name()
+    }
+
+    /// Whether the store answers now.
+    pub async fn store_ready(&self) -> bool {
+        self.store.ready().await
+    }
+
+    /// Store failures since start, whatever the failure policy answered.
+    pub fn store_errors(&self) -> u64 {
+        self.store_errors.load(Ordering::Relaxed)
+    }
+
+    fn note_store_error(&self, error: &crate::store::StoreError, now_ms: u64) {
+        let total = self.store_errors.fetch_add(1, Ordering::Relaxed) + 1;
+        let last = self.last_error_log_ms.load(Ordering::Relaxed);
+        let due = last == 0 || now_ms.saturating_sub(last) >= ERROR_LOG_EVERY_MS;
+        if due
+            && self
+                .last_error_log_ms
+                .compare_exchange(last, now_ms.max(1), Ordering::Relaxed, Ordering::Relaxed)
+                .is_ok()
+        {
+            tracing::error!(%error, store = self.store.name(), total_errors = total, policy = ?self.options.failure_policy, "store call failed");
+        }
     }
 
     pub async fn should_rate_limit(&self, request: &Request) -> Result<Decision, LimiterError> {
@@ -183,7 +230,27 @@ impl Limiter {
         let outcome = if items.is_empty() {
             Default::default()
         } else {
-            self.store.check(&items, now_ms).await?
+            match self.store.check(&items, now_ms).await {
+                Ok(outcome) => outcome,
+                Err(e) => {
+                    self.note_store_error(&e, now_ms);
+                    let admitted = match self.options.failure_policy {
+                        FailurePolicy::Error => return Err(e.into()),
+                        FailurePolicy::Allow => true,
+                        FailurePolicy::Deny => false,
+                    };
+                    CheckOutcome {
+                        admitted,
+                        items: items
+                            .iter()
+                            .map(|_| ItemOutcome {
+                                fits: admitted,
+                                ..ItemOutcome::default()
+                            })
+                            .collect(),
+                    }
+                }
+            }
         };
         let overall = if items.is_empty() || outcome.admitted {
             Code::Ok
@@ -296,11 +363,12 @@ fn status_of(windows: &[Window], outcome: &ItemOutcome, shadow: bool) -> Status 
             None => Status::unlimited_by_config(),
         }
     } else {
-        // Binding window: the one that makes the caller wait longest.
+        // Binding window: the one that makes the caller wait longest. (No window outcomes:
+        // the store failed and the policy denies; report the rule's first window.)
         let binding = pairs.rev().max_by_key(|(_, o)| o.reset_ms);
         Status {
             code: over_code,
-            current_limit: binding.map(|(w, _)| report(w)),
+            current_limit: binding.map(|(w, _)| w).or(windows.first()).map(report),
             limit_remaining: 0,
             duration_until_reset_ms: binding.map(|(_, o)| o.reset_ms),
         }

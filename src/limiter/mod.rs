@@ -10,7 +10,7 @@ pub mod rules;
 pub mod unit;
 
 pub use clock::{Clock, ManualClock, SystemClock};
-pub use engine::{Limiter, LimiterOptions};
+pub use engine::{FailurePolicy, Limiter, LimiterOptions};
 pub use unit::Unit;
 
 /// A `ShouldRateLimit` request in domain terms.

@@ -13,8 +13,10 @@ use crate::limiter::key::StoreKey;
 use crate::limiter::rules::Window;
 
 mod memory;
+pub mod redis;
 
 pub use memory::MemoryStore;
+pub use redis::{ClockSource, RedisOptions, RedisStore};
 
 /// How a descriptor takes part in the admission decision.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -80,6 +82,7 @@ pub enum StoreError {
 
 pub type StoreFuture<'a> =
     Pin<Box<dyn Future<Output = Result<CheckOutcome, StoreError>> + Send + 'a>>;
+pub type ReadyFuture<'a> = Pin<Box<dyn Future<Output = bool> + Send + 'a>>;
 
 /// The one interface the limiter needs from a store.
 pub trait Store: Send + Sync + 'static {
@@ -91,6 +94,11 @@ pub trait Store: Send + Sync + 'static {
 
     /// A short name for logs and metrics.
     fn name(&self) -> &'static str;
+
+    /// Whether the store answers now (for readiness); the embedded store always does.
+    fn ready(&self) -> ReadyFuture<'_> {
+        Box::pin(async { true })
+    }
 }
 
 /// The admission rule both stores share: every enforcing item fits, and if there are quota

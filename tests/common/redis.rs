@@ -1,1 +1,220 @@
-//! Real `redis-server` processes for tests (filled in by the Redis backend work).
+//! Real `redis-server` processes on free loopback ports: standalone and a 3-master cluster.
+//! A missing `redis-server` fails the test loudly. Every process also gets a watchdog that
+//! kills it when the test binary exits, so shared instances never outlive the run.
+
+use std::io::{Read, Write};
+use std::net::{TcpListener, TcpStream};
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::sync::OnceLock;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+pub struct RedisProcess {
+    pub port: u16,
+    child: Child,
+    dir: PathBuf,
+    extra: Vec<String>,
+}
+
+pub struct RedisCluster {
+    pub nodes: Vec<RedisProcess>,
+}
+
+fn scratch_dir(port: u16) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("slidegate-redis-{}-{port}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("create redis scratch dir");
+    dir
+}
+
+/// A port whose cluster bus port (+10000) is free too, both at or below 55535.
+pub fn free_port() -> u16 {
+    static NEXT: AtomicU64 = AtomicU64::new(0);
+    let seed = std::process::id() as u64 * 7919 + NEXT.fetch_add(1, Ordering::SeqCst) * 104_729;
+    for attempt in 0..2000u64 {
+        let port = 20_000 + ((seed + attempt * 7_877) % 25_000) as u16;
+        let a = TcpListener::bind(("127.0.0.1", port));
+        let b = TcpListener::bind(("127.0.0.1", port + 10_000));
+        if a.is_ok() && b.is_ok() {
+            return port;
+        }
+    }
+    panic!("no free port pair for redis-server");
+}
+
+fn spawn(port: u16, dir: &PathBuf, extra: &[String]) -> Child {
+    let child = Command::new("redis-server")
+        .args([
+            "--port",
+            &port.to_string(),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+        ])
+        .arg("--dir")
+        .arg(dir)
+        .args(extra)
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap_or_else(|e| {
+            panic!(
+                "cannot start redis-server ({e}): install Debian's redis-server (tests/run.sh does)"
+            )
+        });
+    // Watchdog: when this test binary is gone, the server goes too.
+    let script = format!(
+        "while kill -0 {parent} 2>/dev/null; do sleep 1; done; kill -9 {child} 2>/dev/null",
+        parent = std::process::id(),
+        child = child.id()
+    );
+    let _ = Command::new("sh")
+        .args(["-c", &script])
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn();
+    child
+}
+
+/// Sends one inline command and returns the raw reply.
+pub fn command(port: u16, line: &str) -> std::io::Result<String> {
+    let mut stream = TcpStream::connect(("127.0.0.1", port))?;
+    stream.set_read_timeout(Some(Duration::from_secs(2)))?;
+    stream.write_all(format!("{line}\r\n").as_bytes())?;
+    let mut buf = vec![0u8; 65536];
+    let n = stream.read(&mut buf)?;
+    Ok(String::from_utf8_lossy(&buf[..n]).into_owned())
+}
+
+/// Waits until `check` holds, or panics at the deadline.
+pub fn wait_until(what: &str, deadline: Duration, mut check: impl FnMut() -> bool) {
+    let end = Instant::now() + deadline;
+    while !check() {
+        assert!(Instant::now() < end, "timed out waiting for {what}");
+        std::thread::sleep(Duration::from_millis(25));
+    }
+}
+
+impl RedisProcess {
+    pub fn start(extra: &[&str]) -> RedisProcess {
+        let port = free_port();
+        let dir = scratch_dir(port);
+        let extra: Vec<String> = extra.iter().map(|s| s.to_string()).collect();
+        let child = spawn(port, &dir, &extra);
+        let process = RedisProcess {
+            port,
+            child,
+            dir,
+            extra,
+        };
+        process.wait_ready();
+        process
+    }
+
+    fn wait_ready(&self) {
+        let port = self.port;
+        wait_until(
+            &format!("redis-server on {port}"),
+            Duration::from_secs(10),
+            || command(port, "PING").is_ok_and(|r| r.starts_with("+PONG")),
+        );
+    }
+
+    pub fn url(&self) -> String {
+        format!("redis://127.0.0.1:{}", self.port)
+    }
+
+    pub fn stop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+
+    /// Starts the server again on the same port (after `stop`).
+    pub fn restart(&mut self) {
+        self.stop();
+        self.child = spawn(self.port, &self.dir, &self.extra);
+        self.wait_ready();
+    }
+
+    pub fn cmd(&self, line: &str) -> String {
+        command(self.port, line).unwrap_or_else(|e| panic!("redis {}: {line}: {e}", self.port))
+    }
+}
+
+impl Drop for RedisProcess {
+    fn drop(&mut self) {
+        self.stop();
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+impl RedisCluster {
+    pub fn start() -> RedisCluster {
+        let nodes: Vec<RedisProcess> = (0..3)
+            .map(|_| {
+                let port = free_port();
+                let conf = format!("nodes-{port}.conf");
+                RedisProcess::start(&[
+                    "--cluster-enabled",
+                    "yes",
+                    "--cluster-config-file",
+                    &conf,
+                    "--cluster-node-timeout",
+                    "5000",
+                ])
+            })
+            .collect();
+        let mut create = Command::new("redis-cli");
+        create.arg("--cluster").arg("create");
+        for node in &nodes {
+            create.arg(format!("127.0.0.1:{}", node.port));
+        }
+        let out = create
+            .args(["--cluster-replicas", "0", "--cluster-yes"])
+            .output()
+            .unwrap_or_else(|e| {
+                panic!(
+                    "cannot run redis-cli ({e}): install Debian's redis-server (tests/run.sh does)"
+                )
+            });
+        assert!(
+            out.status.success(),
+            "redis-cli --cluster create failed: {}",
+            String::from_utf8_lossy(&out.stdout)
+        );
+        for node in &nodes {
+            let port = node.port;
+            wait_until(
+                &format!("cluster state ok on {port}"),
+                Duration::from_secs(20),
+                || command(port, "CLUSTER INFO").is_ok_and(|r| r.contains("cluster_state:ok")),
+            );
+        }
+        RedisCluster { nodes }
+    }
+
+    pub fn url(&self) -> String {
+        let hosts: Vec<String> = self
+            .nodes
+            .iter()
+            .map(|n| format!("127.0.0.1:{}", n.port))
+            .collect();
+        format!("redis-cluster://{}", hosts.join(","))
+    }
+}
+
+/// One standalone server shared by the tests of a binary (tests use unique domains).
+pub fn shared_standalone() -> &'static RedisProcess {
+    static SHARED: OnceLock<RedisProcess> = OnceLock::new();
+    SHARED.get_or_init(|| RedisProcess::start(&[]))
+}
+
+/// One 3-master cluster shared by the tests of a binary.
+pub fn shared_cluster() -> &'static RedisCluster {
+    static SHARED: OnceLock<RedisCluster> = OnceLock::new();
+    SHARED.get_or_init(RedisCluster::start)
+}

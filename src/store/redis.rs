@@ -1,0 +1,448 @@
+//! The Redis store: one Lua script (`lua/slidegate.lua`) per hash slot decides a request's
+//! descriptors atomically. Works on standalone Redis and on Redis Cluster.
+//!
+//! * The script is loaded once and called by SHA; `NOSCRIPT` (restart, failover, `SCRIPT FLUSH`,
+//!   a node that never saw it) reloads it on every primary and retries.
+//! * A request whose descriptors sit in several slots sends one call per slot, concurrently, in
+//!   tentative mode; if the combined answer is a rejection, members recorded by the slots that
+//!   recorded are removed again. That can briefly make other requests see a fuller log (never an
+//!   emptier one), so it can under-admit for a moment, never over-admit.
+//! * Every call is bounded by a deadline: a slow or dead Redis becomes a fast error.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use fred::prelude::*;
+use fred::types::scripts::Script;
+use futures_util::future::join_all;
+
+use super::{
+    CheckItem, CheckOutcome, ItemOutcome, Store, StoreError, StoreFuture, WindowOutcome, admits,
+};
+use crate::store::Role;
+
+/// The script, embedded in the binary.
+pub const SCRIPT: &str = include_str!("../../lua/slidegate.lua");
+
+/// Where "now" comes from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ClockSource {
+    /// The server's clock, sent with each call (the default; replicas' clocks must agree).
+    Server,
+    /// Redis `TIME`, read inside the script: one clock per key for every replica.
+    Redis,
+}
+
+#[derive(Clone, Debug)]
+pub struct RedisOptions {
+    /// `redis://`, `rediss://` (TLS), `redis-cluster://h1:p1,h2:p2`, `rediss-cluster://…`,
+    /// user and password in the URL.
+    pub url: String,
+    pub pool_size: usize,
+    /// Deadline for one decision, all slots included.
+    pub timeout: Duration,
+    pub connect_timeout: Duration,
+    pub clock: ClockSource,
+}
+
+pub struct RedisStore {
+    pool: Pool,
+    script: Script,
+    cluster: bool,
+    timeout: Duration,
+    clock: ClockSource,
+    /// Makes members unique across replicas: a random id per process plus a call counter.
+    instance: String,
+    calls: AtomicU64,
+}
+
+/// The URL with any password replaced, safe for logs.
+pub fn redact(url: &str) -> String {
+    let Some((scheme, rest)) = url.split_once("://") else {
+        return url.to_string();
+    };
+    match rest.split_once('@') {
+        Some((userinfo, host)) => {
+            let user = userinfo.split_once(':').map_or(userinfo, |(u, _)| u);
+            format!("{scheme}://{user}:***@{host}")
+        }
+        None => url.to_string(),
+    }
+}
+
+/// Accepts the comma form `redis-cluster://h1:p1,h2:p2` and turns it into the client's
+/// `redis-cluster://h1:p1?node=h2:p2` form.
+fn client_url(url: &str) -> String {
+    let Some((scheme, rest)) = url.split_once("://") else {
+        return url.to_string();
+    };
+    if !scheme.ends_with("-cluster") {
+        return url.to_string();
+    }
+    let (authority, query) = match rest.split_once('?') {
+        Some((a, q)) => (a, Some(q)),
+        None => (rest, None),
+    };
+    let (userinfo, hosts) = match authority.rsplit_once('@') {
+        Some((u, h)) => (Some(u), h),
+        None => (None, authority),
+    };
+    let mut hosts = hosts.trim_end_matches('/').split(',');
+    let first = hosts.next().unwrap_or_default();
+    let mut out = format!("{scheme}://");
+    if let Some(u) = userinfo {
+        out.push_str(u);
+        out.push('@');
+    }
+    out.push_str(first);
+    let extra: Vec<String> = hosts
+        .filter(|h| !h.is_empty())
+        .map(|h| format!("node={h}"))
+        .collect();
+    let mut params: Vec<String> = query.into_iter().map(str::to_string).collect();
+    params.extend(extra);
+    if !params.is_empty() {
+        out.push('?');
+        out.push_str(&params.join("&"));
+    }
+    out
+}
+
+fn unavailable(e: &Error) -> StoreError {
+    // fred's messages carry the error kind and the server's reply text, never the URL.
+    StoreError::Unavailable(format!("{:?}: {}", e.kind(), e.details()))
+}
+
+impl RedisStore {
+    /// Connects and loads the script. Fails if the first connection fails.
+    pub async fn connect(options: RedisOptions) -> Result<RedisStore, StoreError> {
+        let url = client_url(&options.url);
+        let config = Config::from_url(&url).map_err(|e| {
+            StoreError::Unavailable(format!(
+                "invalid Redis URL {}: {}",
+                redact(&options.url),
+                e.details()
+            ))
+        })?;
+        let cluster = config.server.is_clustered();
+        let timeout = options.timeout;
+        let pool = Builder::from_config(config)
+            .with_connection_config(|c| {
+                c.connection_timeout = options.connect_timeout;
+                c.max_command_attempts = 2;
+            })
+            .with_performance_config(|p| p.default_command_timeout = timeout)
+            .set_policy(ReconnectPolicy::new_exponential(0, 50, 2_000, 2))
+            .build_pool(options.pool_size.max(1))
+            .map_err(|e| unavailable(&e))?;
+        tokio::time::timeout(options.connect_timeout, pool.init())
+            .await
+            .map_err(|_| StoreError::Timeout(options.connect_timeout.as_millis() as u64))?
+            .map_err(|e| unavailable(&e))?;
+        let script = Script::from_lua(SCRIPT);
+        script
+            .load(pool.next())
+            .await
+            .map_err(|e| unavailable(&e))?;
+        Ok(RedisStore {
+            pool,
+            script,
+            cluster,
+            timeout,
+            clock: options.clock,
+            instance: format!(
+                "{:016x}",
+                std::hash::BuildHasher::hash_one(
+                    &std::collections::hash_map::RandomState::new(),
+                    std::process::id()
+                )
+            ),
+            calls: AtomicU64::new(0),
+        })
+    }
+
+    /// Removes every log and ban key of a test domain is the caller's business; this only
+    /// exposes the client for tests and tools.
+    pub fn client(&self) -> &Client {
+        self.pool.next()
+    }
+
+    async fn call_group(
+        &self,
+        items: &[CheckItem<'_>],
+        group: &[usize],
+        now_ms: u64,
+        prefix: &str,
+        final_mode: bool,
+    ) -> Result<GroupReply, StoreError> {
+        let mut keys = Vec::with_capacity(group.len() * 2);
+        let mut args: Vec<String> = Vec::with_capacity(4 + group.len() * 8);
+        args.push(match self.clock {
+            ClockSource::Server => now_ms.to_string(),
+            ClockSource::Redis => String::new(),
+        });
+        args.push(prefix.to_string());
+        args.push(if final_mode { "1" } else { "0" }.to_string());
+        args.push(group.len().to_string());
+        for &i in group {
+            let item = &items[i];
+            keys.push(item.key.log());
+            keys.push(item.key.ban());
+            args.push(item.hits.to_string());
+            args.push(
+                match item.role {
+                    Role::Enforce => "0",
+                    Role::Shadow => "1",
+                    Role::Quota => "2",
+                }
+                .to_string(),
+            );
+            args.push(item.ban_ms.unwrap_or(0).to_string());
+            args.push(item.windows.len().to_string());
+            for w in item.windows.iter() {
+                args.push(w.limit.to_string());
+                args.push(w.length_ms.to_string());
+            }
+        }
+        let reply: Vec<i64> = self
+            .script
+            .evalsha_with_reload(self.pool.next(), keys, args)
+            .await
+            .map_err(|e| {
+                if e.details().contains("slidegate:") {
+                    StoreError::Protocol(e.details().to_string())
+                } else {
+                    unavailable(&e)
+                }
+            })?;
+        parse_reply(&reply, items, group)
+    }
+
+    async fn decide(
+        &self,
+        items: &[CheckItem<'_>],
+        now_ms: u64,
+    ) -> Result<CheckOutcome, StoreError> {
+        let prefix = format!(
+            "{}-{}",
+            self.instance,
+            self.calls.fetch_add(1, Ordering::Relaxed)
+        );
+        let groups = self.groups(items);
+        let final_mode = groups.len() == 1;
+        let replies = join_all(
+            groups
+                .iter()
+                .map(|g| self.call_group(items, g, now_ms, &prefix, final_mode)),
+        )
+        .await;
+        let mut outcomes = vec![ItemOutcome::default(); items.len()];
+        let mut recorded_groups = Vec::new();
+        let mut first_error = None;
+        for (group, reply) in groups.iter().zip(replies) {
+            match reply {
+                Ok(reply) => {
+                    if reply.recorded {
+                        recorded_groups.push((group, reply.now_ms));
+                    }
+                    for (&i, outcome) in group.iter().zip(reply.items) {
+                        outcomes[i] = outcome;
+                    }
+                }
+                Err(e) => {
+                    first_error.get_or_insert(e);
+                }
+            }
+        }
+        let admitted = first_error.is_none()
+            && admits(items.iter().zip(&outcomes).map(|(i, o)| (i.role, o.fits)));
+        if !final_mode && !admitted && !recorded_groups.is_empty() {
+            self.undo(items, &recorded_groups, &prefix, &mut outcomes)
+                .await;
+        }
+        match first_error {
+            Some(e) => Err(e),
+            None => Ok(CheckOutcome {
+                admitted,
+                items: outcomes,
+            }),
+        }
+    }
+
+    /// Removes the members a rejected request recorded in the slots that admitted it.
+    async fn undo(
+        &self,
+        items: &[CheckItem<'_>],
+        groups: &[(&Vec<usize>, u64)],
+        prefix: &str,
+        outcomes: &mut [ItemOutcome],
+    ) {
+        let mut removals = Vec::new();
+        for (group, now_ms) in groups {
+            for (position, &i) in group.iter().enumerate() {
+                let item = &items[i];
+                if !outcomes[i].fits || item.hits == 0 {
+                    continue;
+                }
+                // Members as the script wrote them: "<now>:<prefix>:<i>:<j>", i 1-based per call.
+                let members: Vec<String> = (1..=item.hits)
+                    .map(|j| format!("{now_ms}:{prefix}:{}:{j}", position + 1))
+                    .collect();
+                for w in outcomes[i].windows.iter_mut() {
+                    w.count = w.count.saturating_sub(item.hits);
+                }
+                removals.push(async move {
+                    let removed: Result<i64, Error> =
+                        self.pool.next().zrem(item.key.log(), members).await;
+                    removed
+                });
+            }
+        }
+        for result in join_all(removals).await {
+            if let Err(e) = result {
+                // The members stay until they age out: stricter, never looser.
+                tracing::warn!(error = %unavailable(&e), "could not remove hits of a rejected cross-slot request");
+            }
+        }
+    }
+
+    /// One group per hash slot on a cluster; a single group on standalone Redis.
+    fn groups(&self, items: &[CheckItem<'_>]) -> Vec<Vec<usize>> {
+        if !self.cluster {
+            return vec![(0..items.len()).collect()];
+        }
+        let mut groups: Vec<(u16, Vec<usize>)> = Vec::new();
+        for (i, item) in items.iter().enumerate() {
+            let slot = fred::util::redis_keyslot(item.key.tag().as_bytes());
+            match groups.iter_mut().find(|(s, _)| *s == slot) {
+                Some((_, members)) => members.push(i),
+                None => groups.push((slot, vec![i])),
+            }
+        }
+        groups.into_iter().map(|(_, g)| g).collect()
+    }
+}
+
+struct GroupReply {
+    now_ms: u64,
+    recorded: bool,
+    items: Vec<ItemOutcome>,
+}
+
+/// Reads the script's reply (layout in `lua/slidegate.lua`); anything else is a protocol error.
+fn parse_reply(
+    reply: &[i64],
+    items: &[CheckItem<'_>],
+    group: &[usize],
+) -> Result<GroupReply, StoreError> {
+    let bad = |what: &str| StoreError::Protocol(format!("script reply {what}"));
+    let mut values = reply.iter().copied();
+    let mut next = |what: &str| -> Result<u64, StoreError> {
+        let v = values
+            .next()
+            .ok_or_else(|| bad(&format!("ended before {what}")))?;
+        u64::try_from(v).map_err(|_| bad(&format!("has a negative {what}")))
+    };
+    let now_ms = next("now")?;
+    let recorded = next("recorded")? == 1;
+    let mut outcomes = Vec::with_capacity(group.len());
+    for &i in group {
+        let fits = next("fits")? == 1;
+        let ban_remaining_ms = next("ban")?;
+        let m = next("window count")? as usize;
+        if ban_remaining_ms == 0 && m != items[i].windows.len() {
+            return Err(bad("window count does not match the request"));
+        }
+        let mut windows = Vec::with_capacity(m);
+        for _ in 0..m {
+            windows.push(WindowOutcome {
+                count: next("count")?,
+                reset_ms: next("reset")?,
+            });
+        }
+        outcomes.push(ItemOutcome {
+            ban_remaining_ms,
+            fits,
+            windows,
+        });
+    }
+    if values.next().is_some() {
+        return Err(bad("is longer than expected"));
+    }
+    Ok(GroupReply {
+        now_ms,
+        recorded,
+        items: outcomes,
+    })
+}
+
+impl Store for RedisStore {
+    fn check<'a>(&'a self, items: &'a [CheckItem<'a>], now_ms: u64) -> StoreFuture<'a> {
+        Box::pin(async move {
+            match tokio::time::timeout(self.timeout, self.decide(items, now_ms)).await {
+                Ok(result) => result,
+                Err(_) => Err(StoreError::Timeout(self.timeout.as_millis() as u64)),
+            }
+        })
+    }
+
+    fn name(&self) -> &'static str {
+        if self.cluster {
+            "redis-cluster"
+        } else {
+            "redis"
+        }
+    }
+
+    fn ready(&self) -> super::ReadyFuture<'_> {
+        Box::pin(async move {
+            let ping: Result<Result<String, Error>, _> = tokio::time::timeout(
+                self.timeout.max(Duration::from_millis(200)),
+                self.pool.next().ping(None),
+            )
+            .await;
+            matches!(ping, Ok(Ok(_)))
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn passwords_never_reach_logs() {
+        assert_eq!(
+            redact("redis://user:secret@host:6379/0"),
+            "redis://user:***@host:6379/0"
+        );
+        assert_eq!(
+            redact("redis://:secret@host:6379"),
+            "redis://:***@host:6379"
+        );
+        assert_eq!(redact("redis://host:6379"), "redis://host:6379");
+    }
+
+    #[test]
+    fn cluster_urls_accept_a_comma_list() {
+        assert_eq!(
+            client_url("redis-cluster://a:1,b:2,c:3"),
+            "redis-cluster://a:1?node=b:2&node=c:3"
+        );
+        assert_eq!(
+            client_url("rediss-cluster://u:p@a:1,b:2?foo=1"),
+            "rediss-cluster://u:p@a:1?foo=1&node=b:2"
+        );
+        assert_eq!(client_url("redis://a:1"), "redis://a:1");
+    }
+
+    #[test]
+    fn script_header_documents_keys_and_argv() {
+        assert!(SCRIPT.contains("-- KEYS"));
+        assert!(SCRIPT.contains("-- ARGV"));
+        assert!(
+            !SCRIPT.contains("..\"rl:"),
+            "the script never builds key names"
+        );
+    }
+}

@@ -1,0 +1,468 @@
+//! The Redis backend: the conformance suite unchanged on standalone Redis and on a 3-master
+//! Redis Cluster, plus what only Redis has (scripts, slots, outages, many replicas).
+
+mod common;
+mod conformance;
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use common::redis::{
+    RedisCluster, RedisProcess, command, shared_cluster, shared_standalone, wait_until,
+};
+use common::*;
+use conformance::{Backend, StoreFuture};
+use slidegate::limiter::key::{self, Variant};
+use slidegate::limiter::rules::Segment;
+use slidegate::limiter::{FailurePolicy, LimiterOptions};
+use slidegate::store::{ClockSource, RedisOptions, RedisStore, Store};
+
+fn options(url: String, timeout: Duration) -> RedisOptions {
+    RedisOptions {
+        url,
+        pool_size: 2,
+        timeout,
+        connect_timeout: Duration::from_secs(5),
+        clock: ClockSource::Server,
+    }
+}
+
+async fn connect(url: String, timeout: Duration) -> Arc<dyn Store> {
+    Arc::new(
+        RedisStore::connect(options(url, timeout))
+            .await
+            .expect("connect to test Redis"),
+    )
+}
+
+/// Tests run two at a time on two loaded cores: a generous deadline keeps them about behaviour.
+const TEST_TIMEOUT: Duration = Duration::from_secs(5);
+
+struct Standalone;
+
+impl Backend for Standalone {
+    fn store(&self) -> StoreFuture<'_> {
+        Box::pin(connect(shared_standalone().url(), TEST_TIMEOUT))
+    }
+}
+
+struct Cluster;
+
+impl Backend for Cluster {
+    fn store(&self) -> StoreFuture<'_> {
+        Box::pin(connect(shared_cluster().url(), TEST_TIMEOUT))
+    }
+}
+
+mod standalone {
+    use super::*;
+    conformance_suite!(Standalone);
+}
+
+mod cluster {
+    use super::*;
+    conformance_suite!(Cluster);
+}
+
+/// Slot of a key as Redis Cluster computes it (CRC16 of the hash tag, mod 16384).
+fn slot(key: &str) -> u16 {
+    let tag = match (key.find('{'), key.find('}')) {
+        (Some(open), Some(close)) if close > open + 1 => &key[open + 1..close],
+        _ => key,
+    };
+    let mut crc: u16 = 0;
+    for byte in tag.bytes() {
+        crc ^= u16::from(byte) << 8;
+        for _ in 0..8 {
+            crc = if crc & 0x8000 != 0 {
+                (crc << 1) ^ 0x1021
+            } else {
+                crc << 1
+            };
+        }
+    }
+    crc % 16384
+}
+
+fn zcard(cluster: &RedisCluster, key: &str) -> i64 {
+    // Ask every node; the one that owns the slot answers, the others redirect.
+    for node in &cluster.nodes {
+        let reply = command(node.port, &format!("ZCARD \"{key}\"")).expect("ZCARD");
+        if let Some(n) = reply.strip_prefix(':') {
+            return n.trim().parse().expect("integer reply");
+        }
+    }
+    panic!("no node owns {key}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rejecting_slot_leaves_nothing_in_the_others() {
+    let cluster = shared_cluster();
+    let domain = unique_domain("slots");
+    let config = format!(
+        "domain: {domain}\ndescriptors:\n  - key: a\n    rate_limit: {{unit: minute, requests_per_unit: 5}}\n  - key: b\n    rate_limit: {{unit: minute, requests_per_unit: 5}}\n  - key: c\n    rate_limit: {{unit: minute, requests_per_unit: 1}}\n"
+    );
+    let server = TestServer::start(
+        &config,
+        connect(cluster.url(), TEST_TIMEOUT).await,
+        LimiterOptions::default(),
+    )
+    .await;
+    let log = |k: &str, v: &str| {
+        key::build(
+            &domain,
+            &[Segment::Value { key: k, value: v }],
+            Variant::Configured,
+            None,
+        )
+        .log()
+    };
+    let (ka, kb, kc) = (log("a", "1"), log("b", "1"), log("c", "1"));
+    let mut slots = vec![slot(&ka), slot(&kb), slot(&kc)];
+    slots.dedup();
+    assert_eq!(
+        slots.len(),
+        3,
+        "the three descriptors must sit in three slots"
+    );
+
+    let all = || {
+        request(
+            &domain,
+            vec![
+                descriptor(&[("a", "1")]),
+                descriptor(&[("b", "1")]),
+                descriptor(&[("c", "1")]),
+            ],
+        )
+    };
+    assert_eq!(server.call(all()).await.overall_code, ok());
+    assert_eq!(
+        (
+            zcard(cluster, &ka),
+            zcard(cluster, &kb),
+            zcard(cluster, &kc)
+        ),
+        (1, 1, 1)
+    );
+    // c is now full: the request is rejected and a and b keep exactly what they had.
+    let r = server.call(all()).await;
+    assert_eq!(r.overall_code, over());
+    assert_eq!(
+        (r.statuses[0].code, r.statuses[1].code, r.statuses[2].code),
+        (ok(), ok(), over())
+    );
+    assert_eq!(
+        (
+            zcard(cluster, &ka),
+            zcard(cluster, &kb),
+            zcard(cluster, &kc)
+        ),
+        (1, 1, 1)
+    );
+    server.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tag_by_keeps_escaped_values_in_the_tagged_slot() {
+    let cluster = shared_cluster();
+    let domain = unique_domain("tagby");
+    let config = format!(
+        "domain: {domain}\ndescriptors:\n  - key: user\n    descriptors:\n      - key: path\n        tag_by: user\n        rate_limit: {{unit: minute, requests_per_unit: 2}}\n      - key: method\n        tag_by: user\n        rate_limit: {{unit: minute, requests_per_unit: 3}}\n"
+    );
+    let tricky = "/a}{b:c";
+    let seg = |k: &'static str, v: &'static str| Segment::Value { key: k, value: v };
+    let plain = key::build(
+        &domain,
+        &[seg("user", "42"), seg("path", "/plain")],
+        Variant::Configured,
+        Some("user"),
+    );
+    let braces = key::build(
+        &domain,
+        &[seg("user", "42"), seg("path", tricky)],
+        Variant::Configured,
+        Some("user"),
+    );
+    assert_eq!(slot(&plain.log()), slot(&braces.log()));
+    assert_eq!(slot(&braces.log()), slot(&braces.ban()));
+
+    let server = TestServer::start(
+        &config,
+        connect(cluster.url(), TEST_TIMEOUT).await,
+        LimiterOptions::default(),
+    )
+    .await;
+    // Both descriptors share user 42's slot: one script call, all-or-nothing.
+    let req = || {
+        request(
+            &domain,
+            vec![
+                descriptor(&[("user", "42"), ("path", tricky)]),
+                descriptor(&[("user", "42"), ("method", "GET")]),
+            ],
+        )
+    };
+    assert_eq!(server.call(req()).await.overall_code, ok());
+    assert_eq!(server.call(req()).await.overall_code, ok());
+    assert_eq!(server.call(req()).await.overall_code, over());
+    assert_eq!(zcard(cluster, &braces.log()), 2);
+    let method = key::build(
+        &domain,
+        &[seg("user", "42"), seg("method", "GET")],
+        Variant::Configured,
+        Some("user"),
+    );
+    assert_eq!(
+        zcard(cluster, &method.log()),
+        2,
+        "the rejected third request recorded nothing in either"
+    );
+    server.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn script_flush_is_recovered_on_standalone_and_cluster() {
+    let own = RedisProcess::start(&[]);
+    let cluster = RedisCluster::start();
+    for (url, ports) in [
+        (own.url(), vec![own.port]),
+        (
+            cluster.url(),
+            cluster.nodes.iter().map(|n| n.port).collect(),
+        ),
+    ] {
+        let config = "domain: flush\ndescriptors:\n  - key: k\n    rate_limit: {unit: minute, requests_per_unit: 10}\n";
+        let server = TestServer::start(
+            config,
+            connect(url, TEST_TIMEOUT).await,
+            LimiterOptions::default(),
+        )
+        .await;
+        assert_eq!(
+            server
+                .call(request("flush", vec![descriptor(&[("k", "v")])]))
+                .await
+                .overall_code,
+            ok()
+        );
+        for port in &ports {
+            assert!(
+                command(*port, "SCRIPT FLUSH")
+                    .expect("SCRIPT FLUSH")
+                    .starts_with("+OK")
+            );
+        }
+        let r = server
+            .call(request("flush", vec![descriptor(&[("k", "v")])]))
+            .await;
+        assert_eq!(r.overall_code, ok());
+        assert_eq!(
+            r.statuses[0].limit_remaining, 8,
+            "the first hit is still counted after the reload"
+        );
+        server.stop().await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_outage_fails_fast_by_policy_and_recovers() {
+    let mut redis = RedisProcess::start(&[]);
+    let config = "domain: outage\ndescriptors:\n  - key: k\n    rate_limit: {unit: minute, requests_per_unit: 100}\n";
+    let deadline = Duration::from_millis(200);
+    let mut servers = Vec::new();
+    for policy in [
+        FailurePolicy::Error,
+        FailurePolicy::Allow,
+        FailurePolicy::Deny,
+    ] {
+        let options = LimiterOptions {
+            failure_policy: policy,
+            ..LimiterOptions::default()
+        };
+        servers
+            .push(TestServer::start(config, connect(redis.url(), deadline).await, options).await);
+    }
+    let req = || request("outage", vec![descriptor(&[("k", "v")])]);
+    for s in &servers {
+        assert_eq!(s.call(req()).await.overall_code, ok());
+    }
+    redis.stop();
+    let started = Instant::now();
+    let status = servers[0].call_err(req()).await;
+    assert_eq!(status.code(), tonic::Code::Unavailable, "{status:?}");
+    assert_eq!(servers[1].call(req()).await.overall_code, ok(), "fail open");
+    assert_eq!(
+        servers[2].call(req()).await.overall_code,
+        over(),
+        "fail closed"
+    );
+    // Three calls, each bounded by the 200 ms deadline (plus scheduling on a busy machine).
+    assert!(
+        started.elapsed() < Duration::from_secs(3),
+        "took {:?}",
+        started.elapsed()
+    );
+    assert!(servers.iter().all(|s| s.limiter.store_errors() >= 1));
+
+    redis.restart();
+    let end = Instant::now() + Duration::from_secs(15);
+    loop {
+        let mut client = servers[0].client.clone();
+        match client.should_rate_limit(req()).await {
+            Ok(r) if r.get_ref().overall_code == ok() => break,
+            _ if Instant::now() > end => panic!("service did not resume after Redis came back"),
+            _ => tokio::time::sleep(Duration::from_millis(50)).await,
+        }
+    }
+    for s in servers {
+        s.stop().await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_clock_from_time() {
+    let redis = shared_standalone();
+    let mut opts = options(redis.url(), TEST_TIMEOUT);
+    opts.clock = ClockSource::Redis;
+    let store: Arc<dyn Store> = Arc::new(RedisStore::connect(opts).await.expect("connect"));
+    let domain = unique_domain("redisclock");
+    let config = format!(
+        "domain: {domain}\ndescriptors:\n  - key: k\n    rate_limit: {{unit: hour, requests_per_unit: 3}}\n"
+    );
+    let server = TestServer::start(&config, store, LimiterOptions::default()).await;
+    let mut codes = Vec::new();
+    for _ in 0..4 {
+        codes.push(
+            server
+                .call(request(&domain, vec![descriptor(&[("k", "v")])]))
+                .await
+                .overall_code,
+        );
+    }
+    assert_eq!(codes, vec![ok(), ok(), ok(), over()]);
+    server.stop().await;
+}
+
+/// The real binary, twice, sharing one Redis: 64 clients split over both, exactly 100 admitted.
+async fn two_processes_share_exact_limits(url: String) {
+    let dir = std::env::temp_dir().join(unique_domain("twoproc"));
+    std::fs::create_dir_all(&dir).expect("config dir");
+    let domain = unique_domain("twoproc");
+    std::fs::write(
+        dir.join("limits.yaml"),
+        format!("domain: {domain}\ndescriptors:\n  - key: hot\n    rate_limit: {{unit: minute, requests_per_unit: 100}}\n"),
+    )
+    .expect("write config");
+    let mut children = Vec::new();
+    let mut addrs = Vec::new();
+    for _ in 0..2 {
+        let grpc = common::redis::free_port();
+        let http = common::redis::free_port();
+        let child = std::process::Command::new(env!("CARGO_BIN_EXE_slidegate"))
+            .arg("--config")
+            .arg(&dir)
+            .args(["--redis", &url, "--redis-timeout", "5s"])
+            .args([
+                "--grpc-addr",
+                &format!("127.0.0.1:{grpc}"),
+                "--http-addr",
+                &format!("127.0.0.1:{http}"),
+            ])
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .expect("start slidegate");
+        children.push(KillOnDrop(child));
+        wait_until("slidegate /readyz", Duration::from_secs(20), || {
+            command(http, "GET /readyz HTTP/1.0\r\n").is_ok_and(|r| r.contains("200 OK"))
+        });
+        addrs.push(std::net::SocketAddr::from(([127, 0, 0, 1], grpc)));
+    }
+    let mut tasks = Vec::new();
+    for n in 0..64 {
+        let client = common::connect(addrs[n % 2]).await;
+        let domain = domain.clone();
+        tasks.push(tokio::spawn(async move {
+            let mut admitted = 0u32;
+            for _ in 0..10 {
+                let r = client
+                    .clone()
+                    .should_rate_limit(request(&domain, vec![descriptor(&[("hot", "k")])]))
+                    .await
+                    .expect("call")
+                    .into_inner();
+                admitted += u32::from(r.overall_code == ok());
+            }
+            admitted
+        }));
+    }
+    let mut total = 0;
+    for t in tasks {
+        total += t.await.expect("client task");
+    }
+    assert_eq!(total, 100, "640 calls over two processes, 100 per minute");
+    drop(children);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+struct KillOnDrop(std::process::Child);
+
+impl Drop for KillOnDrop {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_processes_exact_on_standalone() {
+    two_processes_share_exact_limits(shared_standalone().url()).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_processes_exact_on_cluster() {
+    two_processes_share_exact_limits(shared_cluster().url()).await;
+}
+
+#[test]
+fn malformed_script_arguments_get_an_error_reply() {
+    let redis = shared_standalone();
+    let cli = |args: &[&str]| {
+        let out = std::process::Command::new("redis-cli")
+            .args(["-p", &redis.port.to_string()])
+            .args(args)
+            .output()
+            .expect("run redis-cli");
+        String::from_utf8_lossy(&out.stdout).trim().to_string()
+    };
+    let sha = cli(&["SCRIPT", "LOAD", slidegate::store::redis::SCRIPT]);
+    assert_eq!(sha.len(), 40, "SCRIPT LOAD: {sha}");
+    let cases: [&[&str]; 6] = [
+        &["0"],
+        &["1", "k", "x", "1"],
+        &["2", "k", "b", "abc", "p", "1", "1"],
+        &["2", "k", "b", "1", "p", "1", "1", "1", "9", "0", "1"],
+        &[
+            "2", "k", "b", "1", "p", "1", "1", "1", "0", "0", "1", "10", "0",
+        ],
+        &[
+            "2", "k", "b", "1", "p", "1", "1", "1", "0", "0", "1", "10", "1000", "extra",
+        ],
+    ];
+    for args in cases {
+        let mut full = vec!["EVALSHA", sha.as_str()];
+        full.extend_from_slice(args);
+        let reply = cli(&full);
+        assert!(
+            reply.starts_with("ERR slidegate:"),
+            "EVALSHA {args:?} -> {reply}"
+        );
+    }
+    // And a well-formed call answers the documented layout: now, recorded, fits, ban, m, count, reset.
+    let reply = cli(&[
+        "EVALSHA", &sha, "2", "t:log", "t:ban", "1000", "p", "1", "1", "1", "0", "0", "1", "10",
+        "1000",
+    ]);
+    let numbers: Vec<&str> = reply.lines().collect();
+    assert_eq!(numbers, vec!["1000", "1", "1", "0", "1", "1", "1000"]);
+}
