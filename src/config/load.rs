@@ -490,3 +490,246 @@ impl Compiler<'_> {
         })
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn compile(files: &[(&str, &str)]) -> Result<Limits, ConfigErrors> {
+        let sources: Vec<(String, String)> = files
+            .iter()
+            .map(|(f, t)| (f.to_string(), t.to_string()))
+            .collect();
+        compile_sources(&sources)
+    }
+
+    /// The one error a single-file config produces, as `line: path: message`.
+    fn only_error(yaml: &str) -> String {
+        let errors = compile(&[("f.yaml", yaml)])
+            .expect_err("config should be rejected")
+            .0;
+        assert_eq!(errors.len(), 1, "{errors:?}");
+        let e = &errors[0];
+        assert_eq!(e.file, "f.yaml");
+        format!("{}: {}: {}", e.line, e.path, e.message)
+    }
+
+    #[test]
+    fn reference_examples_load() {
+        let limits = compile(&[(
+            "messaging.yaml",
+            "domain: messaging\ndescriptors:\n  - key: message_type\n    value: marketing\n    descriptors:\n      - key: to_number\n        rate_limit:\n          unit: day\n          requests_per_unit: 5\n  - key: to_number\n    rate_limit:\n      unit: day\n      requests_per_unit: 100\n",
+        )])
+        .expect("valid");
+        let rules = limits.rules();
+        assert_eq!(rules.len(), 2);
+        assert_eq!(
+            rules[0].1.path,
+            "messaging.message_type_marketing.to_number"
+        );
+        assert_eq!(rules[1].1.path, "messaging.to_number");
+        assert_eq!(
+            rules[0].1.limit,
+            Limit::Windows {
+                windows: vec![Window::per_unit(5, Unit::Day, None)],
+                ban_ms: None
+            }
+        );
+    }
+
+    #[test]
+    fn every_reference_key_is_accepted() {
+        let yaml = r#"
+domain: all
+descriptors:
+  - key: a
+    value: "x*"
+    share_threshold: true
+    shadow_mode: true
+    quota_mode: true
+    detailed_metric: true
+    value_to_metric: true
+    metadata: {team: payments, tier: 1}
+    rate_limit:
+      unit: SECOND
+      requests_per_unit: 4
+      name: a_limit
+      replaces: [{name: other}]
+  - key: b
+    rate_limit: {unlimited: true}
+"#;
+        let limits = compile(&[("all.yaml", yaml)]).expect("valid");
+        let rule = &limits.rules()[0].1;
+        assert!(rule.shadow_mode && rule.quota_mode && rule.detailed_metric);
+        assert_eq!(rule.replaces, vec![Arc::<str>::from("other")]);
+        assert_eq!(
+            rule.metadata,
+            Some(serde_json::json!({"team": "payments", "tier": 1}))
+        );
+        assert_eq!(limits.rules()[1].1.limit, Limit::Unlimited);
+    }
+
+    #[test]
+    fn extensions_compile() {
+        let yaml = "domain: ext\ndescriptors:\n  - key: phone\n    rate_limits:\n      - {requests_per_unit: 3, unit: minute, name: burst}\n      - {requests_per_unit: 10, window: 1h30m}\n    ban: 15m\n    tag_by: phone\n";
+        let limits = compile(&[("ext.yaml", yaml)]).expect("valid");
+        let rule = &limits.rules()[0].1;
+        let Limit::Windows { windows, ban_ms } = &rule.limit else {
+            panic!("expected windows");
+        };
+        assert_eq!(windows.len(), 2);
+        assert_eq!(windows[1].length_ms, 5_400_000);
+        assert_eq!(windows[1].unit, Unit::Hour);
+        assert_eq!(*ban_ms, Some(900_000));
+        assert_eq!(rule.tag_by.as_deref(), Some("phone"));
+        assert_eq!(&*rule.source, "ext.yaml:3");
+    }
+
+    #[test]
+    fn load_errors_name_file_line_and_path() {
+        let cases = [
+            (
+                "descriptors: []\n",
+                "1: domain: config file cannot have empty domain",
+            ),
+            (
+                "domain: d\ndescriptors:\n  - value: x\n",
+                "3: descriptors[0]: descriptor has empty key",
+            ),
+            (
+                "domain: d\ndescriptors:\n  - key: a\n    rate_limit: {unit: fortnight, requests_per_unit: 1}\n",
+                "4: descriptors[0].rate_limit.unit: invalid rate limit unit 'fortnight'",
+            ),
+            (
+                "domain: d\ndescriptors:\n  - key: a\n  - key: b\n    descriptors:\n      - key: c\n        rate_limit: {unit: day, requests_per_unit: 1}\n      - key: c\n        rate_limit: {unit: day, requests_per_unit: 2}\n",
+                "8: descriptors[1].descriptors[1]: duplicate descriptor composite key 'd.b.c'",
+            ),
+            (
+                "domain: d\ndescriptors:\n  - key: a\n    value: v\n  - key: a\n    value: v\n",
+                "5: descriptors[1]: duplicate descriptor composite key 'd.a_v'",
+            ),
+            (
+                "domain: d\ndescriptors:\n  - key: a\n    rate_limit: {unlimited: true, unit: second}\n",
+                "4: descriptors[0].rate_limit.unit: should not specify rate limit unit when unlimited",
+            ),
+            (
+                "domain: d\ndescriptors:\n  - key: a\n    rate_limit: {unit: second, requests_per_unit: 1, name: me, replaces: [{name: me}]}\n",
+                "3: descriptors[0]: replaces should not contain name of same descriptor ('me')",
+            ),
+            (
+                "domain: d\ndescriptors:\n  - key: a\n    rate_limit: {unit: second, requests_per_unit: 1, replaces: [{}]}\n",
+                "4: descriptors[0].rate_limit.replaces[0]: should not have an empty replaces entry",
+            ),
+            (
+                "domain: d\ndescriptors:\n  - key: a\n    value: plain\n    share_threshold: true\n",
+                "3: descriptors[0].share_threshold: share_threshold can only be used with wildcard values (a value containing '*')",
+            ),
+            (
+                "domain: d\ndescriptors:\n  - key: a\n    ratelimit: {unit: second}\n",
+                "4: descriptors[0].ratelimit: unknown field `ratelimit`, expected one of key, value, rate_limit, rate_limits, ban, tag_by, descriptors, shadow_mode, quota_mode, detailed_metric, value_to_metric, share_threshold, metadata",
+            ),
+            (
+                "domain: d\ndescriptors:\n  - key: a\n    rate_limit: {unit: second, requests_per_unit: 1}\n    rate_limits: [{unit: second, requests_per_unit: 1}]\n",
+                "3: descriptors[0]: use either rate_limit or rate_limits, not both",
+            ),
+            (
+                "domain: d\ndescriptors:\n  - key: a\n    rate_limit: {window: 90, requests_per_unit: 1}\n",
+                "4: descriptors[0].rate_limit.window: invalid duration '90': write a number with a unit (ms, s, m, h, d, w), e.g. 90s or 1h30m",
+            ),
+            (
+                "domain: d\ndescriptors:\n  - key: a\n    rate_limit: {window: 90s, unit: minute, requests_per_unit: 1}\n",
+                "4: descriptors[0].rate_limit.window: use either unit or window, not both",
+            ),
+            (
+                "domain: d\ndescriptors:\n  - key: a\n    ban: 5m\n",
+                "3: descriptors[0].ban: ban needs a rate_limit on the same descriptor",
+            ),
+            (
+                "domain: d\ndescriptors:\n  - key: a\n    rate_limit: {unit: second, requests_per_unit: 1}\n    ban: soon\n",
+                "3: descriptors[0].ban: invalid duration 'soon': write a number with a unit (ms, s, m, h, d, w), e.g. 90s or 1h30m",
+            ),
+            (
+                "domain: d\ndescriptors:\n  - key: a\n    rate_limit: {unit: second, requests_per_unit: 1}\n    tag_by: user\n",
+                "3: descriptors[0].tag_by: tag_by 'user' is not a key of this descriptor (keys: a)",
+            ),
+            (
+                "domain: d\ndescriptors:\n  - key: a\n    rate_limits:\n      - {unlimited: true}\n      - {unit: second, requests_per_unit: 1}\n",
+                "5: descriptors[0].rate_limits[0].unlimited: an unlimited rate limit cannot be combined with other limits",
+            ),
+            (
+                "domain: d\ndescriptors:\n  - key: a\n    rate_limit: {requests_per_unit: 1}\n",
+                "4: descriptors[0].rate_limit.unit: invalid rate limit unit '': set unit (second, minute, hour, day, week, month, year) or window (e.g. 90s)",
+            ),
+            (
+                "domain: d\ndescriptors:\n  - key: a\n    rate_limit: {unit: day, requests_per_unit: -1}\n",
+                "4: descriptors[0].rate_limit.requests_per_unit: invalid u32",
+            ),
+        ];
+        for (yaml, expected) in cases {
+            assert_eq!(only_error(yaml), expected, "for:\n{yaml}");
+        }
+    }
+
+    #[test]
+    fn duplicate_domains_across_files_are_rejected() {
+        let errors = compile(&[("a.yaml", "domain: d\n"), ("b.yaml", "domain: d\n")])
+            .expect_err("rejected")
+            .0;
+        assert_eq!(errors.len(), 1);
+        assert_eq!(
+            errors[0].to_string(),
+            "b.yaml:1: domain: duplicate domain 'd' in config file (first defined in a.yaml)"
+        );
+    }
+
+    #[test]
+    fn every_error_of_every_file_is_reported() {
+        let errors = compile(&[
+            (
+                "a.yaml",
+                "domain: a\ndescriptors:\n  - key: ''\n  - key: x\n    rate_limit: {unit: eon}\n",
+            ),
+            ("b.yaml", "domain: [\n"),
+        ])
+        .expect_err("rejected")
+        .0;
+        assert_eq!(errors.len(), 3, "{errors:?}");
+        assert!(errors[2].file == "b.yaml" && errors[2].line > 0);
+    }
+
+    #[test]
+    fn directories_skip_dotfiles_and_read_configmap_links() {
+        let dir = std::env::temp_dir().join(format!("slidegate-load-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let data = dir.join("..2026_11_30_v1");
+        std::fs::create_dir_all(&data).expect("mkdir");
+        std::fs::write(data.join("limits.yaml"), "domain: k8s\n").expect("write");
+        std::fs::write(data.join("other.yml"), "domain: k8s2\n").expect("write");
+        std::os::unix::fs::symlink("..2026_11_30_v1", dir.join("..data")).expect("link");
+        std::os::unix::fs::symlink("..data/limits.yaml", dir.join("limits.yaml")).expect("link");
+        std::os::unix::fs::symlink("..data/other.yml", dir.join("other.yml")).expect("link");
+        std::fs::write(dir.join(".hidden.yaml"), "not: [valid").expect("write");
+        std::fs::write(dir.join("notes.txt"), "ignored").expect("write");
+        let loaded = load_path(&dir).expect("loads");
+        let mut domains: Vec<_> = loaded.limits.domains.keys().cloned().collect();
+        domains.sort();
+        assert_eq!(
+            domains,
+            vec!["k8s", "k8s2"],
+            "each domain once, through the visible links"
+        );
+        assert_eq!(loaded.files.len(), 2);
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn missing_path_is_an_error() {
+        let errors = load_path(Path::new("/nonexistent/slidegate"))
+            .expect_err("rejected")
+            .0;
+        assert!(
+            errors[0].message.starts_with("cannot read config"),
+            "{errors:?}"
+        );
+    }
+}

@@ -455,3 +455,239 @@ fn dynamic_metadata(
     }
     out
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::limiter::{Descriptor, ManualClock, Override};
+    use crate::store::{MemoryStore, StoreError, StoreFuture};
+
+    const T0: u64 = 1_767_225_600_000;
+
+    fn limiter(yaml: &str, options: LimiterOptions) -> (Limiter, ManualClock) {
+        let limits = crate::config::compile_sources(&[("t.yaml".into(), yaml.into())])
+            .expect("valid config");
+        let clock = ManualClock::new(T0);
+        let limiter = Limiter::new(
+            limits,
+            Arc::new(MemoryStore::new()),
+            Arc::new(clock.clone()),
+            options,
+        );
+        (limiter, clock)
+    }
+
+    fn req(descriptors: &[&[(&str, &str)]]) -> Request {
+        Request {
+            domain: "d".into(),
+            descriptors: descriptors
+                .iter()
+                .map(|entries| Descriptor {
+                    entries: entries
+                        .iter()
+                        .map(|(k, v)| (k.to_string(), v.to_string()))
+                        .collect(),
+                    ..Descriptor::default()
+                })
+                .collect(),
+            hits_addend: 0,
+        }
+    }
+
+    fn decide(l: &Limiter, r: &Request) -> Decision {
+        futures_util::FutureExt::now_or_never(l.should_rate_limit(r))
+            .expect("the memory store never waits")
+            .expect("decided")
+    }
+
+    const CONFIG: &str = "domain: d\ndescriptors:\n  - key: user\n    rate_limits:\n      - {requests_per_unit: 2, unit: second, name: per_second}\n      - {requests_per_unit: 5, unit: minute, name: per_minute}\n  - key: ip\n    rate_limit: {requests_per_unit: 3, window: 90s}\n    metadata: {team: edge}\n";
+
+    #[test]
+    fn key_only_rules_count_per_concrete_value() {
+        let (l, _) = limiter(CONFIG, LimiterOptions::default());
+        for _ in 0..3 {
+            decide(&l, &req(&[&[("ip", "a")]]));
+        }
+        assert_eq!(decide(&l, &req(&[&[("ip", "a")]])).overall, Code::OverLimit);
+        assert_eq!(decide(&l, &req(&[&[("ip", "b")]])).overall, Code::Ok);
+    }
+
+    #[test]
+    fn status_reports_the_binding_window() {
+        let (l, clock) = limiter(CONFIG, LimiterOptions::default());
+        let first = decide(&l, &req(&[&[("user", "u")]]));
+        // 2/s leaves 1, 5/min leaves 4: the per-second window binds.
+        let s = &first.statuses[0];
+        assert_eq!(s.limit_remaining, 1);
+        assert_eq!(
+            s.current_limit.as_ref().and_then(|c| c.name.as_deref()),
+            Some("per_second")
+        );
+        assert_eq!(s.duration_until_reset_ms, Some(1_000));
+        for _ in 0..3 {
+            clock.advance(1_000);
+            decide(&l, &req(&[&[("user", "u")]]));
+        }
+        // Four in the minute: 1 left there, and 1 left this second: tie goes to the first window.
+        clock.advance(1_000);
+        let s = decide(&l, &req(&[&[("user", "u")]])).statuses.remove(0);
+        assert_eq!(s.code, Code::Ok);
+        assert_eq!(s.limit_remaining, 0);
+        assert_eq!(
+            s.current_limit.as_ref().and_then(|c| c.name.as_deref()),
+            Some("per_minute")
+        );
+        clock.advance(1_000);
+        let s = decide(&l, &req(&[&[("user", "u")]])).statuses.remove(0);
+        assert_eq!(s.code, Code::OverLimit);
+        assert_eq!(
+            s.current_limit.as_ref().and_then(|c| c.name.as_deref()),
+            Some("per_minute")
+        );
+        // The oldest of the minute's five entries (at T0) leaves at T0 + 60 s; now is T0 + 5 s.
+        assert_eq!(s.duration_until_reset_ms, Some(55_000));
+        assert_eq!(
+            s.current_limit
+                .map(|c| (c.requests_per_unit, c.unit, c.window_ms)),
+            Some((5, Unit::Minute, 60_000))
+        );
+    }
+
+    #[test]
+    fn arbitrary_windows_report_the_nearest_unit() {
+        let (l, _) = limiter(CONFIG, LimiterOptions::default());
+        let s = decide(&l, &req(&[&[("ip", "x")]])).statuses.remove(0);
+        let limit = s.current_limit.expect("limited");
+        assert_eq!(
+            (limit.requests_per_unit, limit.unit, limit.window_ms),
+            (3, Unit::Minute, 90_000)
+        );
+        assert_eq!(s.duration_until_reset_ms, Some(90_000));
+    }
+
+    #[test]
+    fn request_hits_zero_counts_as_one_and_descriptor_hits_win() {
+        let (l, _) = limiter(CONFIG, LimiterOptions::default());
+        let mut r = req(&[&[("ip", "h")]]);
+        assert_eq!(decide(&l, &r).statuses[0].limit_remaining, 2);
+        r.hits_addend = 2;
+        assert_eq!(decide(&l, &r).statuses[0].limit_remaining, 0);
+        r.descriptors[0].hits_addend = Some(0);
+        let d = decide(&l, &r);
+        assert_eq!((d.overall, d.statuses[0].limit_remaining), (Code::Ok, 0));
+    }
+
+    #[test]
+    fn overrides_with_unknown_units_are_invalid() {
+        let (l, _) = limiter(CONFIG, LimiterOptions::default());
+        let mut r = req(&[&[("ip", "o")]]);
+        r.descriptors[0].limit = Some(Override {
+            requests_per_unit: 1,
+            unit: 0,
+        });
+        let err = futures_util::FutureExt::now_or_never(l.should_rate_limit(&r)).expect("ready");
+        assert!(matches!(err, Err(LimiterError::InvalidRequest(m)) if m.contains("limit.unit")));
+        r.descriptors[0].limit = Some(Override {
+            requests_per_unit: 1,
+            unit: 99,
+        });
+        assert!(
+            futures_util::FutureExt::now_or_never(l.should_rate_limit(&r))
+                .expect("ready")
+                .is_err()
+        );
+    }
+
+    #[test]
+    fn dynamic_metadata_carries_request_and_rule_metadata() {
+        let options = LimiterOptions {
+            dynamic_metadata: true,
+            ..LimiterOptions::default()
+        };
+        let (l, _) = limiter(CONFIG, options);
+        let d = decide(&l, &req(&[&[("ip", "m")], &[("nothing", "x")]]));
+        let meta = serde_json::Value::Object(d.dynamic_metadata.expect("switched on"));
+        assert_eq!(
+            meta,
+            serde_json::json!({
+                "domain": "d",
+                "descriptors": [{"entries": ["ip=m"]}, {"entries": ["nothing=x"]}],
+                "hitsAddend": 1,
+                "metadata": {"team": "edge"}
+            })
+        );
+        let (off, _) = limiter(CONFIG, LimiterOptions::default());
+        assert_eq!(decide(&off, &req(&[&[("ip", "m")]])).dynamic_metadata, None);
+    }
+
+    struct Broken;
+
+    impl Store for Broken {
+        fn check<'a>(&'a self, _: &'a [CheckItem<'a>], _: u64) -> StoreFuture<'a> {
+            Box::pin(async { Err(StoreError::Unavailable("down".into())) })
+        }
+        fn name(&self) -> &'static str {
+            "broken"
+        }
+    }
+
+    #[test]
+    fn failure_policy_decides_what_a_store_error_answers() {
+        let limits =
+            crate::config::compile_sources(&[("t.yaml".into(), CONFIG.into())]).expect("valid");
+        let answer = |policy| {
+            let options = LimiterOptions {
+                failure_policy: policy,
+                ..LimiterOptions::default()
+            };
+            let l = Limiter::new(
+                limits.clone(),
+                Arc::new(Broken),
+                Arc::new(ManualClock::new(T0)),
+                options,
+            );
+            let result = futures_util::FutureExt::now_or_never(
+                l.should_rate_limit(&req(&[&[("ip", "f")], &[("none", "x")]])),
+            )
+            .expect("ready");
+            assert_eq!(l.store_errors(), 1);
+            result
+        };
+        assert!(matches!(
+            answer(FailurePolicy::Error),
+            Err(LimiterError::Store(_))
+        ));
+        let allow = answer(FailurePolicy::Allow).expect("answered");
+        assert_eq!(allow.overall, Code::Ok);
+        let deny = answer(FailurePolicy::Deny).expect("answered");
+        assert_eq!(deny.overall, Code::OverLimit);
+        assert_eq!(deny.statuses[0].code, Code::OverLimit);
+        assert_eq!(
+            deny.statuses[1],
+            Status::unlimited_by_config(),
+            "unlimited descriptors never reach the store"
+        );
+    }
+
+    #[test]
+    fn reloaded_limits_apply_to_existing_logs() {
+        let (l, _) = limiter(CONFIG, LimiterOptions::default());
+        for _ in 0..3 {
+            decide(&l, &req(&[&[("ip", "r")]]));
+        }
+        assert_eq!(decide(&l, &req(&[&[("ip", "r")]])).overall, Code::OverLimit);
+        let raised = CONFIG.replace(
+            "requests_per_unit: 3, window: 90s",
+            "requests_per_unit: 10, window: 90s",
+        );
+        l.replace_limits(
+            crate::config::compile_sources(&[("t.yaml".into(), raised)]).expect("valid"),
+        );
+        let d = decide(&l, &req(&[&[("ip", "r")]]));
+        assert_eq!(
+            (d.overall, d.statuses[0].limit_remaining),
+            (Code::Ok, 6),
+            "raising a limit unblocks at once"
+        );
+    }
+}

@@ -1,0 +1,255 @@
+//! The server as a user meets it: reflection (what `grpcurl list` uses), gRPC health, the HTTP
+//! port, and the binary's CLI.
+
+mod common;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use common::*;
+use slidegate::limiter::LimiterOptions;
+use slidegate::store::MemoryStore;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tonic::transport::Endpoint;
+use tonic_health::pb::HealthCheckRequest;
+use tonic_health::pb::health_check_response::ServingStatus;
+use tonic_health::pb::health_client::HealthClient;
+use tonic_reflection::pb::v1::ServerReflectionRequest;
+use tonic_reflection::pb::v1::server_reflection_client::ServerReflectionClient;
+use tonic_reflection::pb::v1::server_reflection_request::MessageRequest;
+use tonic_reflection::pb::v1::server_reflection_response::MessageResponse;
+
+const CONFIG: &str = "domain: web\ndescriptors:\n  - key: user\n    rate_limit: {unit: minute, requests_per_unit: 2}\n";
+
+async fn start() -> TestServer {
+    TestServer::start(
+        CONFIG,
+        Arc::new(MemoryStore::new()),
+        LimiterOptions::default(),
+    )
+    .await
+}
+
+#[tokio::test]
+async fn reflection_lists_the_service() {
+    let s = start().await;
+    let channel = Endpoint::from_shared(format!("http://{}", s.grpc_addr))
+        .expect("uri")
+        .connect()
+        .await
+        .expect("connect");
+    let mut client = ServerReflectionClient::new(channel);
+    let request = ServerReflectionRequest {
+        host: String::new(),
+        message_request: Some(MessageRequest::ListServices(String::new())),
+    };
+    let mut replies = client
+        .server_reflection_info(futures_util::stream::iter(vec![request]))
+        .await
+        .expect("reflection")
+        .into_inner();
+    let reply = replies.message().await.expect("stream").expect("one reply");
+    let Some(MessageResponse::ListServicesResponse(list)) = reply.message_response else {
+        panic!("unexpected reply {reply:?}");
+    };
+    let names: Vec<String> = list.service.into_iter().map(|s| s.name).collect();
+    assert!(
+        names.contains(&"envoy.service.ratelimit.v3.RateLimitService".to_string()),
+        "{names:?}"
+    );
+    assert!(
+        names.contains(&"grpc.health.v1.Health".to_string()),
+        "{names:?}"
+    );
+    s.stop().await;
+}
+
+#[tokio::test]
+async fn health_reports_serving() {
+    let s = start().await;
+    let channel = Endpoint::from_shared(format!("http://{}", s.grpc_addr))
+        .expect("uri")
+        .connect()
+        .await
+        .expect("connect");
+    let mut health = HealthClient::new(channel);
+    for service in [
+        "",
+        "envoy.service.ratelimit.v3.RateLimitService",
+        "ratelimit",
+    ] {
+        let reply = health
+            .check(HealthCheckRequest {
+                service: service.to_string(),
+            })
+            .await
+            .expect("health")
+            .into_inner();
+        assert_eq!(
+            reply.status,
+            ServingStatus::Serving as i32,
+            "service '{service}'"
+        );
+    }
+    s.stop().await;
+}
+
+/// A minimal HTTP/1.0 exchange: (status code, body).
+async fn http(addr: std::net::SocketAddr, method: &str, path: &str, body: &str) -> (u16, String) {
+    let mut stream = tokio::net::TcpStream::connect(addr)
+        .await
+        .expect("connect HTTP");
+    let request = format!(
+        "{method} {path} HTTP/1.0\r\nHost: test\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    );
+    stream.write_all(request.as_bytes()).await.expect("write");
+    let mut response = String::new();
+    tokio::time::timeout(
+        Duration::from_secs(10),
+        stream.read_to_string(&mut response),
+    )
+    .await
+    .expect("HTTP answer in time")
+    .expect("read");
+    let code = response
+        .split_whitespace()
+        .nth(1)
+        .and_then(|c| c.parse().ok())
+        .expect("status line");
+    let body = response
+        .split_once("\r\n\r\n")
+        .map(|(_, b)| b.to_string())
+        .unwrap_or_default();
+    (code, body)
+}
+
+#[tokio::test]
+async fn http_endpoints() {
+    let s = start().await;
+    assert_eq!(
+        http(s.http_addr, "GET", "/healthz", "").await,
+        (200, "OK\n".to_string())
+    );
+    assert_eq!(http(s.http_addr, "GET", "/readyz", "").await.0, 200);
+
+    let body = r#"{"domain":"web","descriptors":[{"entries":[{"key":"user","value":"u1"}]}]}"#;
+    let (code, first) = http(s.http_addr, "POST", "/json", body).await;
+    assert_eq!(code, 200);
+    let first: serde_json::Value = serde_json::from_str(&first).expect("JSON body");
+    assert_eq!(
+        first,
+        serde_json::json!({"overallCode": "OK", "statuses": [{"code": "OK",
+            "currentLimit": {"requestsPerUnit": 2, "unit": "MINUTE"}, "limitRemaining": 1, "durationUntilReset": "60s"}]})
+    );
+    assert_eq!(http(s.http_addr, "POST", "/json", body).await.0, 200);
+    let (code, over) = http(s.http_addr, "POST", "/json", body).await;
+    assert_eq!(code, 429);
+    assert!(over.contains("\"overallCode\":\"OVER_LIMIT\""), "{over}");
+
+    let (code, message) = http(
+        s.http_addr,
+        "POST",
+        "/json",
+        r#"{"domain":"","descriptors":[]}"#,
+    )
+    .await;
+    assert_eq!(code, 400);
+    assert!(message.contains("domain must not be empty"), "{message}");
+    assert_eq!(http(s.http_addr, "POST", "/json", "{not json").await.0, 400);
+    s.stop().await;
+}
+
+#[test]
+fn check_command_validates_configs() {
+    let bin = env!("CARGO_BIN_EXE_slidegate");
+    let ok = std::process::Command::new(bin)
+        .args([
+            "check",
+            "--config",
+            concat!(env!("CARGO_MANIFEST_DIR"), "/examples/config.yaml"),
+        ])
+        .output()
+        .expect("run check");
+    assert!(
+        ok.status.success(),
+        "{}",
+        String::from_utf8_lossy(&ok.stderr)
+    );
+    assert!(String::from_utf8_lossy(&ok.stdout).contains("OK"));
+
+    let dir = std::env::temp_dir().join(unique_domain("check"));
+    std::fs::create_dir_all(&dir).expect("mkdir");
+    std::fs::write(
+        dir.join("a.yaml"),
+        "domain: a\ndescriptors:\n  - key: k\n    rate_limit: {unit: fortnight}\n",
+    )
+    .expect("write");
+    std::fs::write(
+        dir.join("b.yaml"),
+        "domain: b\ndescriptors:\n  - value: x\n",
+    )
+    .expect("write");
+    let bad = std::process::Command::new(bin)
+        .args(["check", "--config"])
+        .arg(&dir)
+        .output()
+        .expect("run check");
+    assert!(!bad.status.success());
+    let stderr = String::from_utf8_lossy(&bad.stderr);
+    assert!(
+        stderr.contains(
+            "a.yaml:4: descriptors[0].rate_limit.unit: invalid rate limit unit 'fortnight'"
+        ),
+        "{stderr}"
+    );
+    assert!(
+        stderr.contains("b.yaml:3: descriptors[0]: descriptor has empty key"),
+        "{stderr}"
+    );
+    assert!(stderr.contains("2 error(s)"), "{stderr}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[tokio::test]
+async fn binary_serves_the_example_config() {
+    let grpc = common::redis::free_port();
+    let http_port = common::redis::free_port();
+    let child = std::process::Command::new(env!("CARGO_BIN_EXE_slidegate"))
+        .args([
+            "--config",
+            concat!(env!("CARGO_MANIFEST_DIR"), "/examples/config.yaml"),
+        ])
+        .args([
+            "--grpc-addr",
+            &format!("127.0.0.1:{grpc}"),
+            "--http-addr",
+            &format!("127.0.0.1:{http_port}"),
+        ])
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .expect("start slidegate");
+    struct Kill(std::process::Child);
+    impl Drop for Kill {
+        fn drop(&mut self) {
+            let _ = self.0.kill();
+            let _ = self.0.wait();
+        }
+    }
+    let _child = Kill(child);
+    let client = connect(std::net::SocketAddr::from(([127, 0, 0, 1], grpc))).await;
+    let mut codes = Vec::new();
+    for _ in 0..4 {
+        let r = client
+            .clone()
+            .should_rate_limit(request(
+                "example",
+                vec![descriptor(&[("login_user", "alice")])],
+            ))
+            .await
+            .expect("call")
+            .into_inner();
+        codes.push(r.overall_code);
+    }
+    assert_eq!(codes, vec![ok(), ok(), ok(), over()], "3 logins a minute");
+}
