@@ -13,7 +13,7 @@ fi
 
 echo "== cargo fmt --check"
 cargo fmt --all -- --check
-echo "== cargo clippy"
+echo "== cargo clippy (lib, bin, tests, bench)"
 cargo clippy --all-targets --locked -- -D warnings
 echo "== cargo test"
-cargo test --locked --all-targets
+cargo test --locked

@@ -1,0 +1,250 @@
+//! Load benchmark: throughput and latency of `ShouldRateLimit` over gRPC on loopback, for the
+//! embedded store, standalone Redis and a 3-master Redis Cluster (each started here, on free
+//! ports), plus Redis memory per logged hit and per idle key.
+//!
+//!     cargo bench --bench load                      # defaults: 64 callers, 5 s per scenario
+//!     SLIDEGATE_BENCH_SECS=10 SLIDEGATE_BENCH_CALLERS=128 cargo bench --bench load
+//!
+//! Figures from one run on one machine are comparable with each other; across machines or runs
+//! on a shared machine, compare ratios.
+
+#[allow(dead_code)] // shared with the tests; the bench uses part of it
+#[path = "../tests/common/redis.rs"]
+mod redis_proc;
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use slidegate::limiter::{Limiter, LimiterOptions, SystemClock};
+use slidegate::proto::envoy::extensions::common::ratelimit::v3::rate_limit_descriptor::Entry;
+use slidegate::proto::rate_limit_service_client::RateLimitServiceClient;
+use slidegate::proto::{RateLimitDescriptor, RateLimitRequest};
+use slidegate::store::{ClockSource, MemoryStore, RedisOptions, RedisStore, Store};
+use tokio::net::TcpListener;
+
+const CONFIG: &str = "domain: bench
+descriptors:
+  - key: user
+    rate_limit: {unit: minute, requests_per_unit: 1000000}
+  - key: api
+    rate_limits:
+      - {unit: second, requests_per_unit: 50}
+      - {unit: minute, requests_per_unit: 1000}
+";
+
+fn env_or(name: &str, default: u64) -> u64 {
+    std::env::var(name)
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default)
+}
+
+struct Report {
+    calls: usize,
+    errors: usize,
+    over: usize,
+    elapsed: Duration,
+    latencies_us: Vec<u64>,
+}
+
+impl Report {
+    fn percentile(&self, p: f64) -> f64 {
+        if self.latencies_us.is_empty() {
+            return 0.0;
+        }
+        let i = ((self.latencies_us.len() as f64 - 1.0) * p).round() as usize;
+        self.latencies_us[i] as f64 / 1000.0
+    }
+
+    fn print(&self, name: &str) {
+        println!(
+            "{name:<34} {:>9.0} req/s  p50 {:>6.2} ms  p99 {:>6.2} ms  max {:>7.2} ms  ({} calls, {} over limit, {} errors)",
+            self.calls as f64 / self.elapsed.as_secs_f64(),
+            self.percentile(0.50),
+            self.percentile(0.99),
+            self.percentile(1.0),
+            self.calls,
+            self.over,
+            self.errors
+        );
+    }
+}
+
+/// `callers` tasks over `connections` HTTP/2 connections, each calling as fast as it can.
+async fn drive(store: Arc<dyn Store>, secs: u64, callers: u64, scenario: &'static str) -> Report {
+    let limits = slidegate::config::compile_sources(&[("bench.yaml".into(), CONFIG.into())])
+        .expect("bench config");
+    let limiter = Arc::new(Limiter::new(
+        limits,
+        store,
+        Arc::new(SystemClock),
+        LimiterOptions::default(),
+    ));
+    let grpc = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let http = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let addr = grpc.local_addr().expect("addr");
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let server = tokio::spawn(slidegate::server::run(grpc, http, limiter, async {
+        let _ = stopped.await;
+    }));
+    let connections = 8.min(callers);
+    let mut clients = Vec::new();
+    for _ in 0..connections {
+        clients.push(
+            RateLimitServiceClient::connect(format!("http://{addr}"))
+                .await
+                .expect("connect"),
+        );
+    }
+    let deadline = Instant::now() + Duration::from_secs(secs);
+    let started = Instant::now();
+    let mut tasks = Vec::new();
+    for n in 0..callers {
+        let mut client = clients[(n % connections) as usize].clone();
+        tasks.push(tokio::spawn(async move {
+            let mut latencies = Vec::new();
+            let (mut errors, mut over, mut i) = (0usize, 0usize, 0u64);
+            while Instant::now() < deadline {
+                i += 1;
+                let entries = match scenario {
+                    // Many users, each well within its limit: the common case.
+                    "spread" => vec![("user", format!("u{}", (n * 7919 + i) % 10_000))],
+                    // Every caller on one descriptor with two windows: contention and rejections.
+                    _ => vec![("api", "hot".to_string())],
+                };
+                let request = RateLimitRequest {
+                    domain: "bench".into(),
+                    descriptors: vec![RateLimitDescriptor {
+                        entries: entries
+                            .into_iter()
+                            .map(|(k, v)| Entry {
+                                key: k.into(),
+                                value: v,
+                            })
+                            .collect(),
+                        ..Default::default()
+                    }],
+                    hits_addend: 0,
+                };
+                let t = Instant::now();
+                match client.should_rate_limit(request).await {
+                    Ok(r) => over += usize::from(r.into_inner().overall_code == 2),
+                    Err(_) => errors += 1,
+                }
+                latencies.push(t.elapsed().as_micros() as u64);
+            }
+            (latencies, errors, over)
+        }));
+    }
+    let mut report = Report {
+        calls: 0,
+        errors: 0,
+        over: 0,
+        elapsed: Duration::ZERO,
+        latencies_us: Vec::new(),
+    };
+    for t in tasks {
+        let (latencies, errors, over) = t.await.expect("caller");
+        report.calls += latencies.len();
+        report.errors += errors;
+        report.over += over;
+        report.latencies_us.extend(latencies);
+    }
+    report.elapsed = started.elapsed();
+    report.latencies_us.sort_unstable();
+    let _ = stop.send(());
+    let _ = server.await;
+    report
+}
+
+async fn redis_store(url: String) -> Arc<dyn Store> {
+    Arc::new(
+        RedisStore::connect(RedisOptions {
+            url,
+            pool_size: 4,
+            timeout: Duration::from_millis(500),
+            connect_timeout: Duration::from_secs(5),
+            clock: ClockSource::Server,
+        })
+        .await
+        .expect("connect to bench Redis"),
+    )
+}
+
+fn memory_usage(redis: &redis_proc::RedisProcess) {
+    let cli = |args: &[&str]| {
+        let out = std::process::Command::new("redis-cli")
+            .args(["-p", &redis.port.to_string()])
+            .args(args)
+            .output()
+            .expect("redis-cli");
+        String::from_utf8_lossy(&out.stdout).trim().to_string()
+    };
+    let sha = cli(&["SCRIPT", "LOAD", slidegate::store::redis::SCRIPT]);
+    let now = 1_767_225_600_000u64;
+    println!(
+        "\nRedis memory (MEMORY USAGE, redis-server 7, default zset-max-listpack-entries 128):"
+    );
+    for entries in [10u64, 100, 128, 129, 1000, 10_000] {
+        let key = format!("rl:{{bench:m{entries}}}:log");
+        let ban = format!("rl:{{bench:m{entries}}}:ban");
+        // One call with `entries` hits records `entries` members, as that many requests would.
+        let reply = cli(&[
+            "EVALSHA",
+            &sha,
+            "2",
+            &key,
+            &ban,
+            &now.to_string(),
+            "memprobe0000-123456",
+            "1",
+            "1",
+            &entries.to_string(),
+            "0",
+            "0",
+            "1",
+            "100000",
+            "3600000",
+        ]);
+        assert!(!reply.starts_with("ERR"), "{reply}");
+        let bytes: f64 = cli(&["MEMORY", "USAGE", &key, "SAMPLES", "0"])
+            .parse()
+            .unwrap_or(0.0);
+        println!(
+            "  log with {entries:>6} entries: {bytes:>9.0} bytes, {:>6.1} bytes per entry",
+            bytes / entries as f64
+        );
+    }
+    let ban = "rl:{bench:banned}:ban";
+    cli(&["SET", ban, &(now + 900_000).to_string(), "PX", "900000"]);
+    println!(
+        "  ban key (idle descriptor): {} bytes",
+        cli(&["MEMORY", "USAGE", ban, "SAMPLES", "0"])
+    );
+}
+
+fn main() {
+    let secs = env_or("SLIDEGATE_BENCH_SECS", 5);
+    let callers = env_or("SLIDEGATE_BENCH_CALLERS", 64);
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .expect("runtime");
+    println!("slidegate load benchmark: {callers} callers, {secs} s per scenario, loopback gRPC");
+    let standalone = redis_proc::RedisProcess::start(&[]);
+    let cluster = redis_proc::RedisCluster::start();
+    runtime.block_on(async {
+        for scenario in ["spread", "hot"] {
+            drive(Arc::new(MemoryStore::new()), secs, callers, scenario)
+                .await
+                .print(&format!("embedded, {scenario}"));
+            drive(redis_store(standalone.url()).await, secs, callers, scenario)
+                .await
+                .print(&format!("redis standalone, {scenario}"));
+            drive(redis_store(cluster.url()).await, secs, callers, scenario)
+                .await
+                .print(&format!("redis cluster (3 masters), {scenario}"));
+        }
+    });
+    memory_usage(&standalone);
+}
