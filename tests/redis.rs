@@ -466,3 +466,134 @@ fn malformed_script_arguments_get_an_error_reply() {
     let numbers: Vec<&str> = reply.lines().collect();
     assert_eq!(numbers, vec!["1000", "1", "1", "0", "1", "1", "1000"]);
 }
+
+/// `rediss://` with a password: a real TLS Redis with a test CA, which the binary trusts through
+/// `SSL_CERT_FILE` (read by rustls' native roots). A wrong password fails start-up with the
+/// password redacted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tls_and_password_from_the_url() {
+    let dir = std::env::temp_dir().join(unique_domain("tls"));
+    std::fs::create_dir_all(&dir).expect("mkdir");
+    let sh = |script: &str| {
+        let out = std::process::Command::new("sh")
+            .args(["-c", script])
+            .current_dir(&dir)
+            .output()
+            .expect("run openssl");
+        assert!(
+            out.status.success(),
+            "{script}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    };
+    sh(
+        "openssl req -x509 -newkey rsa:2048 -nodes -keyout ca.key -out ca.crt -days 2 -subj /CN=slidegate-test-ca 2>/dev/null",
+    );
+    sh(
+        "openssl req -newkey rsa:2048 -nodes -keyout server.key -out server.csr -subj /CN=localhost 2>/dev/null",
+    );
+    sh(
+        "printf 'subjectAltName=DNS:localhost,IP:127.0.0.1\\n' > ext.cnf && openssl x509 -req -in server.csr -CA ca.crt -CAkey ca.key -CAcreateserial -out server.crt -days 2 -extfile ext.cnf 2>/dev/null",
+    );
+    let file = |name: &str| dir.join(name).display().to_string();
+    let (cert, key, ca) = (file("server.crt"), file("server.key"), file("ca.crt"));
+    let ca_for_ready = ca.clone();
+    let redis = RedisProcess::start_with(
+        |port| {
+            [
+                "--port",
+                "0",
+                "--tls-port",
+                &port.to_string(),
+                "--tls-cert-file",
+                &cert,
+                "--tls-key-file",
+                &key,
+                "--tls-ca-cert-file",
+                &ca,
+                "--tls-auth-clients",
+                "no",
+                "--requirepass",
+                "s3cret-pw",
+            ]
+            .map(String::from)
+            .to_vec()
+        },
+        |port| {
+            std::process::Command::new("redis-cli")
+                .args([
+                    "--tls",
+                    "--cacert",
+                    &ca_for_ready,
+                    "-h",
+                    "localhost",
+                    "-p",
+                    &port.to_string(),
+                ])
+                .args(["-a", "s3cret-pw", "--no-auth-warning", "PING"])
+                .output()
+                .is_ok_and(|o| String::from_utf8_lossy(&o.stdout).contains("PONG"))
+        },
+    );
+    let config = dir.join("limits.yaml");
+    std::fs::write(&config, "domain: tls\ndescriptors:\n  - key: k\n    rate_limit: {unit: minute, requests_per_unit: 1}\n").expect("write");
+    let start = |password: &str, grpc: u16, http: u16| {
+        std::process::Command::new(env!("CARGO_BIN_EXE_slidegate"))
+            .env("SSL_CERT_FILE", &ca)
+            .arg("--config")
+            .arg(&config)
+            .args([
+                "--redis",
+                &format!("rediss://:{password}@localhost:{}", redis.port),
+                "--redis-timeout",
+                "5s",
+            ])
+            .args([
+                "--grpc-addr",
+                &format!("127.0.0.1:{grpc}"),
+                "--http-addr",
+                &format!("127.0.0.1:{http}"),
+            ])
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .expect("start slidegate")
+    };
+
+    let wrong = start(
+        "wrong-pw",
+        common::redis::free_port(),
+        common::redis::free_port(),
+    )
+    .wait_with_output()
+    .expect("slidegate exits");
+    assert!(!wrong.status.success());
+    let stderr = String::from_utf8_lossy(&wrong.stderr);
+    assert!(
+        stderr.contains("cannot use Redis at rediss://:***@localhost"),
+        "{stderr}"
+    );
+    assert!(
+        !stderr.contains("wrong-pw"),
+        "the password leaked: {stderr}"
+    );
+
+    let (grpc, http) = (common::redis::free_port(), common::redis::free_port());
+    let _server = KillOnDrop(start("s3cret-pw", grpc, http));
+    wait_until("slidegate over TLS ready", Duration::from_secs(20), || {
+        command(http, "GET /readyz HTTP/1.0\r\n").is_ok_and(|r| r.contains("200 OK"))
+    });
+    let client = common::connect(std::net::SocketAddr::from(([127, 0, 0, 1], grpc))).await;
+    let mut codes = Vec::new();
+    for _ in 0..2 {
+        let r = client
+            .clone()
+            .should_rate_limit(request("tls", vec![descriptor(&[("k", "v")])]))
+            .await
+            .expect("call");
+        codes.push(r.into_inner().overall_code);
+    }
+    assert_eq!(codes, vec![ok(), over()]);
+    drop(redis);
+    let _ = std::fs::remove_dir_all(&dir);
+}

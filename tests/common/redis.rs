@@ -101,9 +101,22 @@ pub fn wait_until(what: &str, deadline: Duration, mut check: impl FnMut() -> boo
 
 impl RedisProcess {
     pub fn start(extra: &[&str]) -> RedisProcess {
+        let extra: Vec<String> = extra.iter().map(|s| s.to_string()).collect();
+        RedisProcess::start_with(
+            |_| extra.clone(),
+            |port| command(port, "PING").is_ok_and(|r| r.starts_with("+PONG")),
+        )
+    }
+
+    /// Starts with arguments that may depend on the chosen port (later arguments override
+    /// earlier ones, so `--port 0 --tls-port <port>` serves TLS only), ready when `ready` holds.
+    pub fn start_with(
+        extra: impl Fn(u16) -> Vec<String>,
+        ready: impl Fn(u16) -> bool,
+    ) -> RedisProcess {
         let port = free_port();
         let dir = scratch_dir(port);
-        let extra: Vec<String> = extra.iter().map(|s| s.to_string()).collect();
+        let extra = extra(port);
         let child = spawn(port, &dir, &extra);
         let process = RedisProcess {
             port,
@@ -111,7 +124,11 @@ impl RedisProcess {
             dir,
             extra,
         };
-        process.wait_ready();
+        wait_until(
+            &format!("redis-server on {port}"),
+            Duration::from_secs(10),
+            || ready(port),
+        );
         process
     }
 
