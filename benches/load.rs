@@ -74,17 +74,26 @@ impl Report {
 async fn drive(store: Arc<dyn Store>, secs: u64, callers: u64, scenario: &'static str) -> Report {
     let limits = slidegate::config::compile_sources(&[("bench.yaml".into(), CONFIG.into())])
         .expect("bench config");
-    let limiter = Arc::new(Limiter::new(
-        limits,
-        store,
-        Arc::new(SystemClock),
-        LimiterOptions::default(),
-    ));
+    let metrics = Arc::new(slidegate::metrics::Metrics::new());
+    let limiter = Arc::new(
+        Limiter::new(
+            limits,
+            store,
+            Arc::new(SystemClock),
+            LimiterOptions::default(),
+        )
+        .with_observer(metrics.clone()),
+    );
+    let app = slidegate::server::App {
+        limiter,
+        metrics,
+        options: slidegate::server::ServerOptions::default(),
+    };
     let grpc = TcpListener::bind("127.0.0.1:0").await.expect("bind");
     let http = TcpListener::bind("127.0.0.1:0").await.expect("bind");
     let addr = grpc.local_addr().expect("addr");
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let server = tokio::spawn(slidegate::server::run(grpc, http, limiter, async {
+    let server = tokio::spawn(slidegate::server::run(grpc, http, app, async {
         let _ = stopped.await;
     }));
     let connections = 8.min(callers);

@@ -20,8 +20,9 @@
 --   ARGV[4]  n, the number of descriptors
 --   then per descriptor: hits, role (0 enforce, 1 shadow, 2 quota), ban_ms (0: no ban), m (>= 1),
 --   then m pairs: limit, window_ms
--- Reply: { now, recorded (0/1), then per descriptor: fits (0/1), ban_remaining_ms, m',
---          then m' pairs: count, reset_ms }   (m' = 0 while banned)
+-- Reply: { now, recorded (0/1), then per descriptor: fits (0/1), ban_remaining_ms,
+--          ban_set (1 if this call set the ban), m', then m' pairs: count, reset_ms }
+--          (m' = 0 while banned)
 --   count    hits in the window after this call
 --   reset_ms fitting descriptor: until the oldest entry in the window ages out (0 if empty);
 --            otherwise: until this request's hits would fit (0 if this window has room, the
@@ -100,9 +101,10 @@ end
 
 -- 1. Does each descriptor fit? Hits of earlier fitting descriptors on the same log count as
 --    pending, so two descriptors sharing a log cannot overshoot together.
-local fits, banned, pending = {}, {}, {}
+local fits, banned, ban_set, pending = {}, {}, {}, {}
 for i, it in ipairs(items) do
   banned[i] = 0
+  ban_set[i] = 0
   local ban_end = tonumber(redis.call('GET', it.ban) or '0') or 0
   if ban_end > now then
     banned[i] = ban_end - now
@@ -124,6 +126,7 @@ for i, it in ipairs(items) do
     elseif it.ban_ms > 0 then
       redis.call('SET', it.ban, ms(now + it.ban_ms), 'PX', ms(it.ban_ms))
       banned[i] = it.ban_ms
+      ban_set[i] = 1
     end
   end
 end
@@ -175,6 +178,7 @@ local reply = { now, record and 1 or 0 }
 for i, it in ipairs(items) do
   reply[#reply + 1] = fits[i] and 1 or 0
   reply[#reply + 1] = banned[i]
+  reply[#reply + 1] = ban_set[i]
   if banned[i] > 0 then
     reply[#reply + 1] = 0
   else

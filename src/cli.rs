@@ -11,6 +11,8 @@ use crate::config;
 use std::time::Duration;
 
 use crate::limiter::{FailurePolicy, Limiter, LimiterOptions, SystemClock};
+use crate::metrics::Metrics;
+use crate::server::{App, ServerOptions};
 use crate::store::redis::redact;
 use crate::store::{ClockSource, MemoryStore, RedisOptions, RedisStore, Store};
 
@@ -66,6 +68,21 @@ pub struct ServeArgs {
     /// decides), OK (allow) or OVER_LIMIT (deny).
     #[arg(long, env = "SLIDEGATE_STORE_FAILURE", value_enum, default_value_t = FailureArg::Error)]
     pub store_failure: FailureArg,
+    /// Fraction of a limit above which admitted hits count as near_limit in metrics.
+    #[arg(long, env = "SLIDEGATE_NEAR_LIMIT_RATIO", default_value_t = 0.8, value_parser = ratio_arg)]
+    pub near_limit_ratio: f64,
+    /// Do not watch the config for changes (SIGHUP still reloads).
+    #[arg(long, env = "SLIDEGATE_NO_WATCH")]
+    pub no_watch: bool,
+    /// Quiet time after a config change before reloading.
+    #[arg(long, env = "SLIDEGATE_RELOAD_DEBOUNCE", default_value = "250ms", value_parser = duration_arg)]
+    pub reload_debounce: Duration,
+    /// After SIGTERM, keep serving with readiness off this long before closing listeners.
+    #[arg(long, env = "SLIDEGATE_SHUTDOWN_DELAY", default_value = "0s", value_parser = duration_or_zero_arg)]
+    pub shutdown_delay: Duration,
+    /// Then wait at most this long for in-flight calls before exiting.
+    #[arg(long, env = "SLIDEGATE_SHUTDOWN_GRACE", default_value = "20s", value_parser = duration_arg)]
+    pub shutdown_grace: Duration,
     /// Answer OK overall for every request (statuses still say what would happen).
     #[arg(long, env = "SLIDEGATE_SHADOW_MODE")]
     pub shadow_mode: bool,
@@ -100,6 +117,24 @@ fn duration_arg(text: &str) -> Result<Duration, String> {
     config::duration::parse_ms(text).map(Duration::from_millis)
 }
 
+fn duration_or_zero_arg(text: &str) -> Result<Duration, String> {
+    if text
+        .trim()
+        .trim_end_matches(|c: char| c.is_ascii_alphabetic())
+        == "0"
+    {
+        return Ok(Duration::ZERO);
+    }
+    duration_arg(text)
+}
+
+fn ratio_arg(text: &str) -> Result<f64, String> {
+    match text.parse::<f64>() {
+        Ok(r) if (0.0..=1.0).contains(&r) => Ok(r),
+        _ => Err(format!("'{text}' is not a ratio between 0 and 1")),
+    }
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub enum LogFormat {
     Text,
@@ -119,6 +154,7 @@ fn check(path: &std::path::Path) -> ExitCode {
     match config::load_path(path) {
         Ok(loaded) => {
             let rules = loaded.limits.rules();
+            print!("{}", loaded.limits.describe());
             println!(
                 "{}: {} file(s), {} rule(s), OK",
                 path.display(),
@@ -205,6 +241,7 @@ async fn serve_async(args: ServeArgs) -> Result<(), String> {
         }
     };
     let options = LimiterOptions {
+        near_limit_ratio: args.near_limit_ratio,
         failure_policy: match args.store_failure {
             FailureArg::Error => FailurePolicy::Error,
             FailureArg::Allow => FailurePolicy::Allow,
@@ -214,12 +251,21 @@ async fn serve_async(args: ServeArgs) -> Result<(), String> {
         response_headers: args.response_headers,
         dynamic_metadata: args.dynamic_metadata,
     };
-    let limiter = Arc::new(Limiter::new(
-        loaded.limits,
-        store,
-        Arc::new(SystemClock),
-        options,
-    ));
+    let metrics = Arc::new(Metrics::new());
+    metrics.config_loaded(true);
+    let limiter = Arc::new(
+        Limiter::new(loaded.limits, store, Arc::new(SystemClock), options)
+            .with_observer(metrics.clone()),
+    );
+    let _watch = config::watch::spawn(
+        config_path.clone(),
+        limiter.clone(),
+        metrics.clone(),
+        loaded.fingerprint,
+        args.reload_debounce,
+        !args.no_watch,
+    )
+    .map_err(|e| format!("cannot watch {}: {e}", config_path.display()))?;
     let grpc = tokio::net::TcpListener::bind(args.grpc_addr)
         .await
         .map_err(|e| format!("cannot listen on {} (gRPC): {e}", args.grpc_addr))?;
@@ -227,7 +273,16 @@ async fn serve_async(args: ServeArgs) -> Result<(), String> {
         .await
         .map_err(|e| format!("cannot listen on {} (HTTP): {e}", args.http_addr))?;
     tracing::info!(grpc = %args.grpc_addr, http = %args.http_addr, store = limiter.store_name(), "serving");
-    crate::server::run(grpc, http, limiter, shutdown_signal())
+    let app = App {
+        limiter,
+        metrics,
+        options: ServerOptions {
+            shutdown_delay: args.shutdown_delay,
+            shutdown_grace: args.shutdown_grace,
+            ..ServerOptions::default()
+        },
+    };
+    crate::server::run(grpc, http, app, shutdown_signal())
         .await
         .map_err(|e| e.to_string())
 }

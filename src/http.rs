@@ -1,6 +1,7 @@
-//! The HTTP port: `/healthz` (alive), `/readyz` (able to decide), and `POST /json`, which takes
-//! the proto3 JSON form of a `RateLimitRequest` and answers the JSON `RateLimitResponse` with
-//! 200 (OK), 429 (OVER_LIMIT), 400 (bad request) or 503 (store or config unavailable).
+//! The HTTP port: `/healthz` (alive), `/readyz` (able to decide), `/metrics` (Prometheus),
+//! `/config` (the loaded rules, one per line), and `POST /json`, which takes the proto3 JSON form
+//! of a `RateLimitRequest` and answers the JSON `RateLimitResponse` with 200 (OK), 429
+//! (OVER_LIMIT), 400 (bad request) or 503 (store or config unavailable).
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -13,11 +14,13 @@ use axum::routing::{get, post};
 use serde::{Deserialize, Serialize};
 
 use crate::limiter::{self, Code, Decision, Limiter, LimiterError};
+use crate::metrics::Metrics;
 
 /// What the HTTP handlers share.
 #[derive(Clone)]
 pub struct HttpState {
     pub limiter: Arc<Limiter>,
+    pub metrics: Arc<Metrics>,
     /// False until serving starts and again once shutdown begins.
     pub ready: Arc<AtomicBool>,
 }
@@ -28,6 +31,8 @@ pub fn router(state: HttpState) -> Router {
         .route("/healthcheck", get(|| async { "OK\n" }))
         .route("/readyz", get(readyz))
         .route("/json", post(json))
+        .route("/metrics", get(metrics))
+        .route("/config", get(config))
         .with_state(state)
 }
 
@@ -37,6 +42,21 @@ async fn readyz(State(state): State<HttpState>) -> Response {
     } else {
         (StatusCode::SERVICE_UNAVAILABLE, "not ready\n").into_response()
     }
+}
+
+async fn metrics(State(state): State<HttpState>) -> Response {
+    (
+        [(
+            axum::http::header::CONTENT_TYPE,
+            "application/openmetrics-text; version=1.0.0; charset=utf-8",
+        )],
+        state.metrics.render(),
+    )
+        .into_response()
+}
+
+async fn config(State(state): State<HttpState>) -> String {
+    state.limiter.limits().describe()
 }
 
 async fn json(State(state): State<HttpState>, body: axum::body::Bytes) -> Response {
@@ -54,7 +74,7 @@ async fn json(State(state): State<HttpState>, body: axum::body::Bytes) -> Respon
         Ok(r) => r,
         Err(message) => return (StatusCode::BAD_REQUEST, format!("{message}\n")).into_response(),
     };
-    match state.limiter.should_rate_limit(&request).await {
+    match crate::service::decide(&state.limiter, &state.metrics, &request).await {
         Ok(decision) => {
             let status = match decision.overall {
                 Code::Ok => StatusCode::OK,

@@ -15,6 +15,7 @@ pub mod cli;
 pub mod config;
 pub mod http;
 pub mod limiter;
+pub mod metrics;
 pub mod proto;
 pub mod server;
 pub mod service;

@@ -3,11 +3,13 @@
 //! [`to_status`] is the only place a failure becomes a gRPC status; see its table.
 
 use std::sync::Arc;
+use std::time::Instant;
 
 use prost_types::value::Kind;
 use tonic::{Request, Response};
 
 use crate::limiter::{self, Code, Decision, Limiter, LimiterError};
+use crate::metrics::{CallResult, Metrics};
 use crate::proto::rate_limit_response::{self as resp, DescriptorStatus};
 use crate::proto::rate_limit_service_server::RateLimitService;
 use crate::proto::{HeaderValue, RateLimitRequest, RateLimitResponse};
@@ -16,12 +18,49 @@ use crate::proto::{HeaderValue, RateLimitRequest, RateLimitResponse};
 #[derive(Clone)]
 pub struct RateLimitGrpc {
     limiter: Arc<Limiter>,
+    metrics: Arc<Metrics>,
 }
 
 impl RateLimitGrpc {
-    pub fn new(limiter: Arc<Limiter>) -> RateLimitGrpc {
-        RateLimitGrpc { limiter }
+    pub fn new(limiter: Arc<Limiter>, metrics: Arc<Metrics>) -> RateLimitGrpc {
+        RateLimitGrpc { limiter, metrics }
     }
+}
+
+/// Decides one request and records it: the call counter and latency, and a debug-level span
+/// with the domain, descriptor count, decision and latency. gRPC and `POST /json` both come here.
+#[tracing::instrument(
+    name = "should_rate_limit",
+    level = "debug",
+    skip_all,
+    fields(
+        domain = %request.domain,
+        descriptors = request.descriptors.len(),
+        decision = tracing::field::Empty,
+        latency_us = tracing::field::Empty,
+    )
+)]
+pub async fn decide(
+    limiter: &Limiter,
+    metrics: &Metrics,
+    request: &limiter::Request,
+) -> Result<Decision, LimiterError> {
+    let started = Instant::now();
+    let result = limiter.should_rate_limit(request).await;
+    let elapsed = started.elapsed();
+    let call = match &result {
+        Ok(d) if d.overall == Code::Ok => CallResult::Ok,
+        Ok(_) => CallResult::OverLimit,
+        Err(LimiterError::InvalidRequest(_)) => CallResult::Invalid,
+        Err(LimiterError::NoConfig) => CallResult::NoConfig,
+        Err(LimiterError::Store(_)) => CallResult::StoreError,
+    };
+    metrics.request(call, elapsed);
+    let span = tracing::Span::current();
+    span.record("decision", tracing::field::debug(call));
+    span.record("latency_us", elapsed.as_micros() as u64);
+    tracing::debug!("decided");
+    result
 }
 
 #[tonic::async_trait]
@@ -31,7 +70,7 @@ impl RateLimitService for RateLimitGrpc {
         request: Request<RateLimitRequest>,
     ) -> Result<Response<RateLimitResponse>, tonic::Status> {
         let request = from_proto(request.into_inner());
-        match self.limiter.should_rate_limit(&request).await {
+        match decide(&self.limiter, &self.metrics, &request).await {
             Ok(decision) => Ok(Response::new(to_proto(decision))),
             Err(e) => Err(to_status(&e)),
         }

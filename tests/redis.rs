@@ -458,13 +458,14 @@ fn malformed_script_arguments_get_an_error_reply() {
             "EVALSHA {args:?} -> {reply}"
         );
     }
-    // And a well-formed call answers the documented layout: now, recorded, fits, ban, m, count, reset.
+    // And a well-formed call answers the documented layout: now, recorded, fits, ban, ban set,
+    // m, count, reset.
     let reply = cli(&[
         "EVALSHA", &sha, "2", "t:log", "t:ban", "1000", "p", "1", "1", "1", "0", "0", "1", "10",
         "1000",
     ]);
     let numbers: Vec<&str> = reply.lines().collect();
-    assert_eq!(numbers, vec!["1000", "1", "1", "0", "1", "1", "1000"]);
+    assert_eq!(numbers, vec!["1000", "1", "1", "0", "0", "1", "1", "1000"]);
 }
 
 /// `rediss://` with a password: a real TLS Redis with a test CA, which the binary trusts through

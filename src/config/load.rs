@@ -60,6 +60,9 @@ impl fmt::Display for ConfigErrors {
 pub struct Loaded {
     pub limits: Limits,
     pub files: Vec<PathBuf>,
+    /// Identifies the files' names and contents: a reload with the same fingerprint changes
+    /// nothing.
+    pub fingerprint: u64,
 }
 
 /// Loads a file, or every `*.yaml`/`*.yml` in a directory (not recursing; names starting with
@@ -87,9 +90,19 @@ pub fn load_path(path: &Path) -> Result<Loaded, ConfigErrors> {
             }),
         }
     }
+    let fingerprint = {
+        use std::hash::{Hash, Hasher};
+        let mut hasher = std::collections::hash_map::DefaultHasher::new();
+        sources.hash(&mut hasher);
+        hasher.finish()
+    };
     let compiled = compile_sources(&sources);
     match compiled {
-        Ok(limits) if errors.is_empty() => Ok(Loaded { limits, files }),
+        Ok(limits) if errors.is_empty() => Ok(Loaded {
+            limits,
+            files,
+            fingerprint,
+        }),
         Ok(_) => Err(ConfigErrors(errors)),
         Err(ConfigErrors(more)) => {
             errors.extend(more);
@@ -162,7 +175,14 @@ pub fn compile_sources(sources: &[(String, String)]) -> Result<Limits, ConfigErr
         domain_files.insert(domain.clone(), file.clone());
         ctx.domain = domain.clone();
         let mut root = Node::default();
-        ctx.descriptors(&raw.descriptors, "descriptors", &domain, &[], &mut root);
+        ctx.descriptors(
+            &raw.descriptors,
+            "descriptors",
+            &domain,
+            &[],
+            &[],
+            &mut root,
+        );
         limits.domains.insert(domain, root);
     }
     if errors.is_empty() {
@@ -248,6 +268,7 @@ impl Compiler<'_> {
         yaml_path: &str,
         stat_path: &str,
         ancestor_keys: &[&str],
+        ancestor_values: &[bool],
         node: &mut Node,
     ) {
         for (n, spanned) in list.iter().enumerate() {
@@ -274,8 +295,12 @@ impl Compiler<'_> {
             let stat = format!("{stat_path}.{level}");
             let mut keys = ancestor_keys.to_vec();
             keys.push(&raw.key);
+            let mut value_levels = ancestor_values.to_vec();
+            value_levels.push(raw.value_to_metric);
             let mut child = Node {
-                rule: self.rule(raw, line, &here, &stat, &keys).map(Arc::new),
+                rule: self
+                    .rule(raw, line, &here, &stat, &keys, &value_levels)
+                    .map(Arc::new),
                 ..Node::default()
             };
             self.descriptors(
@@ -283,6 +308,7 @@ impl Compiler<'_> {
                 &format!("{here}.descriptors"),
                 &stat,
                 &keys,
+                &value_levels,
                 &mut child,
             );
 
@@ -327,6 +353,7 @@ impl Compiler<'_> {
         here: &str,
         stat: &str,
         keys: &[&str],
+        value_levels: &[bool],
     ) -> Option<Rule> {
         let limits: Vec<(String, &Spanned<RawRateLimit>)> =
             match (&raw.rate_limit, &raw.rate_limits) {
@@ -473,8 +500,22 @@ impl Compiler<'_> {
         if self.errors.len() > errors_before {
             return None;
         }
+        // The stat path below the domain, split for metric labels: first level, then the rest.
+        let below_domain = stat
+            .strip_prefix(self.domain.as_str())
+            .and_then(|rest| rest.strip_prefix('.'))
+            .unwrap_or(stat);
+        let (key1, key2) = below_domain.split_once('.').unwrap_or((below_domain, ""));
         Some(Rule {
             path: stat.to_string(),
+            domain: self.domain.as_str().into(),
+            stat_key1: key1.into(),
+            stat_key2: key2.into(),
+            value_levels: if raw.detailed_metric {
+                vec![true; value_levels.len()]
+            } else {
+                value_levels.to_vec()
+            },
             limit: if unlimited {
                 Limit::Unlimited
             } else {

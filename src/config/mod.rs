@@ -1,8 +1,9 @@
 //! Configuration: the YAML model ([`model`]), loading and validation into compiled rules
-//! ([`load`]), and config durations ([`duration`]).
+//! ([`load`]), hot reload ([`watch`]), and config durations ([`duration`]).
 
 pub mod duration;
 pub mod load;
 pub mod model;
+pub mod watch;
 
 pub use load::{ConfigError, ConfigErrors, Loaded, compile_sources, load_path};

@@ -8,11 +8,13 @@ use arc_swap::ArcSwap;
 
 use super::headers;
 use super::key::{self, Variant};
+use super::observe::{DescriptorReport, NoObserver, Observer};
 use super::rules::{Limit, Limits, Match, Rule, Segment, Window};
 use super::{
     Clock, Code, Decision, Descriptor, LimiterError, ReportedLimit, Request, Status, Unit,
 };
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Instant;
 
 use crate::store::{CheckItem, CheckOutcome, ItemOutcome, Role, Store};
 
@@ -29,8 +31,10 @@ pub enum FailurePolicy {
 }
 
 /// Switches that change answers for every domain.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq)]
 pub struct LimiterOptions {
+    /// Fraction of a limit above which admitted hits count as "near limit" in metrics.
+    pub near_limit_ratio: f64,
     pub failure_policy: FailurePolicy,
     /// Answer OK overall whatever the statuses say (statuses are unchanged).
     pub global_shadow_mode: bool,
@@ -40,12 +44,25 @@ pub struct LimiterOptions {
     pub dynamic_metadata: bool,
 }
 
+impl Default for LimiterOptions {
+    fn default() -> Self {
+        LimiterOptions {
+            near_limit_ratio: 0.8,
+            failure_policy: FailurePolicy::default(),
+            global_shadow_mode: false,
+            response_headers: false,
+            dynamic_metadata: false,
+        }
+    }
+}
+
 /// Decides requests against the current limits and a store.
 pub struct Limiter {
     limits: ArcSwap<Limits>,
     store: Arc<dyn Store>,
     clock: Arc<dyn Clock>,
     options: LimiterOptions,
+    observer: Arc<dyn Observer>,
     store_errors: AtomicU64,
     /// When a store error was last logged: failures are logged once per burst, not per call.
     last_error_log_ms: AtomicU64,
@@ -72,6 +89,7 @@ enum Plan<'a> {
     Check {
         item: usize,
         rule: Option<&'a Arc<Rule>>,
+        segments: Vec<Segment<'a>>,
     },
 }
 
@@ -87,9 +105,16 @@ impl Limiter {
             store,
             clock,
             options,
+            observer: Arc::new(NoObserver),
             store_errors: AtomicU64::new(0),
             last_error_log_ms: AtomicU64::new(0),
         }
+    }
+
+    /// Reports every decision to `observer` (metrics).
+    pub fn with_observer(mut self, observer: Arc<dyn Observer>) -> Limiter {
+        self.observer = observer;
+        self
     }
 
     /// Replaces the limits at once: a request sees either the old or the new set, never a mix.
@@ -134,6 +159,7 @@ impl Limiter {
         let limits = self.limits.load_full();
         let now_ms = self.clock.now_ms();
         let Some(root) = limits.domain(&request.domain) else {
+            self.observer.unknown_domain();
             return Ok(self.finish(
                 request,
                 Vec::new(),
@@ -191,6 +217,7 @@ impl Limiter {
                     plans.push(Plan::Check {
                         item: items.len() - 1,
                         rule: None,
+                        segments,
                     });
                 }
                 Found::Rule(m) if replaced.iter().any(|name| m.rule.is_named(name)) => {
@@ -221,6 +248,7 @@ impl Limiter {
                         plans.push(Plan::Check {
                             item: items.len() - 1,
                             rule: Some(rule),
+                            segments: m.segments,
                         });
                     }
                 },
@@ -230,7 +258,11 @@ impl Limiter {
         let outcome = if items.is_empty() {
             Default::default()
         } else {
-            match self.store.check(&items, now_ms).await {
+            let started = Instant::now();
+            let result = self.store.check(&items, now_ms).await;
+            self.observer
+                .store_call(self.store.name(), started.elapsed(), result.is_ok());
+            match result {
                 Ok(outcome) => outcome,
                 Err(e) => {
                     self.note_store_error(&e, now_ms);
@@ -268,7 +300,7 @@ impl Limiter {
                     limit_remaining: u32::MAX,
                     duration_until_reset_ms: None,
                 },
-                Plan::Check { item, rule } => {
+                Plan::Check { item, rule, .. } => {
                     let shadow = rule.is_some_and(|r| r.shadow_mode);
                     match outcome.items.get(*item) {
                         Some(found) => status_of(&items[*item].windows, found, shadow),
@@ -277,6 +309,28 @@ impl Limiter {
                 }
             })
             .collect::<Vec<_>>();
+        for plan in &plans {
+            if let Plan::Check {
+                item,
+                rule,
+                segments,
+            } = plan
+                && let Some(found) = outcome.items.get(*item)
+            {
+                self.observer.descriptor(&report(
+                    &request.domain,
+                    rule.map(|r| &**r),
+                    segments,
+                    &items[*item],
+                    found,
+                    outcome.admitted,
+                    self.options.near_limit_ratio,
+                ));
+            }
+        }
+        if self.options.global_shadow_mode && overall == Code::OverLimit {
+            self.observer.global_shadow();
+        }
         let windows_of = |n: usize| match plans.get(n) {
             Some(Plan::Check { item, .. }) => Some(&*items[*item].windows),
             _ => None,
@@ -330,6 +384,55 @@ fn value_segments(descriptor: &Descriptor) -> Vec<Segment<'_>> {
         .iter()
         .map(|(key, value)| Segment::Value { key, value })
         .collect()
+}
+
+/// How one checked descriptor's hits count in metrics (see [`DescriptorReport`]).
+fn report<'a>(
+    domain: &'a str,
+    rule: Option<&'a Rule>,
+    segments: &'a [Segment<'a>],
+    item: &CheckItem<'_>,
+    outcome: &ItemOutcome,
+    admitted: bool,
+    near_ratio: f64,
+) -> DescriptorReport<'a> {
+    let hits = item.hits;
+    let mut report = DescriptorReport {
+        domain,
+        rule,
+        segments,
+        hits,
+        within: 0,
+        near: 0,
+        over: 0,
+        shadow: 0,
+        ban_set: outcome.ban_set,
+    };
+    if !outcome.fits {
+        report.over = hits;
+        if rule.is_some_and(|r| r.shadow_mode) {
+            report.shadow = hits;
+        }
+        return report;
+    }
+    // The binding window: least room after this request. Hits not recorded (the request was
+    // rejected by another descriptor) are counted where they would have landed.
+    let recorded = admitted && hits > 0;
+    let after = |count: u64| if recorded { count } else { count + hits };
+    let binding = item
+        .windows
+        .iter()
+        .zip(&outcome.windows)
+        .min_by_key(|(w, o)| u64::from(w.limit).saturating_sub(after(o.count)));
+    let near = binding.map_or(0, |(w, o)| {
+        let threshold = (f64::from(w.limit) * near_ratio).floor() as u64;
+        let after = after(o.count);
+        let before = after.saturating_sub(hits);
+        after.saturating_sub(before.max(threshold)).min(hits)
+    });
+    report.near = near;
+    report.within = hits - near;
+    report
 }
 
 /// The status of one checked descriptor.

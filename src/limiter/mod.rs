@@ -6,11 +6,13 @@ pub mod clock;
 pub mod engine;
 pub mod headers;
 pub mod key;
+pub mod observe;
 pub mod rules;
 pub mod unit;
 
 pub use clock::{Clock, ManualClock, SystemClock};
 pub use engine::{FailurePolicy, Limiter, LimiterOptions};
+pub use observe::{DescriptorReport, NoObserver, Observer};
 pub use unit::Unit;
 
 /// A `ShouldRateLimit` request in domain terms.

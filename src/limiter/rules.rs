@@ -52,6 +52,13 @@ pub enum Limit {
 pub struct Rule {
     /// Stat-style path, e.g. `messaging.message_type_marketing.to_number`.
     pub path: String,
+    pub domain: Arc<str>,
+    /// The path split for metric labels: the first level, and the rest joined with `.`.
+    pub stat_key1: Arc<str>,
+    pub stat_key2: Arc<str>,
+    /// Per level: whether metrics show the request's value there (`value_to_metric`, or every
+    /// level with `detailed_metric`).
+    pub value_levels: Vec<bool>,
     pub limit: Limit,
     /// Names of rules this one removes from a request's decision when both match.
     pub replaces: Vec<Arc<str>>,
@@ -222,6 +229,79 @@ impl Node {
         }
         node.rule.as_ref().map(|rule| Match { rule, segments })
     }
+}
+
+impl Rule {
+    /// One line for introspection: path, windows, ban, modes and where the rule came from.
+    pub fn describe(&self) -> String {
+        let limit = match &self.limit {
+            Limit::Unlimited => "unlimited".to_string(),
+            Limit::Windows { windows, ban_ms } => {
+                let windows: Vec<String> = windows
+                    .iter()
+                    .map(|w| {
+                        let name = w
+                            .name
+                            .as_deref()
+                            .map(|n| format!(" ({n})"))
+                            .unwrap_or_default();
+                        format!("{}/{}{name}", w.limit, human_ms(w.length_ms))
+                    })
+                    .collect();
+                let ban = ban_ms
+                    .map(|b| format!(" ban={}", human_ms(b)))
+                    .unwrap_or_default();
+                format!("{}{ban}", windows.join(", "))
+            }
+        };
+        let mut flags = Vec::new();
+        if self.shadow_mode {
+            flags.push("shadow");
+        }
+        if self.quota_mode {
+            flags.push("quota");
+        }
+        let flags = if flags.is_empty() {
+            String::new()
+        } else {
+            format!(" [{}]", flags.join(", "))
+        };
+        format!("{}: {limit}{flags} ({})", self.path, self.source)
+    }
+}
+
+impl Limits {
+    /// Every rule, one line each, sorted by domain and path.
+    pub fn describe(&self) -> String {
+        self.rules()
+            .into_iter()
+            .map(|(_, rule)| rule.describe() + "\n")
+            .collect()
+    }
+}
+
+/// A window length as written in config: `90s`, `1h30m`, `500ms`.
+pub fn human_ms(ms: u64) -> String {
+    const UNITS: [(u64, &str); 6] = [
+        (604_800_000, "w"),
+        (86_400_000, "d"),
+        (3_600_000, "h"),
+        (60_000, "m"),
+        (1_000, "s"),
+        (1, "ms"),
+    ];
+    if ms == 0 {
+        return "0s".into();
+    }
+    let mut rest = ms;
+    let mut out = String::new();
+    for (size, unit) in UNITS {
+        if rest >= size {
+            out.push_str(&format!("{}{unit}", rest / size));
+            rest %= size;
+        }
+    }
+    out
 }
 
 #[cfg(test)]

@@ -96,6 +96,7 @@ impl MemoryStore {
         // pending, so two descriptors of one request that share a log cannot overshoot together.
         let mut fits = vec![false; items.len()];
         let mut ban_remaining = vec![0u64; items.len()];
+        let mut ban_set = vec![false; items.len()];
         for (n, item) in items.iter().enumerate() {
             let pending: u64 = items[..n]
                 .iter()
@@ -126,6 +127,7 @@ impl MemoryStore {
                 slot.ban_until_ms = now_ms.saturating_add(ban_ms);
                 slot.keep_until_ms = slot.keep_until_ms.max(slot.ban_until_ms);
                 ban_remaining[n] = ban_ms;
+                ban_set[n] = true;
             }
         }
 
@@ -153,6 +155,7 @@ impl MemoryStore {
                 if ban_remaining[n] > 0 {
                     return ItemOutcome {
                         ban_remaining_ms: ban_remaining[n],
+                        ban_set: ban_set[n],
                         fits: false,
                         windows: Vec::new(),
                     };
@@ -177,6 +180,7 @@ impl MemoryStore {
                     .collect();
                 ItemOutcome {
                     ban_remaining_ms: 0,
+                    ban_set: false,
                     fits: fits[n],
                     windows,
                 }

@@ -45,6 +45,8 @@ pub struct CheckItem<'a> {
 pub struct ItemOutcome {
     /// Time left on a ban (0: not banned). A request that just triggered a ban sees the full ban.
     pub ban_remaining_ms: u64,
+    /// This request went over and set the ban.
+    pub ban_set: bool,
     /// Every window had room for the hits (and no ban).
     pub fits: bool,
     /// Per window, in the rule's order; empty when banned.

@@ -349,6 +349,7 @@ fn parse_reply(
     for &i in group {
         let fits = next("fits")? == 1;
         let ban_remaining_ms = next("ban")?;
+        let ban_set = next("ban set")? == 1;
         let m = next("window count")? as usize;
         if ban_remaining_ms == 0 && m != items[i].windows.len() {
             return Err(bad("window count does not match the request"));
@@ -362,6 +363,7 @@ fn parse_reply(
         }
         outcomes.push(ItemOutcome {
             ban_remaining_ms,
+            ban_set,
             fits,
             windows,
         });

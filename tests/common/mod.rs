@@ -8,12 +8,14 @@ use std::time::Duration;
 
 use slidegate::config;
 use slidegate::limiter::{Limiter, LimiterOptions, ManualClock};
+use slidegate::metrics::Metrics;
 use slidegate::proto::envoy::extensions::common::ratelimit::v3::rate_limit_descriptor::{
     Entry, RateLimitOverride,
 };
 use slidegate::proto::rate_limit_response::{Code, DescriptorStatus};
 use slidegate::proto::rate_limit_service_client::RateLimitServiceClient;
 use slidegate::proto::{RateLimitDescriptor, RateLimitRequest, RateLimitResponse};
+use slidegate::server::{App, ServerOptions};
 use slidegate::store::Store;
 use tokio::net::TcpListener;
 use tokio::sync::oneshot;
@@ -28,6 +30,7 @@ pub struct TestServer {
     pub clock: ManualClock,
     pub client: RateLimitServiceClient<Channel>,
     pub limiter: Arc<Limiter>,
+    pub metrics: Arc<Metrics>,
     stop: Option<oneshot::Sender<()>>,
     join: Option<tokio::task::JoinHandle<()>>,
 }
@@ -45,20 +48,23 @@ impl TestServer {
         let limits = config::compile_sources(&[("test.yaml".to_string(), config_yaml.to_string())])
             .unwrap_or_else(|e| panic!("test config rejected:\n{e}"));
         let clock = ManualClock::new(T0);
-        let limiter = Arc::new(Limiter::new(
-            limits,
-            store,
-            Arc::new(clock.clone()),
-            options,
-        ));
+        let metrics = Arc::new(Metrics::new());
+        let limiter = Arc::new(
+            Limiter::new(limits, store, Arc::new(clock.clone()), options)
+                .with_observer(metrics.clone()),
+        );
         let grpc = TcpListener::bind("127.0.0.1:0").await.expect("bind gRPC");
         let http = TcpListener::bind("127.0.0.1:0").await.expect("bind HTTP");
         let grpc_addr = grpc.local_addr().expect("gRPC address");
         let http_addr = http.local_addr().expect("HTTP address");
         let (stop, stopped) = oneshot::channel::<()>();
-        let server_limiter = limiter.clone();
+        let app = App {
+            limiter: limiter.clone(),
+            metrics: metrics.clone(),
+            options: ServerOptions::default(),
+        };
         let join = tokio::spawn(async move {
-            slidegate::server::run(grpc, http, server_limiter, async {
+            slidegate::server::run(grpc, http, app, async {
                 let _ = stopped.await;
             })
             .await
@@ -71,6 +77,7 @@ impl TestServer {
             clock,
             client,
             limiter,
+            metrics,
             stop: Some(stop),
             join: Some(join),
         }

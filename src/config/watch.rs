@@ -1,0 +1,161 @@
+//! Hot reload: watch the config file or directory and swap in a new config when it changes.
+//!
+//! The directory is watched, not the files: editors that save by rename and Kubernetes ConfigMaps
+//! (which swap a `..data` symlink) change the directory's entries, not the file that was open.
+//! Events are debounced; then everything is loaded and validated first, and only a complete,
+//! valid config replaces the old one (atomically, see `Limiter::replace_limits`). On any error
+//! the old config keeps serving and the error is logged with file and line and counted.
+//! `SIGHUP` forces a reload.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use notify::{RecursiveMode, Watcher};
+use tokio::sync::mpsc;
+
+use super::load::load_path;
+use crate::limiter::Limiter;
+use crate::metrics::Metrics;
+
+/// Keeps the watch alive; dropping it stops reloading.
+pub struct ConfigWatch {
+    _watcher: Option<notify::RecommendedWatcher>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Drop for ConfigWatch {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+/// What reloads found, for tests and logs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Reload {
+    Applied,
+    Unchanged,
+    Rejected,
+}
+
+/// Loads `path` and, if it differs from what `current` fingerprints, swaps it in.
+pub async fn reload(
+    path: &Path,
+    limiter: &Limiter,
+    metrics: &Metrics,
+    current: &mut u64,
+) -> Reload {
+    let owned = path.to_path_buf();
+    let loaded = match tokio::task::spawn_blocking(move || load_path(&owned)).await {
+        Ok(loaded) => loaded,
+        Err(e) => {
+            tracing::error!("config reload task failed: {e}");
+            return Reload::Rejected;
+        }
+    };
+    match loaded {
+        Ok(loaded) if loaded.fingerprint == *current => Reload::Unchanged,
+        Ok(loaded) => {
+            *current = loaded.fingerprint;
+            let domains = loaded.limits.domains.len();
+            limiter.replace_limits(loaded.limits);
+            metrics.config_loaded(true);
+            tracing::info!(config = %path.display(), files = loaded.files.len(), domains, "config reloaded");
+            Reload::Applied
+        }
+        Err(errors) => {
+            metrics.config_loaded(false);
+            tracing::error!(config = %path.display(), "config rejected, the previous config keeps serving:\n{errors}");
+            Reload::Rejected
+        }
+    }
+}
+
+/// Starts reloading on SIGHUP and, with `watch_files`, on changes. `fingerprint` identifies the
+/// config already serving.
+pub fn spawn(
+    path: PathBuf,
+    limiter: Arc<Limiter>,
+    metrics: Arc<Metrics>,
+    fingerprint: u64,
+    debounce: Duration,
+    watch_files: bool,
+) -> Result<ConfigWatch, notify::Error> {
+    let (tx, mut rx) = mpsc::channel::<()>(1);
+    let watcher = if watch_files {
+        let events = tx.clone();
+        let mut watcher =
+            notify::recommended_watcher(move |event: notify::Result<notify::Event>| {
+                if event.is_ok_and(|e| !e.kind.is_access()) {
+                    // A full channel already has a reload pending.
+                    let _ = events.try_send(());
+                }
+            })?;
+        let dir = if path.is_dir() {
+            path.clone()
+        } else {
+            path.parent()
+                .filter(|p| !p.as_os_str().is_empty())
+                .map_or_else(|| PathBuf::from("."), Path::to_path_buf)
+        };
+        watcher.watch(&dir, RecursiveMode::NonRecursive)?;
+        Some(watcher)
+    } else {
+        None
+    };
+
+    let task = tokio::spawn(async move {
+        // Holding a sender keeps `recv` pending (not closed) when no file watcher holds one.
+        let _keep_open = tx;
+        let mut current = fingerprint;
+        let mut hangup = sighup();
+        loop {
+            tokio::select! {
+                Some(()) = rx.recv() => {
+                    // Debounce: wait until the directory has been quiet for `debounce`.
+                    while let Ok(Some(())) = tokio::time::timeout(debounce, rx.recv()).await {}
+                }
+                _ = next_hangup(&mut hangup) => {
+                    tracing::info!("SIGHUP: reloading config");
+                }
+            }
+            reload(&path, &limiter, &metrics, &mut current).await;
+        }
+    });
+    Ok(ConfigWatch {
+        _watcher: watcher,
+        task,
+    })
+}
+
+#[cfg(unix)]
+type Hangup = Option<tokio::signal::unix::Signal>;
+#[cfg(not(unix))]
+type Hangup = Option<()>;
+
+#[cfg(unix)]
+fn sighup() -> Hangup {
+    match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup()) {
+        Ok(s) => Some(s),
+        Err(e) => {
+            tracing::warn!("cannot listen for SIGHUP: {e}");
+            None
+        }
+    }
+}
+
+#[cfg(not(unix))]
+fn sighup() -> Hangup {
+    None
+}
+
+async fn next_hangup(hangup: &mut Hangup) {
+    #[cfg(unix)]
+    if let Some(signal) = hangup
+        && signal.recv().await.is_some()
+    {
+        return;
+    }
+    let _ = hangup;
+    std::future::pending::<()>().await;
+}

@@ -1,0 +1,46 @@
+//! What the limiter tells an observer (metrics) about each decision. The limiter knows nothing
+//! of how it is exported.
+
+use std::time::Duration;
+
+use super::rules::{Rule, Segment};
+
+/// One limited descriptor of a decided request. Hits are split the way the reference server's
+/// stats split them: `over` when the descriptor was over its limit; otherwise `near` for the hits
+/// that landed above the near-limit threshold of the binding window and `within` for the rest.
+#[derive(Debug)]
+pub struct DescriptorReport<'a> {
+    pub domain: &'a str,
+    /// The matched rule; `None` for a request override.
+    pub rule: Option<&'a Rule>,
+    /// How the descriptor matched, level by level (concrete values), for detailed metrics.
+    pub segments: &'a [Segment<'a>],
+    pub hits: u64,
+    pub within: u64,
+    pub near: u64,
+    pub over: u64,
+    /// Hits over the limit of a shadow-mode rule (they were let through).
+    pub shadow: u64,
+    /// This request set a ban.
+    pub ban_set: bool,
+}
+
+pub trait Observer: Send + Sync + 'static {
+    fn descriptor(&self, report: &DescriptorReport<'_>);
+    /// A request named a domain with no config.
+    fn unknown_domain(&self);
+    /// Global shadow mode turned an OVER_LIMIT answer into OK.
+    fn global_shadow(&self);
+    fn store_call(&self, store: &'static str, elapsed: Duration, ok: bool);
+}
+
+/// Observes nothing.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct NoObserver;
+
+impl Observer for NoObserver {
+    fn descriptor(&self, _: &DescriptorReport<'_>) {}
+    fn unknown_domain(&self) {}
+    fn global_shadow(&self) {}
+    fn store_call(&self, _: &'static str, _: Duration, _: bool) {}
+}

@@ -1,0 +1,335 @@
+//! Prometheus metrics, served on the HTTP port at `/metrics` (OpenMetrics text, which Prometheus
+//! reads; counters carry the `_total` suffix).
+//!
+//! Per rule, with labels `domain`, `key1` (first level of the rule's path) and `key2` (the rest):
+//! `ratelimit_service_rate_limit_{total_hits,over_limit,near_limit,within_limit,shadow_mode}_total`
+//! as the reference server names them, plus `..._bans_total`. Descriptor values appear in labels
+//! only for rules with `detailed_metric`/`value_to_metric`, and only up to
+//! [`DETAILED_SERIES_CAP`] label sets; past that, hits count under the rule's own path, so a
+//! flood of distinct values cannot grow memory.
+
+use std::collections::HashSet;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
+use prometheus_client::registry::Registry;
+
+use crate::limiter::observe::{DescriptorReport, Observer};
+use crate::limiter::rules::Segment;
+
+/// Most label sets with descriptor values kept, over all detailed rules.
+pub const DETAILED_SERIES_CAP: usize = 1000;
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct RuleLabels {
+    domain: Arc<str>,
+    key1: Arc<str>,
+    key2: Arc<str>,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ResultLabels {
+    result: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct StoreLabels {
+    store: &'static str,
+}
+
+/// The outcome of one `ShouldRateLimit` call, for `slidegate_requests_total{result}`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CallResult {
+    Ok,
+    OverLimit,
+    Invalid,
+    StoreError,
+    NoConfig,
+}
+
+impl CallResult {
+    fn label(self) -> &'static str {
+        match self {
+            CallResult::Ok => "ok",
+            CallResult::OverLimit => "over_limit",
+            CallResult::Invalid => "invalid",
+            CallResult::StoreError => "store_error",
+            CallResult::NoConfig => "no_config",
+        }
+    }
+}
+
+pub struct Metrics {
+    registry: Registry,
+    total_hits: Family<RuleLabels, Counter>,
+    over_limit: Family<RuleLabels, Counter>,
+    near_limit: Family<RuleLabels, Counter>,
+    within_limit: Family<RuleLabels, Counter>,
+    shadow_mode: Family<RuleLabels, Counter>,
+    bans: Family<RuleLabels, Counter>,
+    requests: Family<ResultLabels, Counter>,
+    request_seconds: Histogram,
+    store_seconds: Family<StoreLabels, Histogram>,
+    store_errors: Family<StoreLabels, Counter>,
+    config_success: Counter,
+    config_error: Counter,
+    config_age: Gauge<f64, AtomicU64>,
+    /// When the current config was loaded, in ms since the epoch (0: never).
+    config_loaded_ms: AtomicU64,
+    unknown_domain: Counter,
+    global_shadow: Counter,
+    detailed_seen: Mutex<HashSet<RuleLabels>>,
+}
+
+fn latency_histogram() -> Histogram {
+    // 50 µs to about 1.6 s.
+    Histogram::new(exponential_buckets(0.000_05, 2.0, 16))
+}
+
+fn now_ms() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64)
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Metrics {
+    pub fn new() -> Metrics {
+        let mut registry = Registry::default();
+        let m = Metrics {
+            total_hits: Family::default(),
+            over_limit: Family::default(),
+            near_limit: Family::default(),
+            within_limit: Family::default(),
+            shadow_mode: Family::default(),
+            bans: Family::default(),
+            requests: Family::default(),
+            request_seconds: latency_histogram(),
+            store_seconds: Family::new_with_constructor(latency_histogram),
+            store_errors: Family::default(),
+            config_success: Counter::default(),
+            config_error: Counter::default(),
+            config_age: Gauge::default(),
+            config_loaded_ms: AtomicU64::new(0),
+            unknown_domain: Counter::default(),
+            global_shadow: Counter::default(),
+            detailed_seen: Mutex::new(HashSet::new()),
+            registry: Registry::default(),
+        };
+        let rule = "per rule (domain, key1 = first level, key2 = the rest)";
+        registry.register(
+            "ratelimit_service_rate_limit_total_hits",
+            format!("Hits asked for, {rule}"),
+            m.total_hits.clone(),
+        );
+        registry.register(
+            "ratelimit_service_rate_limit_over_limit",
+            format!("Hits over the limit, {rule}"),
+            m.over_limit.clone(),
+        );
+        registry.register(
+            "ratelimit_service_rate_limit_near_limit",
+            format!("Admitted hits above the near-limit ratio, {rule}"),
+            m.near_limit.clone(),
+        );
+        registry.register(
+            "ratelimit_service_rate_limit_within_limit",
+            format!("Admitted hits below the near-limit ratio, {rule}"),
+            m.within_limit.clone(),
+        );
+        registry.register(
+            "ratelimit_service_rate_limit_shadow_mode",
+            format!("Hits over the limit let through by shadow mode, {rule}"),
+            m.shadow_mode.clone(),
+        );
+        registry.register(
+            "ratelimit_service_rate_limit_bans",
+            format!("Bans set, {rule}"),
+            m.bans.clone(),
+        );
+        registry.register(
+            "slidegate_requests",
+            "ShouldRateLimit calls by result",
+            m.requests.clone(),
+        );
+        registry.register(
+            "slidegate_request_duration_seconds",
+            "ShouldRateLimit latency inside slidegate",
+            m.request_seconds.clone(),
+        );
+        registry.register(
+            "slidegate_store_duration_seconds",
+            "Latency of one store decision",
+            m.store_seconds.clone(),
+        );
+        registry.register(
+            "slidegate_store_errors",
+            "Store calls that failed or timed out",
+            m.store_errors.clone(),
+        );
+        registry.register(
+            "ratelimit_service_config_load_success",
+            "Config loads that succeeded",
+            m.config_success.clone(),
+        );
+        registry.register(
+            "ratelimit_service_config_load_error",
+            "Config loads that were rejected (the old config stays)",
+            m.config_error.clone(),
+        );
+        registry.register(
+            "slidegate_config_age_seconds",
+            "Seconds since the serving config was loaded",
+            m.config_age.clone(),
+        );
+        registry.register(
+            "ratelimit_service_rate_limit_domain_not_found",
+            "Requests for a domain with no config",
+            m.unknown_domain.clone(),
+        );
+        registry.register(
+            "ratelimit_service_global_shadow_mode",
+            "OVER_LIMIT answers turned into OK by --shadow-mode",
+            m.global_shadow.clone(),
+        );
+        Metrics { registry, ..m }
+    }
+
+    /// The exposition, in OpenMetrics text.
+    pub fn render(&self) -> String {
+        let loaded = self.config_loaded_ms.load(Ordering::Relaxed);
+        if loaded > 0 {
+            self.config_age
+                .set(now_ms().saturating_sub(loaded) as f64 / 1000.0);
+        }
+        let mut out = String::new();
+        // Writing into a String cannot fail.
+        let _ = prometheus_client::encoding::text::encode(&mut out, &self.registry);
+        out
+    }
+
+    pub fn config_loaded(&self, ok: bool) {
+        if ok {
+            self.config_success.inc();
+            self.config_loaded_ms.store(now_ms(), Ordering::Relaxed);
+        } else {
+            self.config_error.inc();
+        }
+    }
+
+    pub fn request(&self, result: CallResult, elapsed: Duration) {
+        self.requests
+            .get_or_create(&ResultLabels {
+                result: result.label(),
+            })
+            .inc();
+        self.request_seconds.observe(elapsed.as_secs_f64());
+    }
+
+    /// Labels for a descriptor: the rule's path, or with values where the rule asks for them
+    /// (while under the cap).
+    fn labels(&self, report: &DescriptorReport<'_>) -> RuleLabels {
+        let Some(rule) = report.rule else {
+            // Request overrides: one series per domain and entry keys, never per value.
+            let keys: Vec<&str> = report
+                .segments
+                .iter()
+                .map(|s| match s {
+                    Segment::Value { key, .. } | Segment::Shared { key, .. } => *key,
+                })
+                .collect();
+            return RuleLabels {
+                domain: report.domain.into(),
+                key1: "_override".into(),
+                key2: keys.join(".").into(),
+            };
+        };
+        let plain = RuleLabels {
+            domain: rule.domain.clone(),
+            key1: rule.stat_key1.clone(),
+            key2: rule.stat_key2.clone(),
+        };
+        if !rule.value_levels.iter().any(|v| *v) {
+            return plain;
+        }
+        let levels: Vec<String> = report
+            .segments
+            .iter()
+            .zip(rule.value_levels.iter().chain(std::iter::repeat(&false)))
+            .map(|(segment, with_value)| match segment {
+                Segment::Value { key, value } if *with_value => format!("{key}_{value}"),
+                Segment::Shared { key, pattern } if *with_value => format!("{key}_{pattern}"),
+                Segment::Value { key, .. } | Segment::Shared { key, .. } => key.to_string(),
+            })
+            .collect();
+        let detailed = RuleLabels {
+            domain: rule.domain.clone(),
+            key1: levels.first().map_or("", String::as_str).into(),
+            key2: levels
+                .get(1..)
+                .map_or(String::new(), |rest| rest.join("."))
+                .into(),
+        };
+        let mut seen = self
+            .detailed_seen
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        if seen.contains(&detailed) {
+            return detailed;
+        }
+        if seen.len() < DETAILED_SERIES_CAP {
+            seen.insert(detailed.clone());
+            return detailed;
+        }
+        plain
+    }
+}
+
+impl Observer for Metrics {
+    fn descriptor(&self, report: &DescriptorReport<'_>) {
+        let labels = self.labels(report);
+        self.total_hits.get_or_create(&labels).inc_by(report.hits);
+        for (family, n) in [
+            (&self.over_limit, report.over),
+            (&self.near_limit, report.near),
+            (&self.within_limit, report.within),
+            (&self.shadow_mode, report.shadow),
+        ] {
+            if n > 0 {
+                family.get_or_create(&labels).inc_by(n);
+            }
+        }
+        if report.ban_set {
+            self.bans.get_or_create(&labels).inc();
+        }
+    }
+
+    fn unknown_domain(&self) {
+        self.unknown_domain.inc();
+    }
+
+    fn global_shadow(&self) {
+        self.global_shadow.inc();
+    }
+
+    fn store_call(&self, store: &'static str, elapsed: Duration, ok: bool) {
+        let labels = StoreLabels { store };
+        self.store_seconds
+            .get_or_create(&labels)
+            .observe(elapsed.as_secs_f64());
+        if !ok {
+            self.store_errors.get_or_create(&labels).inc();
+        }
+    }
+}

@@ -1,0 +1,675 @@
+//! Operations: metrics with exact values and bounded cardinality, hot reload (in place, rename,
+//! ConfigMap symlink swap, broken file, SIGHUP, under concurrent load), health, logs and
+//! graceful shutdown.
+
+mod common;
+
+use std::collections::HashSet;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+use common::redis::{RedisProcess, command, free_port, wait_until};
+use common::*;
+use slidegate::limiter::LimiterOptions;
+use slidegate::store::{MemoryStore, RedisOptions, RedisStore, Store};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+/// The value of one sample line (`name{labels} value`) in an exposition.
+fn sample(exposition: &str, series: &str) -> Option<f64> {
+    exposition
+        .lines()
+        .find_map(|l| {
+            l.strip_prefix(series)
+                .and_then(|rest| rest.strip_prefix(' '))
+        })
+        .and_then(|v| v.trim().parse().ok())
+}
+
+async fn http_get(addr: std::net::SocketAddr, path: &str) -> (u16, String) {
+    let mut stream = tokio::net::TcpStream::connect(addr)
+        .await
+        .expect("connect HTTP");
+    stream
+        .write_all(format!("GET {path} HTTP/1.0\r\nHost: t\r\n\r\n").as_bytes())
+        .await
+        .expect("write");
+    let mut response = String::new();
+    tokio::time::timeout(
+        Duration::from_secs(10),
+        stream.read_to_string(&mut response),
+    )
+    .await
+    .expect("in time")
+    .expect("read");
+    let code = response
+        .split_whitespace()
+        .nth(1)
+        .and_then(|c| c.parse().ok())
+        .expect("status");
+    let body = response
+        .split_once("\r\n\r\n")
+        .map(|(_, b)| b.to_string())
+        .unwrap_or_default();
+    (code, body)
+}
+
+const METRICS_CONFIG: &str = "domain: m
+descriptors:
+  - key: api
+    rate_limit: {unit: minute, requests_per_unit: 10}
+  - key: shadowed
+    shadow_mode: true
+    rate_limit: {unit: minute, requests_per_unit: 1}
+  - key: login
+    rate_limit: {unit: minute, requests_per_unit: 1}
+    ban: 1m
+  - key: user
+    rate_limit: {unit: minute, requests_per_unit: 100}
+  - key: tenant
+    detailed_metric: true
+    rate_limit: {unit: minute, requests_per_unit: 100}
+";
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn metrics_count_known_traffic_exactly() {
+    let s = TestServer::start(
+        METRICS_CONFIG,
+        Arc::new(MemoryStore::new()),
+        LimiterOptions::default(),
+    )
+    .await;
+    for _ in 0..12 {
+        s.call(request("m", vec![descriptor(&[("api", "a")])]))
+            .await;
+    }
+    for _ in 0..3 {
+        s.call(request("m", vec![descriptor(&[("shadowed", "x")])]))
+            .await;
+    }
+    for _ in 0..3 {
+        s.call(request("m", vec![descriptor(&[("login", "bob")])]))
+            .await;
+    }
+    s.call(request("nowhere", vec![descriptor(&[("a", "b")])]))
+        .await;
+    s.call_err(request("", vec![descriptor(&[("a", "b")])]))
+        .await;
+
+    let (code, text) = http_get(s.http_addr, "/metrics").await;
+    assert_eq!(code, 200);
+    let rule = |stat: &str, key1: &str| {
+        sample(
+            &text,
+            &format!(
+                "ratelimit_service_rate_limit_{stat}_total{{domain=\"m\",key1=\"{key1}\",key2=\"\"}}"
+            ),
+        )
+    };
+    // api: 10 admitted (hits at counts 1..8 within, 9..10 near the 0.8 ratio), 2 over.
+    assert_eq!(rule("total_hits", "api"), Some(12.0));
+    assert_eq!(rule("within_limit", "api"), Some(8.0));
+    assert_eq!(rule("near_limit", "api"), Some(2.0));
+    assert_eq!(rule("over_limit", "api"), Some(2.0));
+    // shadowed (limit 1, near threshold 0): 1 near, 2 over and let through.
+    assert_eq!(rule("near_limit", "shadowed"), Some(1.0));
+    assert_eq!(rule("over_limit", "shadowed"), Some(2.0));
+    assert_eq!(rule("shadow_mode", "shadowed"), Some(2.0));
+    // login: 1 admitted, then over (ban set once), then banned.
+    assert_eq!(rule("over_limit", "login"), Some(2.0));
+    assert_eq!(rule("bans", "login"), Some(1.0));
+    assert_eq!(
+        sample(&text, "slidegate_requests_total{result=\"ok\"}"),
+        Some(15.0)
+    );
+    assert_eq!(
+        sample(&text, "slidegate_requests_total{result=\"over_limit\"}"),
+        Some(4.0)
+    );
+    assert_eq!(
+        sample(&text, "slidegate_requests_total{result=\"invalid\"}"),
+        Some(1.0)
+    );
+    assert_eq!(
+        sample(&text, "ratelimit_service_rate_limit_domain_not_found_total"),
+        Some(1.0)
+    );
+    assert_eq!(
+        sample(&text, "slidegate_request_duration_seconds_count"),
+        Some(20.0)
+    );
+    assert_eq!(
+        sample(
+            &text,
+            "slidegate_store_duration_seconds_count{store=\"memory\"}"
+        ),
+        Some(18.0)
+    );
+    s.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn distinct_values_do_not_grow_series() {
+    let s = TestServer::start(
+        METRICS_CONFIG,
+        Arc::new(MemoryStore::new()),
+        LimiterOptions::default(),
+    )
+    .await;
+    let series = |text: &str| {
+        text.lines()
+            .filter(|l| l.starts_with("ratelimit_service_rate_limit_"))
+            .count()
+    };
+    s.call(request("m", vec![descriptor(&[("user", "first")])]))
+        .await;
+    let before = series(&s.metrics.render());
+    let mut tasks = Vec::new();
+    for worker in 0..16 {
+        let client = s.client.clone();
+        tasks.push(tokio::spawn(async move {
+            for n in 0..625 {
+                let value = format!("u{worker}-{n}");
+                client
+                    .clone()
+                    .should_rate_limit(request("m", vec![descriptor(&[("user", &value)])]))
+                    .await
+                    .expect("call");
+            }
+        }));
+    }
+    for t in tasks {
+        t.await.expect("worker");
+    }
+    let text = s.metrics.render();
+    assert_eq!(
+        series(&text),
+        before,
+        "10,000 distinct values of a plain rule add no series"
+    );
+    assert_eq!(
+        sample(
+            &text,
+            "ratelimit_service_rate_limit_total_hits_total{domain=\"m\",key1=\"user\",key2=\"\"}"
+        ),
+        Some(10_001.0)
+    );
+
+    // A detailed rule shows values, up to the cap; beyond it hits land on the rule's path.
+    let cap = slidegate::metrics::DETAILED_SERIES_CAP;
+    for n in 0..cap + 500 {
+        s.call(request(
+            "m",
+            vec![descriptor(&[("tenant", &format!("t{n}"))])],
+        ))
+        .await;
+    }
+    let text = s.metrics.render();
+    let detailed: HashSet<&str> = text
+        .lines()
+        .filter(|l| {
+            l.starts_with(
+                "ratelimit_service_rate_limit_total_hits_total{domain=\"m\",key1=\"tenant_",
+            )
+        })
+        .collect();
+    assert_eq!(detailed.len(), cap);
+    assert_eq!(
+        sample(
+            &text,
+            "ratelimit_service_rate_limit_total_hits_total{domain=\"m\",key1=\"tenant\",key2=\"\"}"
+        ),
+        Some(500.0)
+    );
+    s.stop().await;
+}
+
+struct Dir(PathBuf);
+
+impl Drop for Dir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+fn temp_dir(name: &str) -> Dir {
+    let dir = std::env::temp_dir().join(unique_domain(name));
+    std::fs::create_dir_all(&dir).expect("mkdir");
+    Dir(dir)
+}
+
+fn limits(name1: &str, name2: &str) -> String {
+    format!(
+        "domain: r\ndescriptors:\n  - key: k1\n    rate_limit: {{unit: minute, requests_per_unit: 1000000, name: {name1}}}\n  - key: k2\n    rate_limit: {{unit: minute, requests_per_unit: 1000000, name: {name2}}}\n"
+    )
+}
+
+/// Starts a server on the config at `path` and a watcher on it.
+async fn watched(path: &Path) -> (TestServer, slidegate::config::watch::ConfigWatch) {
+    let loaded = slidegate::config::load_path(path).expect("initial config");
+    let text = std::fs::read_to_string(loaded.files.first().expect("a file")).expect("read");
+    let s = TestServer::start(
+        &text,
+        Arc::new(MemoryStore::new()),
+        LimiterOptions::default(),
+    )
+    .await;
+    let watch = slidegate::config::watch::spawn(
+        path.to_path_buf(),
+        s.limiter.clone(),
+        s.metrics.clone(),
+        loaded.fingerprint,
+        Duration::from_millis(20),
+        true,
+    )
+    .expect("watch");
+    (s, watch)
+}
+
+async fn names(s: &TestServer) -> (String, String) {
+    let r = s
+        .call(request(
+            "r",
+            vec![descriptor(&[("k1", "x")]), descriptor(&[("k2", "x")])],
+        ))
+        .await;
+    let name = |i: usize| {
+        r.statuses[i]
+            .current_limit
+            .as_ref()
+            .map(|l| l.name.clone())
+            .unwrap_or_default()
+    };
+    (name(0), name(1))
+}
+
+async fn wait_for_names(s: &TestServer, expected: (&str, &str)) {
+    let end = Instant::now() + Duration::from_secs(10);
+    loop {
+        let now = names(s).await;
+        if now == (expected.0.to_string(), expected.1.to_string()) {
+            return;
+        }
+        assert!(
+            Instant::now() < end,
+            "config never switched to {expected:?}; still {now:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+fn counter(s: &TestServer, name: &str) -> f64 {
+    sample(&s.metrics.render(), name).unwrap_or(0.0)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reload_in_place_by_rename_and_broken() {
+    let dir = temp_dir("reload");
+    let file = dir.0.join("limits.yaml");
+    std::fs::write(&file, limits("a1", "a2")).expect("write");
+    let (s, _watch) = watched(&dir.0).await;
+    assert_eq!(names(&s).await, ("a1".into(), "a2".into()));
+
+    std::fs::write(&file, limits("b1", "b2")).expect("rewrite in place");
+    wait_for_names(&s, ("b1", "b2")).await;
+
+    let tmp = dir.0.join(".limits.yaml.swp");
+    std::fs::write(&tmp, limits("c1", "c2")).expect("write temp");
+    std::fs::rename(&tmp, &file).expect("rename over");
+    wait_for_names(&s, ("c1", "c2")).await;
+    let successes = counter(&s, "ratelimit_service_config_load_success_total");
+    assert!(successes >= 2.0, "{successes}");
+
+    std::fs::write(
+        &file,
+        "domain: r\ndescriptors:\n  - key: k1\n    rate_limit: {unit: fortnight}\n",
+    )
+    .expect("break");
+    wait_until(
+        "the broken config is counted",
+        Duration::from_secs(10),
+        || counter(&s, "ratelimit_service_config_load_error_total") >= 1.0,
+    );
+    assert_eq!(
+        names(&s).await,
+        ("c1".into(), "c2".into()),
+        "the old config keeps serving"
+    );
+    s.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reload_on_configmap_symlink_swap() {
+    let dir = temp_dir("configmap");
+    let root = &dir.0;
+    let version = |n: u32, text: String| {
+        let v = root.join(format!("..2026_11_30_v{n}"));
+        std::fs::create_dir_all(&v).expect("mkdir");
+        std::fs::write(v.join("limits.yaml"), text).expect("write");
+        format!("..2026_11_30_v{n}")
+    };
+    let v1 = version(1, limits("v1a", "v1b"));
+    std::os::unix::fs::symlink(&v1, root.join("..data")).expect("..data");
+    std::os::unix::fs::symlink("..data/limits.yaml", root.join("limits.yaml")).expect("link");
+    let (s, _watch) = watched(root).await;
+    assert_eq!(names(&s).await, ("v1a".into(), "v1b".into()));
+
+    // What the kubelet does: a new version folder, a temporary link, renamed over ..data.
+    let v2 = version(2, limits("v2a", "v2b"));
+    std::os::unix::fs::symlink(&v2, root.join("..data_tmp")).expect("..data_tmp");
+    std::fs::rename(root.join("..data_tmp"), root.join("..data")).expect("swap");
+    std::fs::remove_dir_all(root.join(&v1)).expect("remove old version");
+    wait_for_names(&s, ("v2a", "v2b")).await;
+    s.stop().await;
+}
+
+/// 50 reloads while callers keep asking with two descriptors: every answer comes from one
+/// config, never half of each, and never from no config.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_requests_never_see_a_mixed_config() {
+    let dir = temp_dir("mixed");
+    let file = dir.0.join("limits.yaml");
+    std::fs::write(&file, limits("g0", "g0")).expect("write");
+    let (s, _watch) = watched(&dir.0).await;
+    let stop = Arc::new(AtomicBool::new(false));
+    let mut callers = Vec::new();
+    for _ in 0..4 {
+        let client = s.client.clone();
+        let stop = stop.clone();
+        callers.push(tokio::spawn(async move {
+            let mut seen = 0u64;
+            while !stop.load(Ordering::SeqCst) {
+                let r = client
+                    .clone()
+                    .should_rate_limit(request(
+                        "r",
+                        vec![descriptor(&[("k1", "x")]), descriptor(&[("k2", "x")])],
+                    ))
+                    .await
+                    .expect("call")
+                    .into_inner();
+                let name = |i: usize| r.statuses[i].current_limit.as_ref().map(|l| l.name.clone());
+                let (a, b) = (name(0), name(1));
+                assert!(
+                    a.is_some() && a == b,
+                    "mixed or missing config: {a:?} / {b:?}"
+                );
+                seen += 1;
+            }
+            seen
+        }));
+    }
+    for generation in 1..=50 {
+        let start = counter(&s, "ratelimit_service_config_load_success_total");
+        let name = format!("g{generation}");
+        std::fs::write(&file, limits(&name, &name)).expect("rewrite");
+        wait_until("reload applied", Duration::from_secs(10), || {
+            counter(&s, "ratelimit_service_config_load_success_total") > start
+        });
+    }
+    stop.store(true, Ordering::SeqCst);
+    let mut total = 0;
+    for c in callers {
+        total += c.await.expect("caller kept consistent answers");
+    }
+    assert!(total > 50, "callers ran during the reloads ({total} calls)");
+    wait_for_names(&s, ("g50", "g50")).await;
+    s.stop().await;
+}
+
+struct Child(std::process::Child);
+
+impl Drop for Child {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn signal(child: &std::process::Child, name: &str) {
+    let status = Command::new("kill")
+        .args([&format!("-{name}"), &child.id().to_string()])
+        .status()
+        .expect("kill");
+    assert!(status.success());
+}
+
+/// The binary: SIGHUP reloads with file watching off; `/config` and `slidegate check` list the
+/// rules; debug logs carry one span per call, in JSON.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sighup_config_listing_and_debug_logs() {
+    let dir = temp_dir("sighup");
+    let file = dir.0.join("limits.yaml");
+    std::fs::write(&file, limits("h1", "h2")).expect("write");
+    let log = dir.0.join("stderr.log");
+    let (grpc, http) = (free_port(), free_port());
+    let child = Command::new(env!("CARGO_BIN_EXE_slidegate"))
+        .arg("--config")
+        .arg(&dir.0)
+        .args([
+            "--no-watch",
+            "--log-format",
+            "json",
+            "--log-level",
+            "slidegate=debug",
+        ])
+        .args([
+            "--grpc-addr",
+            &format!("127.0.0.1:{grpc}"),
+            "--http-addr",
+            &format!("127.0.0.1:{http}"),
+        ])
+        .stdout(Stdio::null())
+        .stderr(std::fs::File::create(&log).expect("log file"))
+        .spawn()
+        .expect("start slidegate");
+    let child = Child(child);
+    let http_addr = std::net::SocketAddr::from(([127, 0, 0, 1], http));
+    wait_until("ready", Duration::from_secs(20), || {
+        command(http, "GET /readyz HTTP/1.0\r\n").is_ok_and(|r| r.contains("200 OK"))
+    });
+    let (_, listing) = http_get(http_addr, "/config").await;
+    assert!(listing.contains("r.k1: 1000000/1m (h1) ("), "{listing}");
+    assert_eq!(listing.lines().count(), 2, "{listing}");
+
+    std::fs::write(&file, limits("h3", "h4")).expect("rewrite");
+    let (_, unchanged) = http_get(http_addr, "/config").await;
+    assert!(
+        unchanged.contains("(h1)"),
+        "--no-watch: nothing changes before SIGHUP"
+    );
+    signal(&child.0, "HUP");
+    let end = Instant::now() + Duration::from_secs(10);
+    loop {
+        let (_, listing) = http_get(http_addr, "/config").await;
+        if listing.contains("(h3)") {
+            break;
+        }
+        assert!(Instant::now() < end, "SIGHUP did not reload: {listing}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+
+    let client = connect(std::net::SocketAddr::from(([127, 0, 0, 1], grpc))).await;
+    client
+        .clone()
+        .should_rate_limit(request("r", vec![descriptor(&[("k1", "x")])]))
+        .await
+        .expect("call");
+    let end = Instant::now() + Duration::from_secs(10);
+    loop {
+        let logged = std::fs::read_to_string(&log).unwrap_or_default();
+        let span_line = logged.lines().find(|l| l.contains("\"decided\""));
+        if let Some(line) = span_line {
+            let json: serde_json::Value = serde_json::from_str(line).expect("JSON log line");
+            let span = &json["span"];
+            assert_eq!(span["name"], "should_rate_limit", "{line}");
+            assert_eq!(span["domain"], "r");
+            assert_eq!(span["descriptors"], 1);
+            assert_eq!(span["decision"], "Ok");
+            assert!(span["latency_us"].is_u64(), "{line}");
+            break;
+        }
+        assert!(Instant::now() < end, "no debug span logged:\n{logged}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+
+    let check = Command::new(env!("CARGO_BIN_EXE_slidegate"))
+        .arg("check")
+        .arg("--config")
+        .arg(&dir.0)
+        .output()
+        .expect("check");
+    let out = String::from_utf8_lossy(&check.stdout);
+    assert!(
+        out.contains("r.k1: 1000000/1m (h3)") && out.contains("r.k2: 1000000/1m (h4)"),
+        "{out}"
+    );
+}
+
+/// SIGTERM: readiness and gRPC health turn off first, the call in flight (held up by a sleeping
+/// Redis) still completes, and the process exits 0 within the grace period.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn graceful_shutdown_finishes_in_flight_calls() {
+    let redis = RedisProcess::start(&["--enable-debug-command", "yes"]);
+    let dir = temp_dir("shutdown");
+    std::fs::write(dir.0.join("limits.yaml"), limits("s1", "s2")).expect("write");
+    let (grpc, http) = (free_port(), free_port());
+    let mut child = Child(
+        Command::new(env!("CARGO_BIN_EXE_slidegate"))
+            .arg("--config")
+            .arg(&dir.0)
+            .args(["--redis", &redis.url(), "--redis-timeout", "10s"])
+            .args(["--shutdown-delay", "1s", "--shutdown-grace", "10s"])
+            .args([
+                "--grpc-addr",
+                &format!("127.0.0.1:{grpc}"),
+                "--http-addr",
+                &format!("127.0.0.1:{http}"),
+            ])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("start slidegate"),
+    );
+    wait_until("ready", Duration::from_secs(20), || {
+        command(http, "GET /readyz HTTP/1.0\r\n").is_ok_and(|r| r.contains("200 OK"))
+    });
+    let client = connect(std::net::SocketAddr::from(([127, 0, 0, 1], grpc))).await;
+    client
+        .clone()
+        .should_rate_limit(request("r", vec![descriptor(&[("k1", "warm")])]))
+        .await
+        .expect("warm-up call");
+
+    // Put Redis to sleep, and make sure it is asleep: a PING then gets no answer.
+    let port = redis.port;
+    let sleeper = std::thread::spawn(move || command(port, "DEBUG SLEEP 3"));
+    wait_until("Redis asleep", Duration::from_secs(10), || {
+        let mut s = match std::net::TcpStream::connect(("127.0.0.1", port)) {
+            Ok(s) => s,
+            Err(_) => return false,
+        };
+        let _ = s.set_read_timeout(Some(Duration::from_millis(300)));
+        let _ = std::io::Write::write_all(&mut s, b"PING\r\n");
+        let mut buf = [0u8; 16];
+        std::io::Read::read(&mut s, &mut buf).is_err()
+    });
+    let in_flight = tokio::spawn({
+        let client = client.clone();
+        async move {
+            client
+                .clone()
+                .should_rate_limit(request("r", vec![descriptor(&[("k1", "x")])]))
+                .await
+        }
+    });
+    signal(&child.0, "TERM");
+    let http_addr = std::net::SocketAddr::from(([127, 0, 0, 1], http));
+    let end = Instant::now() + Duration::from_secs(5);
+    loop {
+        if http_get(http_addr, "/readyz").await.0 == 503 {
+            break;
+        }
+        assert!(Instant::now() < end, "readiness never turned off");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(
+        !in_flight.is_finished(),
+        "the call is still waiting on Redis while readiness is off"
+    );
+    let answer = in_flight
+        .await
+        .expect("task")
+        .expect("the in-flight call completed");
+    assert_eq!(answer.into_inner().overall_code, ok());
+    let _ = sleeper.join();
+    let end = Instant::now() + Duration::from_secs(15);
+    let status = loop {
+        if let Some(status) = child.0.try_wait().expect("wait") {
+            break status;
+        }
+        assert!(
+            Instant::now() < end,
+            "slidegate did not exit within the grace period"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    assert!(status.success(), "{status:?}");
+}
+
+/// gRPC health follows the store: NOT_SERVING while Redis is down, SERVING again after.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn health_follows_the_store() {
+    use tonic_health::pb::HealthCheckRequest;
+    use tonic_health::pb::health_check_response::ServingStatus;
+    use tonic_health::pb::health_client::HealthClient;
+
+    let mut redis = RedisProcess::start(&[]);
+    let store: Arc<dyn Store> = Arc::new(
+        RedisStore::connect(RedisOptions {
+            url: redis.url(),
+            pool_size: 1,
+            timeout: Duration::from_millis(200),
+            connect_timeout: Duration::from_secs(5),
+            clock: slidegate::store::ClockSource::Server,
+        })
+        .await
+        .expect("connect"),
+    );
+    let s = TestServer::start(&limits("x", "y"), store, LimiterOptions::default()).await;
+    let channel = tonic::transport::Endpoint::from_shared(format!("http://{}", s.grpc_addr))
+        .expect("uri")
+        .connect()
+        .await
+        .expect("connect");
+    let mut health = HealthClient::new(channel);
+    let mut status_is = async |want: ServingStatus| {
+        let end = Instant::now() + Duration::from_secs(15);
+        loop {
+            let got = health
+                .check(HealthCheckRequest {
+                    service: String::new(),
+                })
+                .await
+                .map(|r| r.into_inner().status);
+            if got.as_ref().is_ok_and(|s| *s == want as i32) {
+                return;
+            }
+            assert!(
+                Instant::now() < end,
+                "health never became {want:?} (last {got:?})"
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    };
+    status_is(ServingStatus::Serving).await;
+    assert_eq!(http_get(s.http_addr, "/readyz").await.0, 200);
+    redis.stop();
+    status_is(ServingStatus::NotServing).await;
+    assert_eq!(http_get(s.http_addr, "/readyz").await.0, 503);
+    redis.restart();
+    status_is(ServingStatus::Serving).await;
+    s.stop().await;
+}
