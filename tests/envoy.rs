@@ -6,22 +6,14 @@ mod common;
 
 use std::collections::HashMap;
 use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use common::redis::{free_port, shared_standalone, wait_until};
+use common::{KillOnDrop, TempDir};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 const MANIFEST: &str = env!("CARGO_MANIFEST_DIR");
-
-struct KillOnDrop(Child);
-
-impl Drop for KillOnDrop {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
 
 fn envoy_binary() -> PathBuf {
     let path = std::env::var_os("SLIDEGATE_ENVOY")
@@ -85,14 +77,6 @@ struct Envoy {
     _dir: TempDir,
 }
 
-struct TempDir(PathBuf);
-
-impl Drop for TempDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
-
 /// Envoy with deploy/envoy/envoy.yaml, its ports moved to free ones, listening on loopback only.
 /// The filter timeout is raised from 50 ms to 2 s so a busy test machine does not turn into
 /// fail-open answers; everything else is the deployed file.
@@ -119,9 +103,8 @@ fn start_envoy(upstream: u16, slidegate_grpc: u16, failure_mode_deny: bool) -> E
         );
         config = config.replace(from, &to);
     }
-    let dir = std::env::temp_dir().join(common::unique_domain("envoy"));
-    std::fs::create_dir_all(&dir).expect("mkdir");
-    let path = dir.join("envoy.yaml");
+    let dir = common::temp_dir("envoy");
+    let path = dir.0.join("envoy.yaml");
     std::fs::write(&path, config).expect("write envoy config");
     let child = Command::new(envoy_binary())
         .arg("-c")
@@ -148,7 +131,7 @@ fn start_envoy(upstream: u16, slidegate_grpc: u16, failure_mode_deny: bool) -> E
     Envoy {
         port: listen,
         _child: child,
-        _dir: TempDir(dir),
+        _dir: dir,
     }
 }
 

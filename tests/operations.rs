@@ -5,7 +5,7 @@
 mod common;
 
 use std::collections::HashSet;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Command, Stdio};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -15,7 +15,10 @@ use common::redis::{RedisProcess, command, free_port, wait_until};
 use common::*;
 use slidegate::limiter::LimiterOptions;
 use slidegate::store::{MemoryStore, RedisOptions, RedisStore, Store};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+async fn http_get(addr: std::net::SocketAddr, path: &str) -> (u16, String) {
+    http(addr, "GET", path, "").await
+}
 
 /// The value of one sample line (`name{labels} value`) in an exposition.
 fn sample(exposition: &str, series: &str) -> Option<f64> {
@@ -26,34 +29,6 @@ fn sample(exposition: &str, series: &str) -> Option<f64> {
                 .and_then(|rest| rest.strip_prefix(' '))
         })
         .and_then(|v| v.trim().parse().ok())
-}
-
-async fn http_get(addr: std::net::SocketAddr, path: &str) -> (u16, String) {
-    let mut stream = tokio::net::TcpStream::connect(addr)
-        .await
-        .expect("connect HTTP");
-    stream
-        .write_all(format!("GET {path} HTTP/1.0\r\nHost: t\r\n\r\n").as_bytes())
-        .await
-        .expect("write");
-    let mut response = String::new();
-    tokio::time::timeout(
-        Duration::from_secs(10),
-        stream.read_to_string(&mut response),
-    )
-    .await
-    .expect("in time")
-    .expect("read");
-    let code = response
-        .split_whitespace()
-        .nth(1)
-        .and_then(|c| c.parse().ok())
-        .expect("status");
-    let body = response
-        .split_once("\r\n\r\n")
-        .map(|(_, b)| b.to_string())
-        .unwrap_or_default();
-    (code, body)
 }
 
 const METRICS_CONFIG: &str = "domain: m
@@ -224,20 +199,6 @@ async fn distinct_values_do_not_grow_series() {
         Some(500.0)
     );
     s.stop().await;
-}
-
-struct Dir(PathBuf);
-
-impl Drop for Dir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
-
-fn temp_dir(name: &str) -> Dir {
-    let dir = std::env::temp_dir().join(unique_domain(name));
-    std::fs::create_dir_all(&dir).expect("mkdir");
-    Dir(dir)
 }
 
 fn limits(name1: &str, name2: &str) -> String {
@@ -419,15 +380,6 @@ async fn concurrent_requests_never_see_a_mixed_config() {
     s.stop().await;
 }
 
-struct Child(std::process::Child);
-
-impl Drop for Child {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
 fn signal(child: &std::process::Child, name: &str) {
     let status = Command::new("kill")
         .args([&format!("-{name}"), &child.id().to_string()])
@@ -465,7 +417,7 @@ async fn sighup_config_listing_and_debug_logs() {
         .stderr(std::fs::File::create(&log).expect("log file"))
         .spawn()
         .expect("start slidegate");
-    let child = Child(child);
+    let child = KillOnDrop(child);
     let http_addr = std::net::SocketAddr::from(([127, 0, 0, 1], http));
     wait_until("ready", Duration::from_secs(20), || {
         command(http, "GET /readyz HTTP/1.0\r\n").is_ok_and(|r| r.contains("200 OK"))
@@ -536,7 +488,7 @@ async fn graceful_shutdown_finishes_in_flight_calls() {
     let dir = temp_dir("shutdown");
     std::fs::write(dir.0.join("limits.yaml"), limits("s1", "s2")).expect("write");
     let (grpc, http) = (free_port(), free_port());
-    let mut child = Child(
+    let mut child = KillOnDrop(
         Command::new(env!("CARGO_BIN_EXE_slidegate"))
             .arg("--config")
             .arg(&dir.0)

@@ -405,15 +405,6 @@ async fn two_processes_share_exact_limits(url: String) {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
-struct KillOnDrop(std::process::Child);
-
-impl Drop for KillOnDrop {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_processes_exact_on_standalone() {
     two_processes_share_exact_limits(shared_standalone().url()).await;

@@ -4,12 +4,10 @@
 mod common;
 
 use std::sync::Arc;
-use std::time::Duration;
 
 use common::*;
 use slidegate::limiter::LimiterOptions;
 use slidegate::store::MemoryStore;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tonic::transport::Endpoint;
 use tonic_health::pb::HealthCheckRequest;
 use tonic_health::pb::health_check_response::ServingStatus;
@@ -92,36 +90,6 @@ async fn health_reports_serving() {
         );
     }
     s.stop().await;
-}
-
-/// A minimal HTTP/1.0 exchange: (status code, body).
-async fn http(addr: std::net::SocketAddr, method: &str, path: &str, body: &str) -> (u16, String) {
-    let mut stream = tokio::net::TcpStream::connect(addr)
-        .await
-        .expect("connect HTTP");
-    let request = format!(
-        "{method} {path} HTTP/1.0\r\nHost: test\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
-        body.len()
-    );
-    stream.write_all(request.as_bytes()).await.expect("write");
-    let mut response = String::new();
-    tokio::time::timeout(
-        Duration::from_secs(10),
-        stream.read_to_string(&mut response),
-    )
-    .await
-    .expect("HTTP answer in time")
-    .expect("read");
-    let code = response
-        .split_whitespace()
-        .nth(1)
-        .and_then(|c| c.parse().ok())
-        .expect("status line");
-    let body = response
-        .split_once("\r\n\r\n")
-        .map(|(_, b)| b.to_string())
-        .unwrap_or_default();
-    (code, body)
 }
 
 #[tokio::test]
@@ -229,14 +197,7 @@ async fn binary_serves_the_example_config() {
         .stderr(std::process::Stdio::null())
         .spawn()
         .expect("start slidegate");
-    struct Kill(std::process::Child);
-    impl Drop for Kill {
-        fn drop(&mut self) {
-            let _ = self.0.kill();
-            let _ = self.0.wait();
-        }
-    }
-    let _child = Kill(child);
+    let _child = KillOnDrop(child);
     let client = connect(std::net::SocketAddr::from(([127, 0, 0, 1], grpc))).await;
     let mut codes = Vec::new();
     for _ in 0..4 {
