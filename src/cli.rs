@@ -155,6 +155,9 @@ fn check(path: &std::path::Path) -> ExitCode {
         Ok(loaded) => {
             let rules = loaded.limits.rules();
             print!("{}", loaded.limits.describe());
+            for warning in &loaded.warnings {
+                eprintln!("warning: {warning}");
+            }
             println!(
                 "{}: {} file(s), {} rule(s), OK",
                 path.display(),
@@ -214,6 +217,9 @@ async fn serve_async(args: ServeArgs) -> Result<(), String> {
         );
     };
     let loaded = config::load_path(config_path).map_err(|e| format!("config rejected:\n{e}"))?;
+    for warning in &loaded.warnings {
+        tracing::warn!("{warning}");
+    }
     tracing::info!(
         config = %config_path.display(),
         files = loaded.files.len(),

@@ -37,12 +37,26 @@ async fn reflection_lists_the_service() {
         .await
         .expect("connect");
     let mut client = ServerReflectionClient::new(channel);
-    let request = ServerReflectionRequest {
+    let ask = |message: MessageRequest| ServerReflectionRequest {
         host: String::new(),
-        message_request: Some(MessageRequest::ListServices(String::new())),
+        message_request: Some(message),
     };
+    // What `grpcurl list` and `grpcurl describe` ask: the services, the file that defines one,
+    // and the files it imports.
+    let requests = vec![
+        ask(MessageRequest::ListServices(String::new())),
+        ask(MessageRequest::FileContainingSymbol(
+            "envoy.service.ratelimit.v3.RateLimitService".into(),
+        )),
+        ask(MessageRequest::FileByFilename(
+            "google/protobuf/duration.proto".into(),
+        )),
+        ask(MessageRequest::FileByFilename(
+            "envoy/extensions/common/ratelimit/v3/ratelimit.proto".into(),
+        )),
+    ];
     let mut replies = client
-        .server_reflection_info(futures_util::stream::iter(vec![request]))
+        .server_reflection_info(futures_util::stream::iter(requests))
         .await
         .expect("reflection")
         .into_inner();
@@ -50,6 +64,13 @@ async fn reflection_lists_the_service() {
     let Some(MessageResponse::ListServicesResponse(list)) = reply.message_response else {
         panic!("unexpected reply {reply:?}");
     };
+    for _ in 0..3 {
+        let reply = replies.message().await.expect("stream").expect("a reply");
+        let Some(MessageResponse::FileDescriptorResponse(files)) = reply.message_response else {
+            panic!("expected file descriptors, got {reply:?}");
+        };
+        assert!(!files.file_descriptor_proto.is_empty());
+    }
     let names: Vec<String> = list.service.into_iter().map(|s| s.name).collect();
     assert!(
         names.contains(&"envoy.service.ratelimit.v3.RateLimitService".to_string()),

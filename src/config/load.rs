@@ -63,6 +63,36 @@ pub struct Loaded {
     /// Identifies the files' names and contents: a reload with the same fingerprint changes
     /// nothing.
     pub fingerprint: u64,
+    /// Things that load but deserve a look (e.g. limits too large for a log).
+    pub warnings: Vec<String>,
+}
+
+/// Above this, a window's log (one entry per admitted hit) gets large: about 145 bytes per entry
+/// in Redis, so 100,000 is about 14 MB per descriptor value.
+pub const LARGE_LOG_LIMIT: u32 = 100_000;
+
+/// Rules whose logs can grow past [`LARGE_LOG_LIMIT`] entries.
+pub fn warnings(limits: &Limits) -> Vec<String> {
+    limits
+        .rules()
+        .into_iter()
+        .filter_map(|(_, rule)| match &rule.limit {
+            Limit::Windows { windows, .. } => windows
+                .iter()
+                .map(|w| w.limit)
+                .max()
+                .filter(|max| *max > LARGE_LOG_LIMIT)
+                .map(|max| {
+                    format!(
+                        "{}: {}: a limit of {max} keeps up to {max} log entries per descriptor value (about {} MB in Redis)",
+                        rule.source,
+                        rule.path,
+                        u64::from(max) * 145 / 1_000_000
+                    )
+                }),
+            Limit::Unlimited => None,
+        })
+        .collect()
 }
 
 /// Loads a file, or every `*.yaml`/`*.yml` in a directory (not recursing; names starting with
@@ -99,6 +129,7 @@ pub fn load_path(path: &Path) -> Result<Loaded, ConfigErrors> {
     let compiled = compile_sources(&sources);
     match compiled {
         Ok(limits) if errors.is_empty() => Ok(Loaded {
+            warnings: warnings(&limits),
             limits,
             files,
             fingerprint,
@@ -709,6 +740,16 @@ descriptors:
         for (yaml, expected) in cases {
             assert_eq!(only_error(yaml), expected, "for:\n{yaml}");
         }
+    }
+
+    #[test]
+    fn large_log_limits_load_with_a_warning() {
+        let yaml = "domain: big\ndescriptors:\n  - key: bytes\n    rate_limit: {unit: minute, requests_per_unit: 10000000}\n  - key: small\n    rate_limit: {unit: minute, requests_per_unit: 100}\n";
+        let limits = compile(&[("big.yaml", yaml)]).expect("large limits stay valid");
+        assert_eq!(
+            warnings(&limits),
+            vec!["big.yaml:3: big.bytes: a limit of 10000000 keeps up to 10000000 log entries per descriptor value (about 1450 MB in Redis)".to_string()]
+        );
     }
 
     #[test]

@@ -57,6 +57,9 @@ pub async fn reload(
         Ok(loaded) if loaded.fingerprint == *current => Reload::Unchanged,
         Ok(loaded) => {
             *current = loaded.fingerprint;
+            for warning in &loaded.warnings {
+                tracing::warn!("{warning}");
+            }
             let domains = loaded.limits.domains.len();
             limiter.replace_limits(loaded.limits);
             metrics.config_loaded(true);

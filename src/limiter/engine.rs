@@ -482,6 +482,10 @@ fn clamp_u32(n: u64) -> u32 {
     u32::try_from(n).unwrap_or(u32::MAX)
 }
 
+/// The most hits one descriptor may add in one request. The log keeps one entry per hit, so a
+/// single request adding millions would stall Redis while the script writes them.
+pub const MAX_HITS_PER_DESCRIPTOR: u64 = 100_000;
+
 /// Rejects malformed requests before anything is read or recorded.
 fn validate(request: &Request) -> Result<(), LimiterError> {
     let invalid = |m: String| Err(LimiterError::InvalidRequest(m));
@@ -501,6 +505,14 @@ fn validate(request: &Request) -> Result<(), LimiterError> {
             .position(|(key, _)| key.is_empty())
         {
             return invalid(format!("descriptors[{n}].entries[{e}] has an empty key"));
+        }
+        let hits = descriptor
+            .hits_addend
+            .unwrap_or(u64::from(request.hits_addend));
+        if hits > MAX_HITS_PER_DESCRIPTOR {
+            return invalid(format!(
+                "descriptors[{n}] asks for {hits} hits; at most {MAX_HITS_PER_DESCRIPTOR} per descriptor and request"
+            ));
         }
         if let Some(over) = descriptor
             .limit

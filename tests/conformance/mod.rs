@@ -240,6 +240,22 @@ pub async fn invalid_requests_are_rejected_and_record_nothing(b: &dyn Backend) {
         "{}",
         st.message()
     );
+    // More hits than one request may add (the log keeps an entry per hit).
+    let st = s
+        .call_err(request(
+            &d,
+            vec![
+                descriptor(&[("key1", "a")]),
+                with_hits(descriptor(&[("key2", "b")]), 100_001),
+            ],
+        ))
+        .await;
+    assert_eq!(st.code(), tonic::Code::InvalidArgument);
+    assert!(
+        st.message().contains("descriptors[1] asks for 100001 hits"),
+        "{}",
+        st.message()
+    );
     // None of the rejected calls recorded anything for key1 = a.
     let r = s
         .call(request(&d, vec![descriptor(&[("key1", "a")])]))
