@@ -25,4 +25,9 @@ cargo fmt --all -- --check
 echo "== cargo clippy (lib, bin, tests, bench)"
 cargo clippy --all-targets --locked -- -D warnings
 echo "== cargo test"
-cargo test --locked
+log=$(mktemp)
+trap 'rm -f "$log"' EXIT
+cargo test --locked 2>&1 | tee "$log"
+# One closing line over every test binary.
+awk '/^test result:/ { for (i = 1; i <= NF; i++) { if ($(i+1) ~ /^passed/) p += $i; if ($(i+1) ~ /^failed/) f += $i } }
+     END { printf "tests: %d passed, %d failed\n", p, f }' "$log"
