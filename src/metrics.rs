@@ -50,7 +50,6 @@ pub enum CallResult {
     OverLimit,
     Invalid,
     StoreError,
-    NoConfig,
 }
 
 impl CallResult {
@@ -60,7 +59,6 @@ impl CallResult {
             CallResult::OverLimit => "over_limit",
             CallResult::Invalid => "invalid",
             CallResult::StoreError => "store_error",
-            CallResult::NoConfig => "no_config",
         }
     }
 }

@@ -52,7 +52,6 @@ pub async fn decide(
         Ok(d) if d.overall == Code::Ok => CallResult::Ok,
         Ok(_) => CallResult::OverLimit,
         Err(LimiterError::InvalidRequest(_)) => CallResult::Invalid,
-        Err(LimiterError::NoConfig) => CallResult::NoConfig,
         Err(LimiterError::Store(_)) => CallResult::StoreError,
     };
     metrics.request(call, elapsed);
@@ -82,14 +81,12 @@ impl RateLimitService for RateLimitGrpc {
 /// | failure | status | why |
 /// |---|---|---|
 /// | malformed request (empty domain, no descriptors, empty key, unknown override unit) | `INVALID_ARGUMENT` | the caller must fix the request; retrying cannot help |
-/// | no config loaded | `UNAVAILABLE` | this replica cannot decide yet; Envoy's `failure_mode_deny` decides |
 /// | store timeout or error | `UNAVAILABLE` | transient; Envoy applies `failure_mode_deny` (some clients treat `UNKNOWN` as a bug, not an outage) |
 ///
 /// Messages say what is wrong without internals (no addresses, no credentials).
 pub fn to_status(error: &LimiterError) -> tonic::Status {
     match error {
         LimiterError::InvalidRequest(message) => tonic::Status::invalid_argument(message.clone()),
-        LimiterError::NoConfig => tonic::Status::unavailable(error.to_string()),
         LimiterError::Store(e) => tonic::Status::unavailable(e.to_string()),
     }
 }
@@ -212,9 +209,5 @@ mod tests {
         assert_eq!(invalid.code(), tonic::Code::InvalidArgument);
         let store = to_status(&LimiterError::Store(crate::store::StoreError::Timeout(15)));
         assert_eq!(store.code(), tonic::Code::Unavailable);
-        assert_eq!(
-            to_status(&LimiterError::NoConfig).code(),
-            tonic::Code::Unavailable
-        );
     }
 }

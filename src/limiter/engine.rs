@@ -9,7 +9,7 @@ use arc_swap::ArcSwap;
 use super::headers;
 use super::key::{self, Variant};
 use super::observe::{DescriptorReport, NoObserver, Observer};
-use super::rules::{Limit, Limits, Match, Rule, Segment, Window};
+use super::rules::{Limit, Limits, Match, Node, Rule, Segment, Window};
 use super::{
     Clock, Code, Decision, Descriptor, LimiterError, ReportedLimit, Request, Status, Unit,
 };
@@ -169,120 +169,11 @@ impl Limiter {
             ));
         };
 
-        // First every descriptor's rule, so that `replaces` can see all of them.
-        let found: Vec<Found<'_>> = request
-            .descriptors
-            .iter()
-            .map(|descriptor| match descriptor.limit {
-                Some(over) => match Unit::from_proto(over.unit) {
-                    Some(unit) => {
-                        Found::Override(Window::per_unit(over.requests_per_unit, unit, None))
-                    }
-                    // `validate` rejected unknown units already.
-                    None => Found::Nothing,
-                },
-                None => root
-                    .find(&descriptor.entries)
-                    .map_or(Found::Nothing, Found::Rule),
-            })
-            .collect();
-        let replaced: HashSet<&str> = found
-            .iter()
-            .filter_map(|f| match f {
-                Found::Rule(m) => Some(m.rule.replaces.iter().map(|n| &**n)),
-                _ => None,
-            })
-            .flatten()
-            .collect();
-
-        let request_hits = u64::from(request.hits_addend.max(1));
-        let mut plans = Vec::with_capacity(request.descriptors.len());
-        let mut items: Vec<CheckItem<'_>> = Vec::with_capacity(request.descriptors.len());
-        for (descriptor, found) in request.descriptors.iter().zip(found) {
-            let hits = descriptor.hits_addend.unwrap_or(request_hits);
-            match found {
-                Found::Nothing => plans.push(Plan::NoLimit),
-                Found::Override(window) => {
-                    let segments = value_segments(descriptor);
-                    let variant = Variant::Override {
-                        window_ms: window.length_ms,
-                    };
-                    items.push(CheckItem {
-                        key: key::build(&request.domain, &segments, variant, None),
-                        windows: Cow::Owned(vec![window]),
-                        ban_ms: None,
-                        hits,
-                        role: Role::Enforce,
-                    });
-                    plans.push(Plan::Check {
-                        item: items.len() - 1,
-                        rule: None,
-                        segments,
-                    });
-                }
-                Found::Rule(m) if replaced.iter().any(|name| m.rule.is_named(name)) => {
-                    plans.push(Plan::NoLimit)
-                }
-                Found::Rule(m) => match &m.rule.limit {
-                    Limit::Unlimited => plans.push(Plan::Unlimited),
-                    Limit::Windows { windows, ban_ms } => {
-                        let rule = m.rule;
-                        items.push(CheckItem {
-                            key: key::build(
-                                &request.domain,
-                                &m.segments,
-                                Variant::Configured,
-                                rule.tag_by.as_deref(),
-                            ),
-                            windows: Cow::Borrowed(windows),
-                            ban_ms: *ban_ms,
-                            hits,
-                            role: if rule.shadow_mode {
-                                Role::Shadow
-                            } else if rule.quota_mode {
-                                Role::Quota
-                            } else {
-                                Role::Enforce
-                            },
-                        });
-                        plans.push(Plan::Check {
-                            item: items.len() - 1,
-                            rule: Some(rule),
-                            segments: m.segments,
-                        });
-                    }
-                },
-            }
-        }
-
+        let (plans, items) = plan(request, root);
         let outcome = if items.is_empty() {
-            Default::default()
+            CheckOutcome::default()
         } else {
-            let started = Instant::now();
-            let result = self.store.check(&items, now_ms).await;
-            self.observer
-                .store_call(self.store.name(), started.elapsed(), result.is_ok());
-            match result {
-                Ok(outcome) => outcome,
-                Err(e) => {
-                    self.note_store_error(&e, now_ms);
-                    let admitted = match self.options.failure_policy {
-                        FailurePolicy::Error => return Err(e.into()),
-                        FailurePolicy::Allow => true,
-                        FailurePolicy::Deny => false,
-                    };
-                    CheckOutcome {
-                        admitted,
-                        items: items
-                            .iter()
-                            .map(|_| ItemOutcome {
-                                fits: admitted,
-                                ..ItemOutcome::default()
-                            })
-                            .collect(),
-                    }
-                }
-            }
+            self.check(&items, now_ms).await?
         };
         let overall = if items.is_empty() || outcome.admitted {
             Code::Ok
@@ -352,6 +243,38 @@ impl Limiter {
         Ok(self.finish(request, headers, statuses, overall, Some(&rules)))
     }
 
+    /// Asks the store, timing the call; a failure answers per the failure policy.
+    async fn check(
+        &self,
+        items: &[CheckItem<'_>],
+        now_ms: u64,
+    ) -> Result<CheckOutcome, LimiterError> {
+        let started = Instant::now();
+        let result = self.store.check(items, now_ms).await;
+        self.observer
+            .store_call(self.store.name(), started.elapsed(), result.is_ok());
+        let error = match result {
+            Ok(outcome) => return Ok(outcome),
+            Err(e) => e,
+        };
+        self.note_store_error(&error, now_ms);
+        let admitted = match self.options.failure_policy {
+            FailurePolicy::Error => return Err(error.into()),
+            FailurePolicy::Allow => true,
+            FailurePolicy::Deny => false,
+        };
+        Ok(CheckOutcome {
+            admitted,
+            items: items
+                .iter()
+                .map(|_| ItemOutcome {
+                    fits: admitted,
+                    ..ItemOutcome::default()
+                })
+                .collect(),
+        })
+    }
+
     fn finish(
         &self,
         request: &Request,
@@ -376,6 +299,95 @@ impl Limiter {
             dynamic_metadata,
         }
     }
+}
+
+/// Matches every descriptor and turns the ones that need the store into check items.
+/// `replaces` is applied here: a rule another matched rule replaces becomes `NoLimit`.
+fn plan<'a>(request: &'a Request, root: &'a Node) -> (Vec<Plan<'a>>, Vec<CheckItem<'a>>) {
+    // First every descriptor's rule, so that `replaces` can see all of them.
+    let found: Vec<Found<'_>> = request
+        .descriptors
+        .iter()
+        .map(|descriptor| match descriptor.limit {
+            Some(over) => match Unit::from_proto(over.unit) {
+                Some(unit) => Found::Override(Window::per_unit(over.requests_per_unit, unit, None)),
+                // `validate` rejected unknown units already.
+                None => Found::Nothing,
+            },
+            None => root
+                .find(&descriptor.entries)
+                .map_or(Found::Nothing, Found::Rule),
+        })
+        .collect();
+    let replaced: HashSet<&str> = found
+        .iter()
+        .filter_map(|f| match f {
+            Found::Rule(m) => Some(m.rule.replaces.iter().map(|n| &**n)),
+            _ => None,
+        })
+        .flatten()
+        .collect();
+
+    let request_hits = u64::from(request.hits_addend.max(1));
+    let mut plans = Vec::with_capacity(request.descriptors.len());
+    let mut items: Vec<CheckItem<'_>> = Vec::with_capacity(request.descriptors.len());
+    for (descriptor, found) in request.descriptors.iter().zip(found) {
+        let hits = descriptor.hits_addend.unwrap_or(request_hits);
+        match found {
+            Found::Nothing => plans.push(Plan::NoLimit),
+            Found::Override(window) => {
+                let segments = value_segments(descriptor);
+                let variant = Variant::Override {
+                    window_ms: window.length_ms,
+                };
+                items.push(CheckItem {
+                    key: key::build(&request.domain, &segments, variant, None),
+                    windows: Cow::Owned(vec![window]),
+                    ban_ms: None,
+                    hits,
+                    role: Role::Enforce,
+                });
+                plans.push(Plan::Check {
+                    item: items.len() - 1,
+                    rule: None,
+                    segments,
+                });
+            }
+            Found::Rule(m) if replaced.iter().any(|name| m.rule.is_named(name)) => {
+                plans.push(Plan::NoLimit)
+            }
+            Found::Rule(m) => match &m.rule.limit {
+                Limit::Unlimited => plans.push(Plan::Unlimited),
+                Limit::Windows { windows, ban_ms } => {
+                    let rule = m.rule;
+                    items.push(CheckItem {
+                        key: key::build(
+                            &request.domain,
+                            &m.segments,
+                            Variant::Configured,
+                            rule.tag_by.as_deref(),
+                        ),
+                        windows: Cow::Borrowed(windows),
+                        ban_ms: *ban_ms,
+                        hits,
+                        role: if rule.shadow_mode {
+                            Role::Shadow
+                        } else if rule.quota_mode {
+                            Role::Quota
+                        } else {
+                            Role::Enforce
+                        },
+                    });
+                    plans.push(Plan::Check {
+                        item: items.len() - 1,
+                        rule: Some(rule),
+                        segments: m.segments,
+                    });
+                }
+            },
+        }
+    }
+    (plans, items)
 }
 
 fn value_segments(descriptor: &Descriptor) -> Vec<Segment<'_>> {

@@ -91,8 +91,6 @@ pub struct Decision {
 pub enum LimiterError {
     #[error("{0}")]
     InvalidRequest(String),
-    #[error("no rate limit configuration loaded")]
-    NoConfig,
     #[error(transparent)]
     Store(#[from] crate::store::StoreError),
 }
