@@ -194,29 +194,40 @@ fn memory_usage(redis: &redis_proc::RedisProcess) {
     println!(
         "\nRedis memory (MEMORY USAGE, redis-server 7, default zset-max-listpack-entries 128):"
     );
-    for entries in [10u64, 100, 128, 129, 1000, 10_000] {
-        let key = format!("rl:{{bench:m{entries}}}:log");
-        let ban = format!("rl:{{bench:m{entries}}}:ban");
-        // One call with `entries` hits records `entries` members, as that many requests would.
+    // One call: KEYS log, ban, counters; ARGV now, prefix, mode, n, then hits, role, ban_ms,
+    // buckets, window count, limit, window_ms.
+    let call = |base: &str, now: u64, hits: u64, buckets: &str| {
+        let (log, ban, cnt) = (
+            format!("{base}:log"),
+            format!("{base}:ban"),
+            format!("{base}:cnt"),
+        );
         let reply = cli(&[
             "EVALSHA",
             &sha,
-            "2",
-            &key,
+            "3",
+            &log,
             &ban,
+            &cnt,
             &now.to_string(),
             "memprobe0000-123456",
             "1",
             "1",
-            &entries.to_string(),
+            &hits.to_string(),
             "0",
             "0",
+            buckets,
             "1",
             "100000",
             "3600000",
         ]);
         assert!(!reply.starts_with("ERR"), "{reply}");
-        let bytes: f64 = cli(&["MEMORY", "USAGE", &key, "SAMPLES", "0"])
+    };
+    for entries in [10u64, 100, 128, 129, 1000, 10_000] {
+        let base = format!("rl:{{bench:m{entries}}}");
+        // One call with `entries` hits records `entries` members, as that many requests would.
+        call(&base, now, entries, "0");
+        let bytes: f64 = cli(&["MEMORY", "USAGE", &format!("{base}:log"), "SAMPLES", "0"])
             .parse()
             .unwrap_or(0.0);
         println!(
@@ -224,6 +235,16 @@ fn memory_usage(redis: &redis_proc::RedisProcess) {
             bytes / entries as f64
         );
     }
+    // sliding_counter, 10 buckets per hour: a call in each of 12 consecutive buckets (old ones
+    // are trimmed), whatever the hits.
+    let base = "rl:{bench:counter}";
+    for bucket in 0..12u64 {
+        call(base, now + bucket * 360_000, 5_000, "10");
+    }
+    println!(
+        "  sliding_counter, 10 buckets: {} bytes, whatever the limit and the hits",
+        cli(&["MEMORY", "USAGE", &format!("{base}:cnt"), "SAMPLES", "0"])
+    );
     let ban = "rl:{bench:banned}:ban";
     cli(&["SET", ban, &(now + 900_000).to_string(), "PX", "900000"]);
     println!(

@@ -84,23 +84,40 @@ fn slot(key: &str) -> u16 {
     crc % 16384
 }
 
-fn zcard(cluster: &RedisCluster, key: &str) -> i64 {
-    // Ask every node; the one that owns the slot answers, the others redirect.
-    for node in &cluster.nodes {
-        let reply = command(node.port, &format!("ZCARD \"{key}\"")).expect("ZCARD");
-        if let Some(n) = reply.strip_prefix(':') {
-            return n.trim().parse().expect("integer reply");
-        }
-    }
-    panic!("no node owns {key}");
+/// A command on the cluster through `redis-cli -c`, which follows redirects to the key's owner.
+fn cluster_cli(cluster: &RedisCluster, args: &[&str]) -> Vec<String> {
+    let out = std::process::Command::new("redis-cli")
+        .args(["-c", "-p", &cluster.nodes[0].port.to_string()])
+        .args(args)
+        .output()
+        .expect("run redis-cli");
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .map(str::to_string)
+        .collect()
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_rejecting_slot_leaves_nothing_in_the_others() {
+fn zcard(cluster: &RedisCluster, key: &str) -> i64 {
+    cluster_cli(cluster, &["ZCARD", key])[0]
+        .parse()
+        .expect("integer reply")
+}
+
+/// Hits held in a descriptor's sliding_counter buckets.
+fn bucket_hits(cluster: &RedisCluster, key: &str) -> i64 {
+    cluster_cli(cluster, &["HVALS", key])
+        .iter()
+        .map(|v| v.parse::<i64>().expect("integer"))
+        .sum()
+}
+
+/// A request with descriptors in three slots where the third rejects: the other two keep
+/// exactly what they had (their tentative hits are removed again).
+async fn rejecting_slot_leaves_nothing_in_the_others(algorithm: &str) {
     let cluster = shared_cluster();
     let domain = unique_domain("slots");
     let config = format!(
-        "domain: {domain}\ndescriptors:\n  - key: a\n    rate_limit: {{unit: minute, requests_per_unit: 5}}\n  - key: b\n    rate_limit: {{unit: minute, requests_per_unit: 5}}\n  - key: c\n    rate_limit: {{unit: minute, requests_per_unit: 1}}\n"
+        "domain: {domain}\ndescriptors:\n  - key: a\n    algorithm: {algorithm}\n    rate_limit: {{unit: minute, requests_per_unit: 5}}\n  - key: b\n    algorithm: {algorithm}\n    rate_limit: {{unit: minute, requests_per_unit: 5}}\n  - key: c\n    algorithm: {algorithm}\n    rate_limit: {{unit: minute, requests_per_unit: 1}}\n"
     );
     let server = TestServer::start(
         &config,
@@ -108,24 +125,37 @@ async fn a_rejecting_slot_leaves_nothing_in_the_others() {
         LimiterOptions::default(),
     )
     .await;
-    let log = |k: &str, v: &str| {
+    let keys = |k: &str| {
         key::build(
             &domain,
-            &[Segment::Value { key: k, value: v }],
+            &[Segment::Value { key: k, value: "1" }],
             Variant::Configured,
             None,
         )
-        .log()
     };
-    let (ka, kb, kc) = (log("a", "1"), log("b", "1"), log("c", "1"));
-    let mut slots = vec![slot(&ka), slot(&kb), slot(&kc)];
+    let (ka, kb, kc) = (keys("a"), keys("b"), keys("c"));
+    let mut slots = vec![slot(&ka.log()), slot(&kb.log()), slot(&kc.log())];
     slots.dedup();
     assert_eq!(
         slots.len(),
         3,
         "the three descriptors must sit in three slots"
     );
-
+    let held = || -> (i64, i64, i64) {
+        if algorithm == "sliding_log" {
+            (
+                zcard(cluster, &ka.log()),
+                zcard(cluster, &kb.log()),
+                zcard(cluster, &kc.log()),
+            )
+        } else {
+            (
+                bucket_hits(cluster, &ka.counters()),
+                bucket_hits(cluster, &kb.counters()),
+                bucket_hits(cluster, &kc.counters()),
+            )
+        }
+    };
     let all = || {
         request(
             &domain,
@@ -137,14 +167,7 @@ async fn a_rejecting_slot_leaves_nothing_in_the_others() {
         )
     };
     assert_eq!(server.call(all()).await.overall_code, ok());
-    assert_eq!(
-        (
-            zcard(cluster, &ka),
-            zcard(cluster, &kb),
-            zcard(cluster, &kc)
-        ),
-        (1, 1, 1)
-    );
+    assert_eq!(held(), (1, 1, 1));
     // c is now full: the request is rejected and a and b keep exactly what they had.
     let r = server.call(all()).await;
     assert_eq!(r.overall_code, over());
@@ -152,13 +175,83 @@ async fn a_rejecting_slot_leaves_nothing_in_the_others() {
         (r.statuses[0].code, r.statuses[1].code, r.statuses[2].code),
         (ok(), ok(), over())
     );
+    assert_eq!(held(), (1, 1, 1));
+    server.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rejecting_slot_leaves_nothing_in_the_other_logs() {
+    rejecting_slot_leaves_nothing_in_the_others("sliding_log").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rejecting_slot_leaves_nothing_in_the_other_counters() {
+    rejecting_slot_leaves_nothing_in_the_others("sliding_counter").await;
+}
+
+/// sliding_counter memory stays constant: at most one field per bucket that still counts.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sliding_counter_memory_is_constant() {
+    let redis = shared_standalone();
+    let domain = unique_domain("constant");
+    let config = format!(
+        "domain: {domain}\ndescriptors:\n  - key: k\n    algorithm: sliding_counter\n    buckets: 10\n    rate_limit: {{unit: minute, requests_per_unit: 1000000}}\n"
+    );
+    let server = TestServer::start(
+        &config,
+        connect(redis.url(), TEST_TIMEOUT).await,
+        LimiterOptions::default(),
+    )
+    .await;
+    // Two minutes of traffic, a request every 0.5 s, 100 hits each.
+    for _ in 0..240 {
+        server.clock.advance(500);
+        let r = server
+            .call(request(
+                &domain,
+                vec![with_hits(descriptor(&[("k", "v")]), 100)],
+            ))
+            .await;
+        assert_eq!(r.overall_code, ok());
+    }
+    let counters = key::build(
+        &domain,
+        &[Segment::Value {
+            key: "k",
+            value: "v",
+        }],
+        Variant::Configured,
+        None,
+    )
+    .counters();
+    let fields: i64 = redis
+        .cmd(&format!("HLEN {counters}"))
+        .trim_start_matches(':')
+        .trim()
+        .parse()
+        .expect("HLEN");
+    assert!(
+        (1..=11).contains(&fields),
+        "{fields} buckets kept for a 10-bucket window"
+    );
     assert_eq!(
-        (
-            zcard(cluster, &ka),
-            zcard(cluster, &kb),
-            zcard(cluster, &kc)
-        ),
-        (1, 1, 1)
+        redis
+            .cmd(&format!(
+                "EXISTS {}",
+                key::build(
+                    &domain,
+                    &[Segment::Value {
+                        key: "k",
+                        value: "v"
+                    }],
+                    Variant::Configured,
+                    None
+                )
+                .log()
+            ))
+            .trim(),
+        ":0",
+        "no log at all"
     );
     server.stop().await;
 }
@@ -428,16 +521,23 @@ fn malformed_script_arguments_get_an_error_reply() {
     };
     let sha = cli(&["SCRIPT", "LOAD", slidegate::store::redis::SCRIPT]);
     assert_eq!(sha.len(), 40, "SCRIPT LOAD: {sha}");
-    let cases: [&[&str]; 6] = [
+    // Three keys per descriptor (log, ban, counters); per descriptor: hits, role, ban_ms,
+    // buckets, window count, then limit and window_ms pairs.
+    let cases: [&[&str]; 7] = [
         &["0"],
         &["1", "k", "x", "1"],
-        &["2", "k", "b", "abc", "p", "1", "1"],
-        &["2", "k", "b", "1", "p", "1", "1", "1", "9", "0", "1"],
+        &["3", "k", "b", "c", "abc", "p", "1", "1"],
         &[
-            "2", "k", "b", "1", "p", "1", "1", "1", "0", "0", "1", "10", "0",
+            "3", "k", "b", "c", "1", "p", "1", "1", "1", "9", "0", "0", "1",
         ],
         &[
-            "2", "k", "b", "1", "p", "1", "1", "1", "0", "0", "1", "10", "1000", "extra",
+            "3", "k", "b", "c", "1", "p", "1", "1", "1", "0", "0", "x", "1", "10", "1000",
+        ],
+        &[
+            "3", "k", "b", "c", "1", "p", "1", "1", "1", "0", "0", "0", "1", "10", "0",
+        ],
+        &[
+            "3", "k", "b", "c", "1", "p", "1", "1", "1", "0", "0", "0", "1", "10", "1000", "extra",
         ],
     ];
     for args in cases {
@@ -451,12 +551,28 @@ fn malformed_script_arguments_get_an_error_reply() {
     }
     // And a well-formed call answers the documented layout: now, recorded, fits, ban, ban set,
     // m, count, reset.
-    let reply = cli(&[
-        "EVALSHA", &sha, "2", "t:log", "t:ban", "1000", "p", "1", "1", "1", "0", "0", "1", "10",
-        "1000",
-    ]);
-    let numbers: Vec<&str> = reply.lines().collect();
-    assert_eq!(numbers, vec!["1000", "1", "1", "0", "0", "1", "1", "1000"]);
+    let call = |keys: [&str; 3], buckets: &str| {
+        let mut full = vec!["EVALSHA", sha.as_str(), "3"];
+        full.extend_from_slice(&keys);
+        full.extend_from_slice(&[
+            "1000", "p", "1", "1", "1", "0", "0", buckets, "1", "10", "1000",
+        ]);
+        cli(&full).lines().map(str::to_string).collect::<Vec<_>>()
+    };
+    assert_eq!(
+        call(["t:log", "t:ban", "t:cnt"], "0"),
+        vec!["1000", "1", "1", "0", "0", "1", "1", "1000"]
+    );
+    // sliding_counter with 10 buckets of 100 ms: the hit sits in bucket 10 (1,000..1,100), which
+    // stops counting at 1,100 + 1,000.
+    assert_eq!(
+        call(["u:log", "u:ban", "u:cnt"], "10"),
+        vec!["1000", "1", "1", "0", "0", "1", "1", "1100"]
+    );
+    assert_eq!(
+        cli(&["HGETALL", "u:cnt"]).lines().collect::<Vec<_>>(),
+        vec!["100:10", "1"]
+    );
 }
 
 /// `rediss://` with a password: a real TLS Redis with a test CA, which the binary trusts through

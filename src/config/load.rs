@@ -12,7 +12,7 @@ use super::duration;
 use super::model::{RawDescriptor, RawFile, RawRateLimit};
 use crate::limiter::Unit;
 use crate::limiter::rules::{
-    KeyChildren, Limit, Limits, Node, Pattern, Rule, WildcardChild, Window,
+    Algorithm, KeyChildren, Limit, Limits, Node, Pattern, Rule, WildcardChild, Window,
 };
 
 /// One problem in the config.
@@ -71,26 +71,35 @@ pub struct Loaded {
 /// in Redis, so 100,000 is about 14 MB per descriptor value.
 pub const LARGE_LOG_LIMIT: u32 = 100_000;
 
+/// Buckets per window for `sliding_counter` when the config does not say.
+pub const DEFAULT_BUCKETS: u32 = 10;
+/// More buckets approach the exact log's precision at the log's cost; past this, use the log.
+pub const MAX_BUCKETS: u32 = 1000;
+
 /// Rules whose logs can grow past [`LARGE_LOG_LIMIT`] entries.
 pub fn warnings(limits: &Limits) -> Vec<String> {
     limits
         .rules()
         .into_iter()
         .filter_map(|(_, rule)| match &rule.limit {
-            Limit::Windows { windows, .. } => windows
+            Limit::Windows {
+                windows,
+                algorithm: Algorithm::SlidingLog,
+                ..
+            } => windows
                 .iter()
                 .map(|w| w.limit)
                 .max()
                 .filter(|max| *max > LARGE_LOG_LIMIT)
                 .map(|max| {
                     format!(
-                        "{}: {}: a limit of {max} keeps up to {max} log entries per descriptor value (about {} MB in Redis)",
+                        "{}: {}: a limit of {max} keeps up to {max} log entries per descriptor value (about {} MB in Redis); algorithm: sliding_counter keeps constant memory",
                         rule.source,
                         rule.path,
                         u64::from(max) * 145 / 1_000_000
                     )
                 }),
-            Limit::Unlimited => None,
+            _ => None,
         })
         .collect()
 }
@@ -418,6 +427,13 @@ impl Compiler<'_> {
                             "ban needs a rate_limit on the same descriptor".into(),
                         );
                     }
+                    if raw.algorithm.is_some() || raw.buckets.is_some() {
+                        self.error(
+                            line,
+                            &format!("{here}.algorithm"),
+                            "algorithm and buckets need a rate_limit on the same descriptor".into(),
+                        );
+                    }
                     if raw.tag_by.is_some() {
                         self.error(
                             line,
@@ -439,6 +455,44 @@ impl Compiler<'_> {
                 }
             },
             None => None,
+        };
+        let algorithm = match (raw.algorithm.as_deref(), raw.buckets) {
+            (None | Some("sliding_log"), None) => Algorithm::SlidingLog,
+            (Some("sliding_log"), Some(_)) => {
+                self.error(
+                    line,
+                    &format!("{here}.buckets"),
+                    "buckets only apply to algorithm: sliding_counter".into(),
+                );
+                Algorithm::SlidingLog
+            }
+            (None, Some(_)) => {
+                self.error(
+                    line,
+                    &format!("{here}.buckets"),
+                    "buckets only apply to algorithm: sliding_counter".into(),
+                );
+                Algorithm::SlidingLog
+            }
+            (Some("sliding_counter"), buckets) => {
+                let buckets = buckets.unwrap_or(DEFAULT_BUCKETS);
+                if !(2..=MAX_BUCKETS).contains(&buckets) {
+                    self.error(
+                        line,
+                        &format!("{here}.buckets"),
+                        format!("buckets must be between 2 and {MAX_BUCKETS}"),
+                    );
+                }
+                Algorithm::SlidingCounter { buckets }
+            }
+            (Some(other), _) => {
+                self.error(
+                    line,
+                    &format!("{here}.algorithm"),
+                    format!("unknown algorithm '{other}': use sliding_log or sliding_counter"),
+                );
+                Algorithm::SlidingLog
+            }
         };
         if let Some(tag_key) = raw.tag_by.as_ref().filter(|k| !keys.contains(&k.as_str())) {
             self.error(
@@ -550,7 +604,11 @@ impl Compiler<'_> {
             limit: if unlimited {
                 Limit::Unlimited
             } else {
-                Limit::Windows { windows, ban_ms }
+                Limit::Windows {
+                    windows,
+                    ban_ms,
+                    algorithm,
+                }
             },
             replaces,
             shadow_mode: raw.shadow_mode,
@@ -604,7 +662,8 @@ mod tests {
             rules[0].1.limit,
             Limit::Windows {
                 windows: vec![Window::per_unit(5, Unit::Day, None)],
-                ban_ms: None
+                ban_ms: None,
+                algorithm: Algorithm::SlidingLog
             }
         );
     }
@@ -646,7 +705,10 @@ descriptors:
         let yaml = "domain: ext\ndescriptors:\n  - key: phone\n    rate_limits:\n      - {requests_per_unit: 3, unit: minute, name: burst}\n      - {requests_per_unit: 10, window: 1h30m}\n    ban: 15m\n    tag_by: phone\n";
         let limits = compile(&[("ext.yaml", yaml)]).expect("valid");
         let rule = &limits.rules()[0].1;
-        let Limit::Windows { windows, ban_ms } = &rule.limit else {
+        let Limit::Windows {
+            windows, ban_ms, ..
+        } = &rule.limit
+        else {
             panic!("expected windows");
         };
         assert_eq!(windows.len(), 2);
@@ -698,7 +760,7 @@ descriptors:
             ),
             (
                 "domain: d\ndescriptors:\n  - key: a\n    ratelimit: {unit: second}\n",
-                "4: descriptors[0].ratelimit: unknown field `ratelimit`, expected one of key, value, rate_limit, rate_limits, ban, tag_by, descriptors, shadow_mode, quota_mode, detailed_metric, value_to_metric, share_threshold, metadata",
+                "4: descriptors[0].ratelimit: unknown field `ratelimit`, expected one of key, value, rate_limit, rate_limits, ban, algorithm, buckets, tag_by, descriptors, shadow_mode, quota_mode, detailed_metric, value_to_metric, share_threshold, metadata",
             ),
             (
                 "domain: d\ndescriptors:\n  - key: a\n    rate_limit: {unit: second, requests_per_unit: 1}\n    rate_limits: [{unit: second, requests_per_unit: 1}]\n",
@@ -736,10 +798,44 @@ descriptors:
                 "domain: d\ndescriptors:\n  - key: a\n    rate_limit: {unit: day, requests_per_unit: -1}\n",
                 "4: descriptors[0].rate_limit.requests_per_unit: invalid u32",
             ),
+            (
+                "domain: d\ndescriptors:\n  - key: a\n    rate_limit: {unit: second, requests_per_unit: 1}\n    algorithm: token_bucket\n",
+                "3: descriptors[0].algorithm: unknown algorithm 'token_bucket': use sliding_log or sliding_counter",
+            ),
+            (
+                "domain: d\ndescriptors:\n  - key: a\n    rate_limit: {unit: second, requests_per_unit: 1}\n    buckets: 20\n",
+                "3: descriptors[0].buckets: buckets only apply to algorithm: sliding_counter",
+            ),
+            (
+                "domain: d\ndescriptors:\n  - key: a\n    rate_limit: {unit: second, requests_per_unit: 1}\n    algorithm: sliding_counter\n    buckets: 1\n",
+                "3: descriptors[0].buckets: buckets must be between 2 and 1000",
+            ),
         ];
         for (yaml, expected) in cases {
             assert_eq!(only_error(yaml), expected, "for:\n{yaml}");
         }
+    }
+
+    #[test]
+    fn sliding_counter_rules_compile_without_a_warning() {
+        let yaml = "domain: c\ndescriptors:\n  - key: tokens\n    algorithm: sliding_counter\n    rate_limit: {unit: minute, requests_per_unit: 10000000}\n  - key: fine\n    algorithm: sliding_counter\n    buckets: 60\n    rate_limit: {unit: hour, requests_per_unit: 5}\n";
+        let limits = compile(&[("c.yaml", yaml)]).expect("valid");
+        let algorithms: Vec<Algorithm> = limits
+            .rules()
+            .iter()
+            .map(|(_, r)| match &r.limit {
+                Limit::Windows { algorithm, .. } => *algorithm,
+                Limit::Unlimited => panic!("limited"),
+            })
+            .collect();
+        assert_eq!(
+            algorithms,
+            vec![
+                Algorithm::SlidingCounter { buckets: 60 },
+                Algorithm::SlidingCounter { buckets: 10 }
+            ]
+        );
+        assert!(warnings(&limits).is_empty());
     }
 
     #[test]
@@ -748,7 +844,7 @@ descriptors:
         let limits = compile(&[("big.yaml", yaml)]).expect("large limits stay valid");
         assert_eq!(
             warnings(&limits),
-            vec!["big.yaml:3: big.bytes: a limit of 10000000 keeps up to 10000000 log entries per descriptor value (about 1450 MB in Redis)".to_string()]
+            vec!["big.yaml:3: big.bytes: a limit of 10000000 keeps up to 10000000 log entries per descriptor value (about 1450 MB in Redis); algorithm: sliding_counter keeps constant memory".to_string()]
         );
     }
 

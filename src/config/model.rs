@@ -29,6 +29,12 @@ pub struct RawDescriptor {
     /// Extension: after going over, reject for this long (`15m`).
     #[serde(default)]
     pub ban: Option<String>,
+    /// Extension: `sliding_log` (exact, the default) or `sliding_counter` (constant memory).
+    #[serde(default)]
+    pub algorithm: Option<String>,
+    /// Extension: buckets per window for `sliding_counter` (default 10).
+    #[serde(default)]
+    pub buckets: Option<u32>,
     /// Extension: the entry key whose value decides the Redis hash tag.
     #[serde(default)]
     pub tag_by: Option<String>,

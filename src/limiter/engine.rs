@@ -9,7 +9,7 @@ use arc_swap::ArcSwap;
 use super::headers;
 use super::key::{self, Variant};
 use super::observe::{DescriptorReport, NoObserver, Observer};
-use super::rules::{Limit, Limits, Match, Node, Rule, Segment, Window};
+use super::rules::{Algorithm, Limit, Limits, Match, Node, Rule, Segment, Window};
 use super::{
     Clock, Code, Decision, Descriptor, LimiterError, ReportedLimit, Request, Status, Unit,
 };
@@ -343,6 +343,7 @@ fn plan<'a>(request: &'a Request, root: &'a Node) -> (Vec<Plan<'a>>, Vec<CheckIt
                 items.push(CheckItem {
                     key: key::build(&request.domain, &segments, variant, None),
                     windows: Cow::Owned(vec![window]),
+                    algorithm: Algorithm::SlidingLog,
                     ban_ms: None,
                     hits,
                     role: Role::Enforce,
@@ -358,7 +359,11 @@ fn plan<'a>(request: &'a Request, root: &'a Node) -> (Vec<Plan<'a>>, Vec<CheckIt
             }
             Found::Rule(m) => match &m.rule.limit {
                 Limit::Unlimited => plans.push(Plan::Unlimited),
-                Limit::Windows { windows, ban_ms } => {
+                Limit::Windows {
+                    windows,
+                    ban_ms,
+                    algorithm,
+                } => {
                     let rule = m.rule;
                     items.push(CheckItem {
                         key: key::build(
@@ -368,6 +373,7 @@ fn plan<'a>(request: &'a Request, root: &'a Node) -> (Vec<Plan<'a>>, Vec<CheckIt
                             rule.tag_by.as_deref(),
                         ),
                         windows: Cow::Borrowed(windows),
+                        algorithm: *algorithm,
                         ban_ms: *ban_ms,
                         hits,
                         role: if rule.shadow_mode {

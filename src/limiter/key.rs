@@ -39,6 +39,11 @@ impl StoreKey {
         format!("{}:log", self.base)
     }
 
+    /// The bucket counters of `sliding_counter` rules: a hash, field `<bucket_ms>:<bucket>`.
+    pub fn counters(&self) -> String {
+        format!("{}:cnt", self.base)
+    }
+
     /// The ban marker, present (with a TTL) while the descriptor is banned.
     pub fn ban(&self) -> String {
         format!("{}:ban", self.base)

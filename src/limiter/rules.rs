@@ -23,6 +23,14 @@ pub struct Window {
 }
 
 impl Window {
+    /// For `sliding_counter`: the bucket length, and the oldest bucket that overlaps the window
+    /// ending at `now_ms`. Every bucket from there on counts in full.
+    pub fn bucket_span(&self, buckets: u32, now_ms: u64) -> (u64, u64) {
+        let size = (self.length_ms / u64::from(buckets.max(1))).max(1);
+        let oldest = now_ms.saturating_sub(self.length_ms) / size;
+        (size, oldest)
+    }
+
     /// A window of exactly one unit, as the reference format writes it.
     pub fn per_unit(limit: u32, unit: Unit, name: Option<Arc<str>>) -> Window {
         Window {
@@ -34,6 +42,19 @@ impl Window {
     }
 }
 
+/// How a rule counts hits.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Algorithm {
+    /// Exact: one log entry per admitted hit; memory grows with the limit.
+    #[default]
+    SlidingLog,
+    /// Constant memory: each window is cut into `buckets` counters, and every bucket that
+    /// overlaps the window counts in full. The count is never below the true one, so it never
+    /// admits more than the limit in any window; it may reject for up to one bucket
+    /// (window / buckets) longer than the exact log would.
+    SlidingCounter { buckets: u32 },
+}
+
 /// What a matched rule asks for.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Limit {
@@ -42,6 +63,7 @@ pub enum Limit {
         windows: Vec<Window>,
         /// After going over, reject everything on this descriptor for this long.
         ban_ms: Option<u64>,
+        algorithm: Algorithm,
     },
     /// Matched, never limited; answered without touching the store.
     Unlimited,
@@ -236,7 +258,11 @@ impl Rule {
     pub fn describe(&self) -> String {
         let limit = match &self.limit {
             Limit::Unlimited => "unlimited".to_string(),
-            Limit::Windows { windows, ban_ms } => {
+            Limit::Windows {
+                windows,
+                ban_ms,
+                algorithm,
+            } => {
                 let windows: Vec<String> = windows
                     .iter()
                     .map(|w| {
@@ -251,7 +277,13 @@ impl Rule {
                 let ban = ban_ms
                     .map(|b| format!(" ban={}", human_ms(b)))
                     .unwrap_or_default();
-                format!("{}{ban}", windows.join(", "))
+                let algorithm = match algorithm {
+                    Algorithm::SlidingLog => String::new(),
+                    Algorithm::SlidingCounter { buckets } => {
+                        format!(" sliding_counter({buckets} buckets)")
+                    }
+                };
+                format!("{}{ban}{algorithm}", windows.join(", "))
             }
         };
         let mut flags = Vec::new();

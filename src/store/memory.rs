@@ -14,7 +14,7 @@ use std::hash::BuildHasher;
 use std::sync::{Mutex, MutexGuard};
 
 use super::{CheckItem, CheckOutcome, ItemOutcome, Store, StoreFuture, WindowOutcome, admits};
-use crate::limiter::rules::Window;
+use crate::limiter::rules::{Algorithm, Window};
 
 const SHARDS: usize = 64;
 /// How often a shard drops idle logs, at the latest (checked on access, no timer task).
@@ -33,12 +33,21 @@ struct Shard {
 
 #[derive(Default)]
 struct Slot {
+    /// `sliding_counter` rules: hits per bucket.
+    buckets: Vec<Bucket>,
     entries: VecDeque<Entry>,
     /// Running total of hits up to and including the last entry trimmed away.
     trimmed_total: u64,
     ban_until_ms: u64,
     /// After this the slot holds nothing that any window or ban still needs.
     keep_until_ms: u64,
+}
+
+#[derive(Clone, Copy)]
+struct Bucket {
+    size_ms: u64,
+    index: u64,
+    hits: u64,
 }
 
 #[derive(Clone, Copy)]
@@ -104,7 +113,6 @@ impl MemoryStore {
                 .filter(|(other, fit)| **fit && other.key == item.key)
                 .map(|(other, _)| other.hits)
                 .sum();
-            let longest = longest_ms(&item.windows);
             let shard = shard_mut(&mut guards, shard_of[n]);
             let slot = shard.slots.get_mut(item.key.as_str());
             if let Some(slot) = slot.as_ref().filter(|s| s.ban_until_ms > now_ms) {
@@ -113,12 +121,12 @@ impl MemoryStore {
             }
             let room = |slot: Option<&Slot>| {
                 item.windows.iter().all(|w| {
-                    let count = slot.map_or(0, |s| s.count(w.length_ms, now_ms));
+                    let count = slot.map_or(0, |s| s.count(item.algorithm, w, now_ms));
                     count + pending + item.hits <= u64::from(w.limit)
                 })
             };
             let slot = slot.map(|s| {
-                s.trim(now_ms, longest);
+                s.trim(item.algorithm, now_ms, &item.windows);
                 &*s
             });
             fits[n] = room(slot);
@@ -137,12 +145,11 @@ impl MemoryStore {
         if admitted {
             for (n, item) in items.iter().enumerate() {
                 if fits[n] && item.hits > 0 {
-                    let longest = longest_ms(&item.windows);
                     let slot = shard_mut(&mut guards, shard_of[n])
                         .slots
                         .entry(item.key.as_str().to_owned())
                         .or_default();
-                    slot.record(now_ms, item.hits, longest);
+                    slot.record(item.algorithm, now_ms, item.hits, &item.windows);
                 }
             }
         }
@@ -167,7 +174,7 @@ impl MemoryStore {
                     .windows
                     .iter()
                     .map(|w| match slot {
-                        Some(slot) => slot.outcome(w, now_ms, fits[n], item.hits),
+                        Some(slot) => slot.outcome(item.algorithm, w, now_ms, fits[n], item.hits),
                         None => WindowOutcome {
                             count: 0,
                             reset_ms: if fits[n] || item.hits <= u64::from(w.limit) {
@@ -233,6 +240,102 @@ impl Shard {
 }
 
 impl Slot {
+    fn count(&self, algorithm: Algorithm, window: &Window, now_ms: u64) -> u64 {
+        match algorithm {
+            Algorithm::SlidingLog => self.log_count(window.length_ms, now_ms),
+            Algorithm::SlidingCounter { buckets } => {
+                let (size, oldest) = window.bucket_span(buckets, now_ms);
+                self.counted_buckets(size, oldest).map(|b| b.hits).sum()
+            }
+        }
+    }
+
+    /// The buckets of one window size that still count, oldest first.
+    fn counted_buckets(&self, size: u64, oldest: u64) -> impl Iterator<Item = &Bucket> {
+        let mut counted: Vec<&Bucket> = self
+            .buckets
+            .iter()
+            .filter(|b| b.size_ms == size && b.index >= oldest)
+            .collect();
+        counted.sort_by_key(|b| b.index);
+        counted.into_iter()
+    }
+
+    fn trim(&mut self, algorithm: Algorithm, now_ms: u64, windows: &[Window]) {
+        match algorithm {
+            Algorithm::SlidingLog => self.log_trim(now_ms, longest_ms(windows)),
+            Algorithm::SlidingCounter { buckets } => self.buckets.retain(|b| {
+                windows.iter().any(|w| {
+                    let (size, oldest) = w.bucket_span(buckets, now_ms);
+                    b.size_ms == size && b.index >= oldest
+                })
+            }),
+        }
+    }
+
+    fn record(&mut self, algorithm: Algorithm, now_ms: u64, hits: u64, windows: &[Window]) {
+        match algorithm {
+            Algorithm::SlidingLog => self.log_record(now_ms, hits, longest_ms(windows)),
+            Algorithm::SlidingCounter { buckets } => {
+                for w in windows {
+                    let (size, _) = w.bucket_span(buckets, now_ms);
+                    let index = now_ms / size;
+                    match self
+                        .buckets
+                        .iter_mut()
+                        .find(|b| b.size_ms == size && b.index == index)
+                    {
+                        Some(bucket) => bucket.hits += hits,
+                        None => self.buckets.push(Bucket {
+                            size_ms: size,
+                            index,
+                            hits,
+                        }),
+                    }
+                    let keep = (index + 1) * size + w.length_ms;
+                    self.keep_until_ms = self.keep_until_ms.max(keep);
+                }
+            }
+        }
+    }
+
+    fn outcome(
+        &self,
+        algorithm: Algorithm,
+        window: &Window,
+        now_ms: u64,
+        fits: bool,
+        hits: u64,
+    ) -> WindowOutcome {
+        let Algorithm::SlidingCounter { buckets } = algorithm else {
+            return self.log_outcome(window, now_ms, fits, hits);
+        };
+        let (size, oldest) = window.bucket_span(buckets, now_ms);
+        let count: u64 = self.counted_buckets(size, oldest).map(|b| b.hits).sum();
+        let limit = u64::from(window.limit);
+        // A bucket stops counting once it no longer overlaps the window.
+        let leaves = |b: &Bucket| ((b.index + 1) * size + window.length_ms).saturating_sub(now_ms);
+        let reset_ms = if fits {
+            self.counted_buckets(size, oldest)
+                .find(|b| b.hits > 0)
+                .map_or(0, leaves)
+        } else if count + hits <= limit {
+            0
+        } else if hits > limit {
+            window.length_ms
+        } else {
+            let need = count + hits - limit;
+            let mut freed = 0;
+            self.counted_buckets(size, oldest)
+                .find(|b| {
+                    freed += b.hits;
+                    freed >= need
+                })
+                .map_or(window.length_ms, leaves)
+        };
+        WindowOutcome { count, reset_ms }
+    }
+
     /// Index of the first entry inside a window of `length_ms` ending at `now_ms`. An entry
     /// exactly `length_ms` old is outside.
     fn first_inside(&self, length_ms: u64, now_ms: u64) -> usize {
@@ -253,11 +356,11 @@ impl Slot {
         self.entries.back().map_or(self.trimmed_total, |e| e.total)
     }
 
-    fn count(&self, length_ms: u64, now_ms: u64) -> u64 {
+    fn log_count(&self, length_ms: u64, now_ms: u64) -> u64 {
         self.last_total() - self.total_before(self.first_inside(length_ms, now_ms))
     }
 
-    fn trim(&mut self, now_ms: u64, longest_ms: u64) {
+    fn log_trim(&mut self, now_ms: u64, longest_ms: u64) {
         let outside = self.first_inside(longest_ms, now_ms);
         if outside > 0 {
             self.trimmed_total = self.entries[outside - 1].total;
@@ -265,7 +368,7 @@ impl Slot {
         }
     }
 
-    fn record(&mut self, now_ms: u64, hits: u64, longest_ms: u64) {
+    fn log_record(&mut self, now_ms: u64, hits: u64, longest_ms: u64) {
         // Logs stay sorted by time. If the clock stepped back, the entry is stamped with the
         // newest time already in the log: it then stays counted a little longer, which can
         // only make the limiter stricter, never let more through.
@@ -275,7 +378,7 @@ impl Slot {
         self.keep_until_ms = self.keep_until_ms.max(at_ms.saturating_add(longest_ms));
     }
 
-    fn outcome(&self, window: &Window, now_ms: u64, fits: bool, hits: u64) -> WindowOutcome {
+    fn log_outcome(&self, window: &Window, now_ms: u64, fits: bool, hits: u64) -> WindowOutcome {
         let first = self.first_inside(window.length_ms, now_ms);
         let before = self.total_before(first);
         let count = self.last_total() - before;
@@ -324,6 +427,7 @@ mod tests {
                 None,
             ),
             windows: Cow::Owned(windows),
+            algorithm: Algorithm::SlidingLog,
             ban_ms: None,
             hits,
             role: Role::Enforce,
@@ -421,5 +525,37 @@ mod tests {
         assert!(store.decide(&[item("a", w.clone(), 1)], 10_000).admitted);
         assert!(store.decide(&[item("a", w.clone(), 1)], 9_500).admitted);
         assert!(!store.decide(&[item("a", w.clone(), 1)], 10_900).admitted);
+    }
+
+    #[test]
+    fn sliding_counter_never_admits_more_and_waits_at_most_a_bucket_longer() {
+        let store = MemoryStore::new();
+        let counter = |hits| CheckItem {
+            algorithm: Algorithm::SlidingCounter { buckets: 10 },
+            ..item("c", vec![window(3, 10_000)], hits)
+        };
+        for t in [5_500, 6_200, 6_300] {
+            assert!(store.decide(&[counter(1)], t).admitted);
+        }
+        assert!(!store.decide(&[counter(1)], 14_000).admitted);
+        // The exact log would admit now (5,500 is out of (5,600, 15,600]), but bucket 5
+        // (5,000..6,000) still overlaps the window: one bucket longer, never more hits.
+        let outcome = store.decide(&[counter(1)], 15_600);
+        assert!(!outcome.admitted);
+        assert_eq!(
+            outcome.items[0].windows[0],
+            WindowOutcome {
+                count: 3,
+                reset_ms: 400
+            }
+        );
+        let outcome = store.decide(&[counter(1)], 16_000);
+        assert!(outcome.admitted);
+        assert_eq!(
+            outcome.items[0].windows[0].count, 3,
+            "buckets 6 (two hits) and 16 (this one)"
+        );
+        // Constant memory: one bucket per window slice, whatever the hits.
+        assert!(store.decide(&[counter(0)], 16_001).admitted);
     }
 }

@@ -10,7 +10,7 @@ use std::future::Future;
 use std::pin::Pin;
 
 use crate::limiter::key::StoreKey;
-use crate::limiter::rules::Window;
+use crate::limiter::rules::{Algorithm, Window};
 
 mod memory;
 pub mod redis;
@@ -34,6 +34,7 @@ pub enum Role {
 pub struct CheckItem<'a> {
     pub key: StoreKey,
     pub windows: Cow<'a, [Window]>,
+    pub algorithm: Algorithm,
     pub ban_ms: Option<u64>,
     /// Hits to record if admitted; 0 checks without recording.
     pub hits: u64,

@@ -19,7 +19,11 @@ use futures_util::future::join_all;
 use super::{
     CheckItem, CheckOutcome, ItemOutcome, Store, StoreError, StoreFuture, WindowOutcome, admits,
 };
+use crate::limiter::rules::Algorithm;
 use crate::store::Role;
+
+type UndoFuture<'a> =
+    std::pin::Pin<Box<dyn std::future::Future<Output = Result<(), Error>> + Send + 'a>>;
 
 /// The script, embedded in the binary.
 pub const SCRIPT: &str = include_str!("../../lua/slidegate.lua");
@@ -188,6 +192,7 @@ impl RedisStore {
             let item = &items[i];
             keys.push(item.key.log());
             keys.push(item.key.ban());
+            keys.push(item.key.counters());
             args.push(item.hits.to_string());
             args.push(
                 match item.role {
@@ -198,6 +203,10 @@ impl RedisStore {
                 .to_string(),
             );
             args.push(item.ban_ms.unwrap_or(0).to_string());
+            args.push(match item.algorithm {
+                Algorithm::SlidingLog => "0".to_string(),
+                Algorithm::SlidingCounter { buckets } => buckets.to_string(),
+            });
             args.push(item.windows.len().to_string());
             for w in item.windows.iter() {
                 args.push(w.limit.to_string());
@@ -284,18 +293,39 @@ impl RedisStore {
                 if !outcomes[i].fits || item.hits == 0 {
                     continue;
                 }
-                // Members as the script wrote them: "<now>:<prefix>:<i>:<j>", i 1-based per call.
-                let members: Vec<String> = (1..=item.hits)
-                    .map(|j| format!("{now_ms}:{prefix}:{}:{j}", position + 1))
-                    .collect();
                 for w in outcomes[i].windows.iter_mut() {
                     w.count = w.count.saturating_sub(item.hits);
                 }
-                removals.push(async move {
-                    let removed: Result<i64, Error> =
-                        self.pool.next().zrem(item.key.log(), members).await;
-                    removed
-                });
+                let client = self.pool.next();
+                match item.algorithm {
+                    Algorithm::SlidingLog => {
+                        // Members as the script wrote them: "<now>:<prefix>:<i>:<j>", i 1-based
+                        // per call.
+                        let members: Vec<String> = (1..=item.hits)
+                            .map(|j| format!("{now_ms}:{prefix}:{}:{j}", position + 1))
+                            .collect();
+                        removals.push(Box::pin(async move {
+                            client
+                                .zrem::<i64, _, _>(item.key.log(), members)
+                                .await
+                                .map(|_| ())
+                        }) as UndoFuture<'_>);
+                    }
+                    Algorithm::SlidingCounter { buckets } => {
+                        // The script added the hits to the current bucket of every window.
+                        let hits = i64::try_from(item.hits).unwrap_or(i64::MAX);
+                        for w in item.windows.iter() {
+                            let (size, _) = w.bucket_span(buckets, *now_ms);
+                            let field = format!("{size}:{}", now_ms / size);
+                            removals.push(Box::pin(async move {
+                                client
+                                    .hincrby::<i64, _, _>(item.key.counters(), field, -hits)
+                                    .await
+                                    .map(|_| ())
+                            }));
+                        }
+                    }
+                }
             }
         }
         for result in join_all(removals).await {

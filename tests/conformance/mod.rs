@@ -936,6 +936,103 @@ pub async fn exact_under_concurrency(b: &dyn Backend) {
     s.stop().await;
 }
 
+const COUNTER: &str = r#"
+domain: DOMAIN
+descriptors:
+  - key: tokens
+    algorithm: sliding_counter
+    rate_limit: {requests_per_unit: 3, window: 10s}
+  - key: big
+    algorithm: sliding_counter
+    buckets: 60
+    rate_limit: {requests_per_unit: 1000000, unit: minute}
+  - key: hot
+    algorithm: sliding_counter
+    rate_limit: {unit: minute, requests_per_unit: 100}
+"#;
+
+/// sliding_counter: 10 buckets of 1 s over a 10 s window. A bucket counts while it overlaps the
+/// window, so the counter never admits more than the log would, and waits at most one bucket
+/// longer.
+pub async fn sliding_counter_is_bounded_by_one_bucket(b: &dyn Backend) {
+    let (s, d) = start(b, "counter", COUNTER).await;
+    let call = || s.call(request(&d, vec![descriptor(&[("tokens", "t")])]));
+    for t in [5_500, 6_200, 6_300] {
+        s.clock.set(T0 + t);
+        assert_eq!(call().await.overall_code, ok(), "at +{t} ms");
+    }
+    s.clock.set(T0 + 14_000);
+    assert_eq!(call().await.overall_code, over());
+    // The exact log would admit here (+5,500 left the window at +15,500); the bucket +5..+6 s
+    // still overlaps it, and leaves at +16 s.
+    s.clock.set(T0 + 15_600);
+    let r = call().await;
+    assert_eq!(r.overall_code, over());
+    assert_eq!(reset_ms(&r.statuses[0]), Some(400));
+    s.clock.set(T0 + 16_000);
+    let r = call().await;
+    assert_eq!(r.overall_code, ok());
+    assert_eq!(
+        r.statuses[0].limit_remaining, 0,
+        "+6.2 s, +6.3 s and this one"
+    );
+    assert_eq!(
+        reset_ms(&r.statuses[0]),
+        Some(1_000),
+        "bucket +6..+7 s leaves at +17 s"
+    );
+    s.stop().await;
+}
+
+/// Large limits and hits cost nothing per hit with sliding_counter.
+pub async fn sliding_counter_takes_large_hits(b: &dyn Backend) {
+    let (s, d) = start(b, "counterbig", COUNTER).await;
+    for n in 1..=10u32 {
+        let r = s
+            .call(request(
+                &d,
+                vec![with_hits(descriptor(&[("big", "b")]), 100_000)],
+            ))
+            .await;
+        assert_eq!(r.overall_code, ok(), "call {n}");
+        assert_eq!(r.statuses[0].limit_remaining, 1_000_000 - n * 100_000);
+    }
+    let r = s
+        .call(request(&d, vec![with_hits(descriptor(&[("big", "b")]), 1)]))
+        .await;
+    assert_eq!(r.overall_code, over());
+    s.stop().await;
+}
+
+/// 64 concurrent clients on a sliding_counter limited to 100 per minute: exactly 100 pass.
+pub async fn sliding_counter_exact_under_concurrency(b: &dyn Backend) {
+    let (s, d) = start(b, "counterexact", COUNTER).await;
+    let mut tasks = Vec::new();
+    for _ in 0..64 {
+        let client = connect(s.grpc_addr).await;
+        let d = d.clone();
+        tasks.push(tokio::spawn(async move {
+            let mut admitted = 0u32;
+            for _ in 0..10 {
+                let r = client
+                    .clone()
+                    .should_rate_limit(request(&d, vec![descriptor(&[("hot", "k")])]))
+                    .await
+                    .expect("call")
+                    .into_inner();
+                admitted += u32::from(r.overall_code == ok());
+            }
+            admitted
+        }));
+    }
+    let mut total = 0;
+    for t in tasks {
+        total += t.await.expect("client task");
+    }
+    assert_eq!(total, 100);
+    s.stop().await;
+}
+
 /// Generates one test per scenario for a backend expression.
 #[macro_export]
 macro_rules! conformance_suite {
@@ -949,7 +1046,8 @@ macro_rules! conformance_suite {
             replaces_removes_named_limits, quota_mode_rejects_only_when_all_quotas_are_over,
             three_windows_on_one_descriptor, arbitrary_window, ban_blocks_then_expires,
             rolling_window_has_no_boundary_burst, same_millisecond_burst_is_all_counted, response_headers,
-            exact_under_concurrency);
+            exact_under_concurrency, sliding_counter_is_bounded_by_one_bucket,
+            sliding_counter_takes_large_hits, sliding_counter_exact_under_concurrency);
     };
     (@tests $backend:expr; $($name:ident),* $(,)?) => {
         $(
