@@ -12,7 +12,8 @@ use super::duration;
 use super::model::{RawDescriptor, RawFile, RawRateLimit};
 use crate::limiter::Unit;
 use crate::limiter::rules::{
-    Algorithm, KeyChildren, Limit, Limits, Node, Pattern, Rule, WildcardChild, Window,
+    Algorithm, FailurePolicy, KeyChildren, Limit, Limits, Node, Pattern, Rule, WildcardChild,
+    Window,
 };
 
 /// One problem in the config.
@@ -214,6 +215,30 @@ pub fn compile_sources(sources: &[(String, String)]) -> Result<Limits, ConfigErr
         }
         domain_files.insert(domain.clone(), file.clone());
         ctx.domain = domain.clone();
+        if let Some(policy) = &raw.store_failure {
+            match policy.value.as_str() {
+                "error" => {
+                    limits
+                        .store_failure
+                        .insert(domain.clone(), FailurePolicy::Error);
+                }
+                "allow" => {
+                    limits
+                        .store_failure
+                        .insert(domain.clone(), FailurePolicy::Allow);
+                }
+                "deny" => {
+                    limits
+                        .store_failure
+                        .insert(domain.clone(), FailurePolicy::Deny);
+                }
+                other => ctx.error(
+                    policy.referenced.line(),
+                    "store_failure",
+                    format!("unknown store_failure '{other}': use error, allow or deny"),
+                ),
+            }
+        }
         let mut root = Node::default();
         ctx.descriptors(
             &raw.descriptors,
@@ -845,6 +870,29 @@ descriptors:
         assert_eq!(
             warnings(&limits),
             vec!["big.yaml:3: big.bytes: a limit of 10000000 keeps up to 10000000 log entries per descriptor value (about 1450 MB in Redis); algorithm: sliding_counter keeps constant memory".to_string()]
+        );
+    }
+
+    #[test]
+    fn domains_may_set_their_store_failure_policy() {
+        let limits = compile(&[
+            ("open.yaml", "domain: open\nstore_failure: allow\n"),
+            ("closed.yaml", "domain: closed\nstore_failure: deny\n"),
+            ("plain.yaml", "domain: plain\n"),
+        ])
+        .expect("valid");
+        assert_eq!(
+            limits.store_failure.get("open"),
+            Some(&FailurePolicy::Allow)
+        );
+        assert_eq!(
+            limits.store_failure.get("closed"),
+            Some(&FailurePolicy::Deny)
+        );
+        assert_eq!(limits.store_failure.get("plain"), None);
+        assert_eq!(
+            only_error("domain: d\nstore_failure: maybe\n"),
+            "2: store_failure: unknown store_failure 'maybe': use error, allow or deny"
         );
     }
 

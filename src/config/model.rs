@@ -12,6 +12,10 @@ pub struct RawFile {
     pub domain: Option<Spanned<String>>,
     #[serde(default)]
     pub descriptors: Vec<Spanned<RawDescriptor>>,
+    /// Extension: this domain's answer when the store fails (`error`, `allow`, `deny`),
+    /// overriding `--store-failure`.
+    #[serde(default)]
+    pub store_failure: Option<Spanned<String>>,
 }
 
 #[derive(Debug, Deserialize)]

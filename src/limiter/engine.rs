@@ -9,6 +9,7 @@ use arc_swap::ArcSwap;
 use super::headers;
 use super::key::{self, Variant};
 use super::observe::{DescriptorReport, NoObserver, Observer};
+pub use super::rules::FailurePolicy;
 use super::rules::{Algorithm, Limit, Limits, Match, Node, Rule, Segment, Window};
 use super::{
     Clock, Code, Decision, Descriptor, LimiterError, ReportedLimit, Request, Status, Unit,
@@ -17,18 +18,6 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Instant;
 
 use crate::store::{CheckItem, CheckOutcome, ItemOutcome, Role, Store};
-
-/// What to answer when the store fails (times out or errors).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub enum FailurePolicy {
-    /// A gRPC `UNAVAILABLE` error: Envoy's `failure_mode_deny` decides.
-    #[default]
-    Error,
-    /// Answer OK (fail open).
-    Allow,
-    /// Answer OVER_LIMIT for every limited descriptor (fail closed).
-    Deny,
-}
 
 /// Switches that change answers for every domain.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -140,7 +129,12 @@ impl Limiter {
         self.store_errors.load(Ordering::Relaxed)
     }
 
-    fn note_store_error(&self, error: &crate::store::StoreError, now_ms: u64) {
+    fn note_store_error(
+        &self,
+        error: &crate::store::StoreError,
+        now_ms: u64,
+        policy: FailurePolicy,
+    ) {
         let total = self.store_errors.fetch_add(1, Ordering::Relaxed) + 1;
         let last = self.last_error_log_ms.load(Ordering::Relaxed);
         let due = last == 0 || now_ms.saturating_sub(last) >= ERROR_LOG_EVERY_MS;
@@ -150,7 +144,7 @@ impl Limiter {
                 .compare_exchange(last, now_ms.max(1), Ordering::Relaxed, Ordering::Relaxed)
                 .is_ok()
         {
-            tracing::error!(%error, store = self.store.name(), total_errors = total, policy = ?self.options.failure_policy, "store call failed");
+            tracing::error!(%error, store = self.store.name(), total_errors = total, policy = ?policy, "store call failed");
         }
     }
 
@@ -173,7 +167,12 @@ impl Limiter {
         let outcome = if items.is_empty() {
             CheckOutcome::default()
         } else {
-            self.check(&items, now_ms).await?
+            let policy = limits
+                .store_failure
+                .get(&request.domain)
+                .copied()
+                .unwrap_or(self.options.failure_policy);
+            self.check(&items, now_ms, policy).await?
         };
         let overall = if items.is_empty() || outcome.admitted {
             Code::Ok
@@ -248,6 +247,7 @@ impl Limiter {
         &self,
         items: &[CheckItem<'_>],
         now_ms: u64,
+        policy: FailurePolicy,
     ) -> Result<CheckOutcome, LimiterError> {
         let started = Instant::now();
         let result = self.store.check(items, now_ms).await;
@@ -257,8 +257,8 @@ impl Limiter {
             Ok(outcome) => return Ok(outcome),
             Err(e) => e,
         };
-        self.note_store_error(&error, now_ms);
-        let admitted = match self.options.failure_policy {
+        self.note_store_error(&error, now_ms, policy);
+        let admitted = match policy {
             FailurePolicy::Error => return Err(error.into()),
             FailurePolicy::Allow => true,
             FailurePolicy::Deny => false,
@@ -790,6 +790,20 @@ mod tests {
             answer(FailurePolicy::Error),
             Err(LimiterError::Store(_))
         ));
+        // A domain's own store_failure wins over the server's policy.
+        let open = CONFIG.replace("domain: d\n", "domain: d\nstore_failure: allow\n");
+        let limits_open =
+            crate::config::compile_sources(&[("t.yaml".into(), open)]).expect("valid");
+        let l = Limiter::new(
+            limits_open,
+            Arc::new(Broken),
+            Arc::new(ManualClock::new(T0)),
+            LimiterOptions::default(),
+        );
+        let d = futures_util::FutureExt::now_or_never(l.should_rate_limit(&req(&[&[("ip", "f")]])))
+            .expect("ready")
+            .expect("the domain fails open");
+        assert_eq!(d.overall, Code::Ok);
         let allow = answer(FailurePolicy::Allow).expect("answered");
         assert_eq!(allow.overall, Code::Ok);
         let deny = answer(FailurePolicy::Deny).expect("answered");

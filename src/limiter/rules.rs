@@ -170,10 +170,24 @@ pub struct WildcardChild {
     pub node: Node,
 }
 
+/// What to answer when the store fails (times out or errors).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum FailurePolicy {
+    /// A gRPC `UNAVAILABLE` error: Envoy's `failure_mode_deny` decides.
+    #[default]
+    Error,
+    /// Answer OK (fail open).
+    Allow,
+    /// Answer OVER_LIMIT for every limited descriptor (fail closed).
+    Deny,
+}
+
 /// All loaded rules, by domain.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Limits {
     pub domains: HashMap<String, Node>,
+    /// Domains whose config overrides the server's store failure policy.
+    pub store_failure: HashMap<String, FailurePolicy>,
 }
 
 /// How one level of a matched descriptor enters the log's identity.
