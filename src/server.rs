@@ -113,6 +113,20 @@ pub async fn run(
         });
     }
 
+    // Idle state in the embedded store goes even when no request touches it.
+    {
+        let limiter = app.limiter.clone();
+        let mut draining = draining.clone();
+        tokio::spawn(async move {
+            loop {
+                tokio::select! {
+                    _ = tokio::time::sleep(Duration::from_secs(10)) => limiter.sweep_store(),
+                    _ = draining.wait_for(|d| *d) => return,
+                }
+            }
+        });
+    }
+
     // gRPC health follows the store: SERVING only while it answers.
     {
         let health = health.clone();

@@ -119,6 +119,11 @@ impl Limiter {
         self.store.name()
     }
 
+    /// Lets the store drop state no window needs any more (see `Store::sweep`).
+    pub fn sweep_store(&self) {
+        self.store.sweep(self.clock.now_ms());
+    }
+
     /// Whether the store answers now.
     pub async fn store_ready(&self) -> bool {
         self.store.ready().await

@@ -201,6 +201,13 @@ impl MemoryStore {
 }
 
 impl Store for MemoryStore {
+    fn sweep(&self, now_ms: u64) {
+        // One shard at a time, so requests on other shards never wait for the whole sweep.
+        for shard in self.shards.iter() {
+            lock(shard).sweep(now_ms);
+        }
+    }
+
     fn check<'a>(&'a self, items: &'a [CheckItem<'a>], now_ms: u64) -> StoreFuture<'a> {
         let outcome = self.decide(items, now_ms);
         Box::pin(async move { Ok(outcome) })
@@ -516,6 +523,16 @@ mod tests {
             0,
             "check-only requests leave no state, the old log is swept"
         );
+        // Without traffic, the periodic sweep drops idle logs.
+        assert!(
+            store
+                .decide(&[item("b", vec![window(5, 1000)], 1)], 100_000)
+                .admitted
+        );
+        store.sweep(100_999);
+        assert_eq!(store.len(), 1, "still inside its window");
+        store.sweep(111_000);
+        assert_eq!(store.len(), 0);
     }
 
     #[test]

@@ -102,6 +102,10 @@ pub trait Store: Send + Sync + 'static {
     fn ready(&self) -> ReadyFuture<'_> {
         Box::pin(async { true })
     }
+
+    /// Drops state that no window or ban needs any more. The server calls it periodically; the
+    /// Redis store has nothing to do (keys expire by TTL).
+    fn sweep(&self, _now_ms: u64) {}
 }
 
 /// The admission rule both stores share: every enforcing item fits, and if there are quota
