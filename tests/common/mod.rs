@@ -258,3 +258,31 @@ pub async fn http(
         .unwrap_or_default();
     (code, body)
 }
+
+/// 64 clients, each on its own connection to one of `servers` (round robin), send 10 calls each
+/// for one descriptor `[key=k]`, all at once. Returns how many were admitted.
+pub async fn hammer(servers: &[std::net::SocketAddr], domain: &str, key: &str) -> u32 {
+    let mut tasks = Vec::new();
+    for n in 0..64 {
+        let client = connect(servers[n % servers.len()]).await;
+        let (domain, key) = (domain.to_string(), key.to_string());
+        tasks.push(tokio::spawn(async move {
+            let mut admitted = 0u32;
+            for _ in 0..10 {
+                let r = client
+                    .clone()
+                    .should_rate_limit(request(&domain, vec![descriptor(&[(&key, "k")])]))
+                    .await
+                    .expect("call")
+                    .into_inner();
+                admitted += u32::from(r.overall_code == ok());
+            }
+            admitted
+        }));
+    }
+    let mut total = 0;
+    for t in tasks {
+        total += t.await.expect("client task");
+    }
+    total
+}

@@ -908,31 +908,11 @@ pub async fn response_headers(b: &dyn Backend) {
 pub async fn exact_under_concurrency(b: &dyn Backend) {
     let config = "domain: DOMAIN\ndescriptors:\n  - key: hot\n    rate_limit: {unit: minute, requests_per_unit: 100}\n";
     let (s, d) = start(b, "exact", config).await;
-    let mut tasks = Vec::new();
-    for _ in 0..64 {
-        let client = connect(s.grpc_addr).await;
-        let d = d.clone();
-        tasks.push(tokio::spawn(async move {
-            let mut admitted = 0u32;
-            for _ in 0..10 {
-                let r = client
-                    .clone()
-                    .should_rate_limit(request(&d, vec![descriptor(&[("hot", "k")])]))
-                    .await
-                    .expect("call")
-                    .into_inner();
-                if r.overall_code == ok() {
-                    admitted += 1;
-                }
-            }
-            admitted
-        }));
-    }
-    let mut total = 0;
-    for t in tasks {
-        total += t.await.expect("client task");
-    }
-    assert_eq!(total, 100, "640 calls, 100 per minute");
+    assert_eq!(
+        hammer(&[s.grpc_addr], &d, "hot").await,
+        100,
+        "640 calls, 100 per minute"
+    );
     s.stop().await;
 }
 
@@ -1007,29 +987,7 @@ pub async fn sliding_counter_takes_large_hits(b: &dyn Backend) {
 /// 64 concurrent clients on a sliding_counter limited to 100 per minute: exactly 100 pass.
 pub async fn sliding_counter_exact_under_concurrency(b: &dyn Backend) {
     let (s, d) = start(b, "counterexact", COUNTER).await;
-    let mut tasks = Vec::new();
-    for _ in 0..64 {
-        let client = connect(s.grpc_addr).await;
-        let d = d.clone();
-        tasks.push(tokio::spawn(async move {
-            let mut admitted = 0u32;
-            for _ in 0..10 {
-                let r = client
-                    .clone()
-                    .should_rate_limit(request(&d, vec![descriptor(&[("hot", "k")])]))
-                    .await
-                    .expect("call")
-                    .into_inner();
-                admitted += u32::from(r.overall_code == ok());
-            }
-            admitted
-        }));
-    }
-    let mut total = 0;
-    for t in tasks {
-        total += t.await.expect("client task");
-    }
-    assert_eq!(total, 100);
+    assert_eq!(hammer(&[s.grpc_addr], &d, "hot").await, 100);
     s.stop().await;
 }
 
