@@ -591,11 +591,7 @@ async fn health_follows_the_store() {
         .expect("connect"),
     );
     let s = TestServer::start(&limits("x", "y"), store, LimiterOptions::default()).await;
-    let channel = tonic::transport::Endpoint::from_shared(format!("http://{}", s.grpc_addr))
-        .expect("uri")
-        .connect()
-        .await
-        .expect("connect");
+    let channel = channel(s.grpc_addr).await;
     let mut health = HealthClient::new(channel);
     let mut status_is = async |want: ServingStatus| {
         let end = Instant::now() + Duration::from_secs(15);

@@ -8,7 +8,6 @@ use std::sync::Arc;
 use common::*;
 use slidegate::limiter::LimiterOptions;
 use slidegate::store::MemoryStore;
-use tonic::transport::Endpoint;
 use tonic_health::pb::HealthCheckRequest;
 use tonic_health::pb::health_check_response::ServingStatus;
 use tonic_health::pb::health_client::HealthClient;
@@ -31,11 +30,7 @@ async fn start() -> TestServer {
 #[tokio::test]
 async fn reflection_lists_the_service() {
     let s = start().await;
-    let channel = Endpoint::from_shared(format!("http://{}", s.grpc_addr))
-        .expect("uri")
-        .connect()
-        .await
-        .expect("connect");
+    let channel = channel(s.grpc_addr).await;
     let mut client = ServerReflectionClient::new(channel);
     let ask = |message: MessageRequest| ServerReflectionRequest {
         host: String::new(),
@@ -86,11 +81,7 @@ async fn reflection_lists_the_service() {
 #[tokio::test]
 async fn health_reports_serving() {
     let s = start().await;
-    let channel = Endpoint::from_shared(format!("http://{}", s.grpc_addr))
-        .expect("uri")
-        .connect()
-        .await
-        .expect("connect");
+    let channel = channel(s.grpc_addr).await;
     let mut health = HealthClient::new(channel);
     for service in [
         "",

@@ -286,3 +286,12 @@ pub async fn hammer(servers: &[std::net::SocketAddr], domain: &str, key: &str) -
     }
     total
 }
+
+/// A raw gRPC channel, for the health and reflection clients.
+pub async fn channel(addr: std::net::SocketAddr) -> Channel {
+    tonic::transport::Endpoint::from_shared(format!("http://{addr}"))
+        .expect("uri")
+        .connect()
+        .await
+        .expect("connect")
+}
