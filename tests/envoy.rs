@@ -46,9 +46,13 @@ struct Slidegate {
 }
 
 fn start_slidegate(extra: &[&str]) -> Slidegate {
+    start_slidegate_with(&format!("{MANIFEST}/deploy/envoy/limits.yaml"), extra)
+}
+
+fn start_slidegate_with(config: &str, extra: &[&str]) -> Slidegate {
     let (grpc, http) = (free_port(), free_port());
     let child = Command::new(env!("CARGO_BIN_EXE_slidegate"))
-        .args(["--config", &format!("{MANIFEST}/deploy/envoy/limits.yaml")])
+        .args(["--config", config])
         .args([
             "--grpc-addr",
             &format!("127.0.0.1:{grpc}"),
@@ -245,10 +249,68 @@ async fn limits_through_envoy(extra: &[&str]) {
         200,
         "bob has his own limit"
     );
+    // No user header: Envoy sends an entry-less descriptor for the skipped user action; the
+    // address limit (the binding one now) is still decided and reported.
+    let mut remaining = Vec::new();
+    for _ in 0..2 {
+        let anonymous = get(envoy.port, "/api", None).await;
+        assert_eq!(anonymous.status, 200, "no user header: no user limit");
+        let limit = anonymous.headers.get("x-ratelimit-limit").cloned();
+        assert!(
+            limit
+                .as_deref()
+                .is_some_and(|l| l.starts_with("1000, 1000;w=60")),
+            "the remote_address limit answers: x-ratelimit-limit {limit:?}"
+        );
+        let left: u32 = anonymous
+            .headers
+            .get("x-ratelimit-remaining")
+            .and_then(|v| v.parse().ok())
+            .expect("x-ratelimit-remaining");
+        remaining.push(left);
+    }
+    assert!(
+        remaining[1] < remaining[0] && remaining[0] < 1000,
+        "headerless requests count against the address: {remaining:?}"
+    );
+}
+
+/// The shipped Envoy config with the address limit lowered to 3 a minute: requests without the
+/// user header (an entry-less descriptor from `skip_if_absent`) are limited by address, and the
+/// fourth is refused by slidegate, not let through as a rate-limit error.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn headerless_requests_keep_the_address_limit() {
+    let shipped = std::fs::read_to_string(format!("{MANIFEST}/deploy/envoy/limits.yaml"))
+        .expect("read limits.yaml");
+    let lowered = shipped.replace("requests_per_unit: 1000", "requests_per_unit: 3");
+    assert_ne!(
+        lowered, shipped,
+        "limits.yaml no longer has the 1000/minute address limit"
+    );
+    let dir = common::temp_dir("headerless");
+    let config = dir.0.join("limits.yaml");
+    std::fs::write(&config, lowered).expect("write limits");
+    let slidegate = start_slidegate_with(&config.to_string_lossy(), &[]);
+    let upstream = start_upstream().await;
+    let envoy = start_envoy(upstream, slidegate.grpc, false);
+    for n in 1..=3 {
+        assert_eq!(
+            get(envoy.port, "/api", None).await.status,
+            200,
+            "request {n}"
+        );
+    }
+    let fourth = get(envoy.port, "/api", None).await;
     assert_eq!(
-        get(envoy.port, "/api", None).await.status,
-        200,
-        "no user header: no user limit"
+        fourth.status, 429,
+        "the address limit applies without a user header"
+    );
+    assert_eq!(
+        fourth
+            .headers
+            .get("x-envoy-ratelimited")
+            .map(String::as_str),
+        Some("true")
     );
 }
 

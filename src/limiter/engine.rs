@@ -519,9 +519,9 @@ fn validate(request: &Request) -> Result<(), LimiterError> {
         return invalid("rate limit descriptor list must not be empty".into());
     }
     for (n, descriptor) in request.descriptors.iter().enumerate() {
-        if descriptor.entries.is_empty() {
-            return invalid(format!("descriptors[{n}] has no entries"));
-        }
+        // A descriptor without entries is what Envoy sends when every action of a rate limit
+        // was skipped (`skip_if_absent`); it matches nothing and is answered OK without a limit,
+        // as the reference does, while the request's other descriptors are decided as usual.
         if let Some(e) = descriptor
             .entries
             .iter()

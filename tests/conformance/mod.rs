@@ -212,14 +212,6 @@ pub async fn invalid_requests_are_rejected_and_record_nothing(b: &dyn Backend) {
     let st = s
         .call_err(request(
             &d,
-            vec![descriptor(&[("key1", "a")]), descriptor(&[])],
-        ))
-        .await;
-    assert_eq!(st.code(), tonic::Code::InvalidArgument);
-    assert!(st.message().contains("descriptors[1] has no entries"));
-    let st = s
-        .call_err(request(
-            &d,
             vec![descriptor(&[("key1", "a")]), descriptor(&[("", "x")])],
         ))
         .await;
@@ -261,6 +253,45 @@ pub async fn invalid_requests_are_rejected_and_record_nothing(b: &dyn Backend) {
         .call(request(&d, vec![descriptor(&[("key1", "a")])]))
         .await;
     assert_eq!(r.statuses[0].limit_remaining, 49);
+    s.stop().await;
+}
+
+/// Envoy sends a descriptor with no entries when every action of one of its rate limits was
+/// skipped (`request_headers` with `skip_if_absent` and no such header). The reference answers it
+/// OK without a limit and decides the others; so does slidegate.
+pub async fn entryless_descriptor_is_ok_and_others_still_apply(b: &dyn Backend) {
+    let (s, d) = start(b, "entryless", BASIC).await;
+    let call = || {
+        request(
+            &d,
+            vec![descriptor(&[]), descriptor(&[("one_per_minute", "x")])],
+        )
+    };
+    let first = s.call(call()).await;
+    assert_eq!(first.overall_code, ok());
+    assert_eq!(first.statuses.len(), 2);
+    assert_eq!(first.statuses[0].code, ok());
+    assert_eq!(first.statuses[0].current_limit, None);
+    assert_eq!(first.statuses[1].code, ok());
+    assert_eq!(
+        first.statuses[1]
+            .current_limit
+            .as_ref()
+            .map(|l| l.requests_per_unit),
+        Some(1)
+    );
+    let second = s.call(call()).await;
+    assert_eq!(
+        second.overall_code,
+        over(),
+        "the other descriptor is enforced"
+    );
+    assert_eq!(second.statuses[0].code, ok());
+    assert_eq!(second.statuses[1].code, over());
+    // Alone, it is still an answer, not an error.
+    let alone = s.call(request(&d, vec![descriptor(&[])])).await;
+    assert_eq!(alone.overall_code, ok());
+    assert_eq!(alone.statuses.len(), 1);
     s.stop().await;
 }
 
@@ -998,7 +1029,7 @@ macro_rules! conformance_suite {
         $crate::conformance_suite!(@tests $backend;
             unknown_domain_is_ok_without_limit, basic_limit_reports_remaining_and_reset, over_limit_after_n,
             rejected_requests_record_nothing, reset_counts_down, share_threshold_shares_one_log,
-            invalid_requests_are_rejected_and_record_nothing, unlimited_and_whitelisted, rule_shadow_mode,
+            invalid_requests_are_rejected_and_record_nothing, entryless_descriptor_is_ok_and_others_still_apply, unlimited_and_whitelisted, rule_shadow_mode,
             global_shadow_mode, matching_follows_the_reference, wildcards_match_anywhere, request_override_wins,
             hits_addend, per_descriptor_hits_zero_checks_only, zero_limit_blocks_everything,
             replaces_removes_named_limits, quota_mode_rejects_only_when_all_quotas_are_over,
