@@ -7,6 +7,14 @@
 //!
 //! Figures from one run on one machine are comparable with each other; across machines or runs
 //! on a shared machine, compare ratios.
+// Tests and benchmarks may panic on a broken set-up, read the wall clock and run long.
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::disallowed_methods,
+    clippy::too_many_lines,
+    clippy::cast_possible_truncation
+)]
 
 #[allow(dead_code)] // shared with the tests; the bench uses part of it
 #[path = "../tests/common/redis.rs"]
@@ -93,9 +101,13 @@ async fn drive(store: Arc<dyn Store>, secs: u64, callers: u64, scenario: &'stati
     let http = TcpListener::bind("127.0.0.1:0").await.expect("bind");
     let addr = grpc.local_addr().expect("addr");
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let server = tokio::spawn(slidegate::server::run(grpc, http, app, async {
-        let _ = stopped.await;
-    }));
+    let server = tokio::spawn(slidegate::server::run(
+        slidegate::server::Listeners { grpc, http },
+        app,
+        async {
+            let _ = stopped.await;
+        },
+    ));
     let connections = 8.min(callers);
     let mut clients = Vec::new();
     for _ in 0..connections {

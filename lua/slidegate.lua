@@ -32,10 +32,10 @@
 -- sliding_log: an entry with time t is inside a window W at now iff t > now - W.
 -- sliding_counter: a window of length W has buckets of floor(W / buckets) ms; every bucket that
 -- overlaps (now - W, now] counts in full, so the count is never below the log's.
--- Bad arguments get an error reply, never a Lua runtime error.
+-- Bad arguments get an error reply whose code is SLIDEGATE, never a Lua runtime error.
 
 local function fail(message)
-  return redis.error_reply('ERR slidegate: ' .. message)
+  return redis.error_reply('SLIDEGATE ' .. message)
 end
 
 local function whole(text)

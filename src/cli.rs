@@ -1,4 +1,6 @@
-//! Command line and environment. Every flag has an environment twin (`SLIDEGATE_*`).
+//! The binary's command line and environment: every flag has an environment twin
+//! (`SLIDEGATE_*`). It assembles the library's parts (config, store, limiter, metrics, reload)
+//! and hands them to `slidegate::server::run`.
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -7,14 +9,14 @@ use std::sync::Arc;
 
 use clap::{Parser, Subcommand, ValueEnum};
 
-use crate::config;
+use slidegate::config;
 use std::time::Duration;
 
-use crate::limiter::{FailurePolicy, Limiter, LimiterOptions, SystemClock};
-use crate::metrics::Metrics;
-use crate::server::{App, ServerOptions};
-use crate::store::redis::redact;
-use crate::store::{ClockSource, MemoryStore, RedisOptions, RedisStore, Store};
+use slidegate::limiter::{Clock, FailurePolicy, Limiter, LimiterOptions, SystemClock};
+use slidegate::metrics::Metrics;
+use slidegate::server::{App, Listeners, ServerOptions};
+use slidegate::store::redis::redact;
+use slidegate::store::{ClockSource, MemoryStore, RedisOptions, RedisStore, Store};
 
 #[derive(Debug, Parser)]
 #[command(
@@ -118,11 +120,9 @@ fn duration_arg(text: &str) -> Result<Duration, String> {
 }
 
 fn duration_or_zero_arg(text: &str) -> Result<Duration, String> {
-    if text
-        .trim()
-        .trim_end_matches(|c: char| c.is_ascii_alphabetic())
-        == "0"
-    {
+    // Zero is no duration in config, but "no delay" here: `0`, or 0 with a known unit.
+    let zero_unit = text.trim().strip_prefix('0');
+    if zero_unit.is_some_and(|unit| ["", "ms", "s", "m", "h", "d", "w"].contains(&unit)) {
         return Ok(Duration::ZERO);
     }
     duration_arg(text)
@@ -228,41 +228,12 @@ async fn serve_async(args: ServeArgs) -> Result<(), String> {
         domains = loaded.limits.domains.len(),
         "config loaded"
     );
-    let store: Arc<dyn Store> = match &args.redis_url {
-        None => Arc::new(MemoryStore::new()),
-        Some(url) => {
-            let options = RedisOptions {
-                url: url.clone(),
-                pool_size: args.redis_pool_size,
-                timeout: args.redis_timeout,
-                connect_timeout: args.redis_connect_timeout,
-                clock: match args.clock {
-                    ClockArg::Server => ClockSource::Server,
-                    ClockArg::Redis => ClockSource::Redis,
-                },
-            };
-            let store = RedisStore::connect(options)
-                .await
-                .map_err(|e| format!("cannot use Redis at {}: {e}", redact(url)))?;
-            tracing::info!(redis = %redact(url), store = store.name(), "connected to Redis");
-            Arc::new(store)
-        }
-    };
-    let options = LimiterOptions {
-        near_limit_ratio: args.near_limit_ratio,
-        failure_policy: match args.store_failure {
-            FailureArg::Error => FailurePolicy::Error,
-            FailureArg::Allow => FailurePolicy::Allow,
-            FailureArg::Deny => FailurePolicy::Deny,
-        },
-        global_shadow_mode: args.shadow_mode,
-        response_headers: args.response_headers,
-        dynamic_metadata: args.dynamic_metadata,
-    };
+    let clock = Arc::new(SystemClock);
+    let store = open_store(&args, clock.clone()).await?;
     let metrics = Arc::new(Metrics::new());
     metrics.config_loaded(true);
     let limiter = Arc::new(
-        Limiter::new(loaded.limits, store, Arc::new(SystemClock), options)
+        Limiter::new(loaded.limits, store, clock, limiter_options(&args))
             .with_observer(metrics.clone()),
     );
     let _watch = config::watch::spawn(
@@ -274,12 +245,7 @@ async fn serve_async(args: ServeArgs) -> Result<(), String> {
         !args.no_watch,
     )
     .map_err(|e| format!("cannot watch {}: {e}", config_path.display()))?;
-    let grpc = tokio::net::TcpListener::bind(args.grpc_addr)
-        .await
-        .map_err(|e| format!("cannot listen on {} (gRPC): {e}", args.grpc_addr))?;
-    let http = tokio::net::TcpListener::bind(args.http_addr)
-        .await
-        .map_err(|e| format!("cannot listen on {} (HTTP): {e}", args.http_addr))?;
+    let listeners = bind(&args).await?;
     tracing::info!(grpc = %args.grpc_addr, http = %args.http_addr, store = limiter.store_name(), "serving");
     let app = App {
         limiter,
@@ -290,9 +256,61 @@ async fn serve_async(args: ServeArgs) -> Result<(), String> {
             ..ServerOptions::default()
         },
     };
-    crate::server::run(grpc, http, app, shutdown_signal())
+    slidegate::server::run(listeners, app, shutdown_signal())
         .await
         .map_err(|e| e.to_string())
+}
+
+/// How often the embedded store drops idle logs when no request touches them.
+const MEMORY_SWEEP_EVERY: Duration = Duration::from_secs(10);
+
+/// The embedded store, or Redis when `--redis` names one.
+async fn open_store(args: &ServeArgs, clock: Arc<SystemClock>) -> Result<Arc<dyn Store>, String> {
+    let Some(url) = &args.redis_url else {
+        return Ok(Arc::new(MemoryStore::with_sweeper(
+            MEMORY_SWEEP_EVERY,
+            move || clock.now_ms(),
+        )));
+    };
+    let options = RedisOptions {
+        url: url.clone(),
+        pool_size: args.redis_pool_size,
+        timeout: args.redis_timeout,
+        connect_timeout: args.redis_connect_timeout,
+        clock: match args.clock {
+            ClockArg::Server => ClockSource::Server,
+            ClockArg::Redis => ClockSource::Redis,
+        },
+    };
+    let store = RedisStore::connect(options)
+        .await
+        .map_err(|e| format!("cannot use Redis at {}: {e}", redact(url)))?;
+    tracing::info!(redis = %redact(url), store = store.name(), "connected to Redis");
+    Ok(Arc::new(store))
+}
+
+fn limiter_options(args: &ServeArgs) -> LimiterOptions {
+    LimiterOptions {
+        near_limit_ratio: args.near_limit_ratio,
+        failure_policy: match args.store_failure {
+            FailureArg::Error => FailurePolicy::Error,
+            FailureArg::Allow => FailurePolicy::Allow,
+            FailureArg::Deny => FailurePolicy::Deny,
+        },
+        global_shadow_mode: args.shadow_mode,
+        response_headers: args.response_headers,
+        dynamic_metadata: args.dynamic_metadata,
+    }
+}
+
+async fn bind(args: &ServeArgs) -> Result<Listeners, String> {
+    let grpc = tokio::net::TcpListener::bind(args.grpc_addr)
+        .await
+        .map_err(|e| format!("cannot listen on {} (gRPC): {e}", args.grpc_addr))?;
+    let http = tokio::net::TcpListener::bind(args.http_addr)
+        .await
+        .map_err(|e| format!("cannot listen on {} (HTTP): {e}", args.http_addr))?;
+    Ok(Listeners { grpc, http })
 }
 
 /// Completes on SIGTERM or Ctrl-C.
@@ -320,5 +338,24 @@ async fn shutdown_signal() {
     tokio::select! {
         _ = ctrl_c => {},
         _ = term => {},
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_zero_delay_takes_only_known_units() {
+        for zero in ["0", "0s", "0ms", " 0m "] {
+            assert_eq!(duration_or_zero_arg(zero), Ok(Duration::ZERO), "{zero:?}");
+        }
+        assert_eq!(
+            duration_or_zero_arg("1500ms"),
+            Ok(Duration::from_millis(1500))
+        );
+        for bad in ["0parsec", "0x", "parsec", ""] {
+            assert!(duration_or_zero_arg(bad).is_err(), "{bad:?} was accepted");
+        }
     }
 }

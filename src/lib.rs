@@ -3,15 +3,18 @@
 //! Layout:
 //! * [`config`]: the YAML format (reference-compatible plus extensions), loading, validation.
 //! * [`limiter`]: rules, matching, store keys and decisions; no transport, no Redis client.
-//! * [`store`]: the embedded store and the store trait.
+//! * [`store`]: the store contract (what a store is asked and answers), the embedded store, and
+//!   the Redis store, which decides inside one Lua script (`lua/slidegate.lua`).
+//! * [`metrics`]: Prometheus metrics, fed by the limiter's observer.
 //! * [`service`]: the gRPC `RateLimitService`, and the one place errors become gRPC statuses.
 //! * [`http`]: health, readiness and `POST /json`.
 //! * [`server`]: `run`, which serves everything on given listeners until shutdown.
-//! * [`cli`]: flags and environment variables; `main.rs` only calls it.
+//! * [`wire`]: protobuf messages to and from the limiter's types, for both transports.
+//!
+//! The command line (flags, environment, assembly) is the binary's, in `src/cli.rs`.
 #![forbid(unsafe_code)]
 #![deny(rust_2018_idioms)]
 
-pub mod cli;
 pub mod config;
 pub mod http;
 pub mod limiter;
@@ -20,3 +23,4 @@ pub mod proto;
 pub mod server;
 pub mod service;
 pub mod store;
+pub mod wire;

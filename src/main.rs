@@ -1,5 +1,8 @@
+//! The `slidegate` binary: the command line in [`cli`], everything else in the library.
 #![forbid(unsafe_code)]
 
+mod cli;
+
 fn main() -> std::process::ExitCode {
-    slidegate::cli::main()
+    cli::main()
 }

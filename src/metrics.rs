@@ -11,7 +11,7 @@
 use std::collections::HashSet;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::Duration;
 
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
@@ -20,8 +20,9 @@ use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
 use prometheus_client::registry::Registry;
 
-use crate::limiter::observe::{DescriptorReport, Observer};
+use crate::limiter::observe::{CallResult, DescriptorReport, Observer};
 use crate::limiter::rules::Segment;
+use crate::limiter::{Clock, SystemClock};
 
 /// Most label sets with descriptor values kept, over all detailed rules.
 pub const DETAILED_SERIES_CAP: usize = 1000;
@@ -41,26 +42,6 @@ struct ResultLabels {
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct StoreLabels {
     store: &'static str,
-}
-
-/// The outcome of one `ShouldRateLimit` call, for `slidegate_requests_total{result}`.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum CallResult {
-    Ok,
-    OverLimit,
-    Invalid,
-    StoreError,
-}
-
-impl CallResult {
-    fn label(self) -> &'static str {
-        match self {
-            CallResult::Ok => "ok",
-            CallResult::OverLimit => "over_limit",
-            CallResult::Invalid => "invalid",
-            CallResult::StoreError => "store_error",
-        }
-    }
 }
 
 pub struct Metrics {
@@ -91,9 +72,7 @@ fn latency_histogram() -> Histogram {
 }
 
 fn now_ms() -> u64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map_or(0, |d| d.as_millis() as u64)
+    SystemClock.now_ms()
 }
 
 impl Default for Metrics {
@@ -125,83 +104,95 @@ impl Metrics {
             detailed_seen: Mutex::new(HashSet::new()),
             registry: Registry::default(),
         };
+        m.register_rule_counters(&mut registry);
+        m.register_service_metrics(&mut registry);
+        Metrics { registry, ..m }
+    }
+
+    /// The reference server's per-rule counters (its statsd names, as its exporter maps them).
+    fn register_rule_counters(&self, registry: &mut Registry) {
         let rule = "per rule (domain, key1 = first level, key2 = the rest)";
-        registry.register(
-            "ratelimit_service_rate_limit_total_hits",
-            format!("Hits asked for, {rule}"),
-            m.total_hits.clone(),
-        );
-        registry.register(
-            "ratelimit_service_rate_limit_over_limit",
-            format!("Hits over the limit, {rule}"),
-            m.over_limit.clone(),
-        );
-        registry.register(
-            "ratelimit_service_rate_limit_near_limit",
-            format!("Admitted hits above the near-limit ratio, {rule}"),
-            m.near_limit.clone(),
-        );
-        registry.register(
-            "ratelimit_service_rate_limit_within_limit",
-            format!("Admitted hits below the near-limit ratio, {rule}"),
-            m.within_limit.clone(),
-        );
-        registry.register(
-            "ratelimit_service_rate_limit_shadow_mode",
-            format!("Hits over the limit let through by shadow mode, {rule}"),
-            m.shadow_mode.clone(),
-        );
-        registry.register(
-            "ratelimit_service_rate_limit_bans",
-            format!("Bans set, {rule}"),
-            m.bans.clone(),
-        );
+        let counters = [
+            ("total_hits", "Hits asked for", &self.total_hits),
+            ("over_limit", "Hits over the limit", &self.over_limit),
+            (
+                "near_limit",
+                "Admitted hits above the near-limit ratio",
+                &self.near_limit,
+            ),
+            (
+                "within_limit",
+                "Admitted hits below the near-limit ratio",
+                &self.within_limit,
+            ),
+            (
+                "shadow_mode",
+                "Hits over the limit let through by shadow mode",
+                &self.shadow_mode,
+            ),
+            ("bans", "Bans set", &self.bans),
+        ];
+        for (name, help, family) in counters {
+            registry.register(
+                format!("ratelimit_service_rate_limit_{name}"),
+                format!("{help}, {rule}"),
+                family.clone(),
+            );
+        }
+    }
+
+    /// Calls, latencies, the store and the config.
+    fn register_service_metrics(&self, registry: &mut Registry) {
         registry.register(
             "slidegate_requests",
             "ShouldRateLimit calls by result",
-            m.requests.clone(),
+            self.requests.clone(),
         );
         registry.register(
             "slidegate_request_duration_seconds",
             "ShouldRateLimit latency inside slidegate",
-            m.request_seconds.clone(),
+            self.request_seconds.clone(),
         );
         registry.register(
             "slidegate_store_duration_seconds",
             "Latency of one store decision",
-            m.store_seconds.clone(),
+            self.store_seconds.clone(),
         );
         registry.register(
             "slidegate_store_errors",
             "Store calls that failed or timed out",
-            m.store_errors.clone(),
+            self.store_errors.clone(),
         );
-        registry.register(
-            "ratelimit_service_config_load_success",
-            "Config loads that succeeded",
-            m.config_success.clone(),
-        );
-        registry.register(
-            "ratelimit_service_config_load_error",
-            "Config loads that were rejected (the old config stays)",
-            m.config_error.clone(),
-        );
+        let counters = [
+            (
+                "ratelimit_service_config_load_success",
+                "Config loads that succeeded",
+                &self.config_success,
+            ),
+            (
+                "ratelimit_service_config_load_error",
+                "Config loads that were rejected (the old config stays)",
+                &self.config_error,
+            ),
+            (
+                "ratelimit_service_rate_limit_domain_not_found",
+                "Requests for a domain with no config",
+                &self.unknown_domain,
+            ),
+            (
+                "ratelimit_service_global_shadow_mode",
+                "OVER_LIMIT answers turned into OK by --shadow-mode",
+                &self.global_shadow,
+            ),
+        ];
+        for (name, help, counter) in counters {
+            registry.register(name, help, counter.clone());
+        }
         registry.register(
             "slidegate_config_age_seconds",
             "Seconds since the serving config was loaded",
-            m.config_age.clone(),
+            self.config_age.clone(),
         );
-        registry.register(
-            "ratelimit_service_rate_limit_domain_not_found",
-            "Requests for a domain with no config",
-            m.unknown_domain.clone(),
-        );
-        registry.register(
-            "ratelimit_service_global_shadow_mode",
-            "OVER_LIMIT answers turned into OK by --shadow-mode",
-            m.global_shadow.clone(),
-        );
-        Metrics { registry, ..m }
     }
 
     /// The exposition, in OpenMetrics text.
@@ -224,15 +215,6 @@ impl Metrics {
         } else {
             self.config_error.inc();
         }
-    }
-
-    pub fn request(&self, result: CallResult, elapsed: Duration) {
-        self.requests
-            .get_or_create(&ResultLabels {
-                result: result.label(),
-            })
-            .inc();
-        self.request_seconds.observe(elapsed.as_secs_f64());
     }
 
     /// Labels for a descriptor: the rule's path, or with values where the rule asks for them
@@ -295,6 +277,15 @@ impl Metrics {
 }
 
 impl Observer for Metrics {
+    fn call(&self, result: CallResult, elapsed: Duration) {
+        self.requests
+            .get_or_create(&ResultLabels {
+                result: result.as_str(),
+            })
+            .inc();
+        self.request_seconds.observe(elapsed.as_secs_f64());
+    }
+
     fn descriptor(&self, report: &DescriptorReport<'_>) {
         let labels = self.labels(report);
         self.total_hits.get_or_create(&labels).inc_by(report.hits);

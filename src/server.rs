@@ -10,6 +10,8 @@ use tokio::net::TcpListener;
 use tokio::sync::watch;
 use tonic::transport::server::TcpIncoming;
 use tonic_health::ServingStatus;
+use tonic_health::pb::health_server::HealthServer;
+use tonic_health::server::HealthReporter;
 
 use crate::http::{self, HttpState};
 use crate::limiter::Limiter;
@@ -66,119 +68,56 @@ const HEALTH_NAMES: [&str; 3] = [
     "",
 ];
 
+/// The two sockets slidegate serves on, bound by the caller (tests bind `127.0.0.1:0`).
+pub struct Listeners {
+    pub grpc: TcpListener,
+    pub http: TcpListener,
+}
+
+/// Resolves once the flag it watches is set (or its sender is gone, which also means go).
+async fn wait_for(mut flag: watch::Receiver<bool>) {
+    let _ = flag.wait_for(|set| *set).await;
+}
+
 /// Serves until `shutdown` completes. Then readiness (HTTP `/readyz`, gRPC health) turns false,
 /// serving goes on for `shutdown_delay`, new connections stop, and in-flight calls get up to
 /// `shutdown_grace` to finish before this returns.
 pub async fn run(
-    grpc: TcpListener,
-    http: TcpListener,
+    listeners: Listeners,
     app: App,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<(), ServerError> {
     let ready = Arc::new(AtomicBool::new(false));
     let (health, health_service) = tonic_health::server::health_reporter();
-    let reflection_v1 = tonic_reflection::server::Builder::configure()
-        .register_encoded_file_descriptor_set(FILE_DESCRIPTOR_SET)
-        .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
-        .build_v1()?;
-    let reflection_v1alpha = tonic_reflection::server::Builder::configure()
-        .register_encoded_file_descriptor_set(FILE_DESCRIPTOR_SET)
-        .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
-        .build_v1alpha()?;
-
     // `draining` turns true on the shutdown signal; `stop` after the delay.
     let (draining_tx, draining) = watch::channel(false);
     let (stop_tx, stop) = watch::channel(false);
-    let wait_for = |mut rx: watch::Receiver<bool>| async move {
-        // An error means the sender is gone, which also means go.
-        let _ = rx.wait_for(|set| *set).await;
+    tokio::spawn(drain_on_shutdown(
+        shutdown,
+        ready.clone(),
+        health.clone(),
+        app.options.shutdown_delay,
+        draining_tx,
+        stop_tx,
+    ));
+    tokio::spawn(follow_store_health(
+        health,
+        app.limiter.clone(),
+        app.options.health_interval,
+        draining.clone(),
+    ));
+
+    let grpc_server = grpc_routes(&app, health_service)?.serve_with_incoming_shutdown(
+        TcpIncoming::from(listeners.grpc).with_nodelay(Some(true)),
+        wait_for(stop.clone()),
+    );
+    let http_state = HttpState {
+        limiter: app.limiter.clone(),
+        metrics: app.metrics.clone(),
+        ready: ready.clone(),
     };
-    {
-        let ready = ready.clone();
-        let health = health.clone();
-        let delay = app.options.shutdown_delay;
-        tokio::spawn(async move {
-            shutdown.await;
-            ready.store(false, Ordering::SeqCst);
-            let _ = draining_tx.send(true);
-            for name in HEALTH_NAMES {
-                health
-                    .set_service_status(name, ServingStatus::NotServing)
-                    .await;
-            }
-            tracing::info!(delay = ?delay, "shutting down: readiness off");
-            tokio::time::sleep(delay).await;
-            tracing::info!("no new connections; finishing in-flight calls");
-            let _ = stop_tx.send(true);
-        });
-    }
-
-    // Idle state in the embedded store goes even when no request touches it.
-    {
-        let limiter = app.limiter.clone();
-        let mut draining = draining.clone();
-        tokio::spawn(async move {
-            loop {
-                tokio::select! {
-                    _ = tokio::time::sleep(Duration::from_secs(10)) => limiter.sweep_store(),
-                    _ = draining.wait_for(|d| *d) => return,
-                }
-            }
-        });
-    }
-
-    // gRPC health follows the store: SERVING only while it answers.
-    {
-        let health = health.clone();
-        let limiter = app.limiter.clone();
-        let interval = app.options.health_interval;
-        let mut draining = draining.clone();
-        tokio::spawn(async move {
-            let mut last = None;
-            loop {
-                let status = if limiter.store_ready().await {
-                    ServingStatus::Serving
-                } else {
-                    ServingStatus::NotServing
-                };
-                if *draining.borrow() {
-                    return;
-                }
-                if last != Some(status) {
-                    for name in HEALTH_NAMES {
-                        health.set_service_status(name, status).await;
-                    }
-                    last = Some(status);
-                }
-                tokio::select! {
-                    _ = tokio::time::sleep(interval) => {}
-                    _ = draining.wait_for(|d| *d) => return,
-                }
-            }
-        });
-    }
-
-    let grpc_server = tonic::transport::Server::builder()
-        .add_service(health_service)
-        .add_service(reflection_v1)
-        .add_service(reflection_v1alpha)
-        .add_service(RateLimitServiceServer::new(RateLimitGrpc::new(
-            app.limiter.clone(),
-            app.metrics.clone(),
-        )))
-        .serve_with_incoming_shutdown(
-            TcpIncoming::from(grpc).with_nodelay(Some(true)),
-            wait_for(stop.clone()),
-        );
-    let http_server = axum::serve(
-        http,
-        http::router(HttpState {
-            limiter: app.limiter.clone(),
-            metrics: app.metrics.clone(),
-            ready: ready.clone(),
-        }),
-    )
-    .with_graceful_shutdown(wait_for(stop.clone()));
+    let http_server = axum::serve(listeners.http, http::router(http_state))
+        .with_graceful_shutdown(wait_for(stop.clone()));
 
     if !*draining.borrow() {
         ready.store(true, Ordering::SeqCst);
@@ -199,4 +138,81 @@ pub async fn run(
         }
     }
     Ok(())
+}
+
+/// The gRPC services: rate limit, health, and reflection (v1 and v1alpha, so every grpcurl
+/// finds the services without proto files).
+fn grpc_routes(
+    app: &App,
+    health_service: HealthServer<impl tonic_health::pb::health_server::Health>,
+) -> Result<tonic::transport::server::Router, ServerError> {
+    let reflection_v1 = tonic_reflection::server::Builder::configure()
+        .register_encoded_file_descriptor_set(FILE_DESCRIPTOR_SET)
+        .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
+        .build_v1()?;
+    let reflection_v1alpha = tonic_reflection::server::Builder::configure()
+        .register_encoded_file_descriptor_set(FILE_DESCRIPTOR_SET)
+        .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
+        .build_v1alpha()?;
+    Ok(tonic::transport::Server::builder()
+        .add_service(health_service)
+        .add_service(reflection_v1)
+        .add_service(reflection_v1alpha)
+        .add_service(RateLimitServiceServer::new(RateLimitGrpc::new(
+            app.limiter.clone(),
+        ))))
+}
+
+/// On the shutdown signal: readiness and health off at once, then after `delay` stop taking
+/// connections.
+async fn drain_on_shutdown(
+    shutdown: impl Future<Output = ()>,
+    ready: Arc<AtomicBool>,
+    health: HealthReporter,
+    delay: Duration,
+    draining: watch::Sender<bool>,
+    stop: watch::Sender<bool>,
+) {
+    shutdown.await;
+    ready.store(false, Ordering::SeqCst);
+    let _ = draining.send(true);
+    for name in HEALTH_NAMES {
+        health
+            .set_service_status(name, ServingStatus::NotServing)
+            .await;
+    }
+    tracing::info!(delay = ?delay, "shutting down: readiness off");
+    tokio::time::sleep(delay).await;
+    tracing::info!("no new connections; finishing in-flight calls");
+    let _ = stop.send(true);
+}
+
+/// gRPC health follows the store: SERVING only while it answers, until draining starts.
+async fn follow_store_health(
+    health: HealthReporter,
+    limiter: Arc<Limiter>,
+    interval: Duration,
+    mut draining: watch::Receiver<bool>,
+) {
+    let mut last = None;
+    loop {
+        let status = if limiter.store_ready().await {
+            ServingStatus::Serving
+        } else {
+            ServingStatus::NotServing
+        };
+        if *draining.borrow() {
+            return;
+        }
+        if last != Some(status) {
+            for name in HEALTH_NAMES {
+                health.set_service_status(name, status).await;
+            }
+            last = Some(status);
+        }
+        tokio::select! {
+            _ = tokio::time::sleep(interval) => {}
+            _ = draining.wait_for(|d| *d) => return,
+        }
+    }
 }

@@ -1,6 +1,13 @@
 //! Operations: metrics with exact values and bounded cardinality, hot reload (in place, rename,
 //! ConfigMap symlink swap, broken file, SIGHUP, under concurrent load), health, logs and
 //! graceful shutdown.
+// Tests and benchmarks may panic on a broken set-up, read the wall clock and run long.
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::disallowed_methods,
+    clippy::too_many_lines
+)]
 
 mod common;
 

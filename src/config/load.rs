@@ -12,8 +12,8 @@ use super::duration;
 use super::model::{RawDescriptor, RawFile, RawRateLimit};
 use crate::limiter::Unit;
 use crate::limiter::rules::{
-    Algorithm, FailurePolicy, KeyChildren, Limit, Limits, Node, Pattern, Rule, WildcardChild,
-    Window,
+    Algorithm, Domain, FailurePolicy, KeyChildren, Limit, Limits, Node, Pattern, Rule,
+    WildcardChild, Window,
 };
 
 /// One problem in the config.
@@ -215,30 +215,22 @@ pub fn compile_sources(sources: &[(String, String)]) -> Result<Limits, ConfigErr
         }
         domain_files.insert(domain.clone(), file.clone());
         ctx.domain = domain.clone();
-        if let Some(policy) = &raw.store_failure {
-            match policy.value.as_str() {
-                "error" => {
-                    limits
-                        .store_failure
-                        .insert(domain.clone(), FailurePolicy::Error);
-                }
-                "allow" => {
-                    limits
-                        .store_failure
-                        .insert(domain.clone(), FailurePolicy::Allow);
-                }
-                "deny" => {
-                    limits
-                        .store_failure
-                        .insert(domain.clone(), FailurePolicy::Deny);
-                }
-                other => ctx.error(
-                    policy.referenced.line(),
-                    "store_failure",
-                    format!("unknown store_failure '{other}': use error, allow or deny"),
-                ),
-            }
-        }
+        let store_failure =
+            raw.store_failure
+                .as_ref()
+                .and_then(|policy| match policy.value.as_str() {
+                    "error" => Some(FailurePolicy::Error),
+                    "allow" => Some(FailurePolicy::Allow),
+                    "deny" => Some(FailurePolicy::Deny),
+                    other => {
+                        ctx.error(
+                            policy.referenced.line(),
+                            "store_failure",
+                            format!("unknown store_failure '{other}': use error, allow or deny"),
+                        );
+                        None
+                    }
+                });
         let mut root = Node::default();
         ctx.descriptors(
             &raw.descriptors,
@@ -248,7 +240,13 @@ pub fn compile_sources(sources: &[(String, String)]) -> Result<Limits, ConfigErr
             &[],
             &mut root,
         );
-        limits.domains.insert(domain, root);
+        limits.domains.insert(
+            domain,
+            Domain {
+                root,
+                store_failure,
+            },
+        );
     }
     if errors.is_empty() {
         Ok(limits)
@@ -345,67 +343,82 @@ impl Compiler<'_> {
                 continue;
             }
             let value = raw.value.as_deref().filter(|v| !v.is_empty());
-            let wildcard = value.is_some_and(|v| v.contains('*'));
-            if raw.share_threshold && !wildcard {
+            if raw.share_threshold && !value.is_some_and(|v| v.contains('*')) {
                 self.error(
                     line,
                     &format!("{here}.share_threshold"),
                     "share_threshold can only be used with wildcard values (a value containing '*')".into(),
                 );
             }
-            let level = match value {
-                Some(v) => format!("{}_{}", raw.key, v),
-                None => raw.key.clone(),
+            let stat = match value {
+                Some(v) => format!("{stat_path}.{}_{v}", raw.key),
+                None => format!("{stat_path}.{}", raw.key),
             };
-            let stat = format!("{stat_path}.{level}");
             let mut keys = ancestor_keys.to_vec();
             keys.push(&raw.key);
             let mut value_levels = ancestor_values.to_vec();
             value_levels.push(raw.value_to_metric);
+            let at = Here {
+                line,
+                path: &here,
+                stat: &stat,
+            };
             let mut child = Node {
-                rule: self
-                    .rule(raw, line, &here, &stat, &keys, &value_levels)
-                    .map(Arc::new),
+                rule: self.rule(raw, &at, &keys, &value_levels).map(Arc::new),
                 ..Node::default()
             };
+            let below = format!("{here}.descriptors");
             self.descriptors(
                 &raw.descriptors,
-                &format!("{here}.descriptors"),
+                &below,
                 &stat,
                 &keys,
                 &value_levels,
                 &mut child,
             );
+            self.attach(node, raw, value, child, &at);
+        }
+    }
 
-            let children: &mut KeyChildren = node.children.entry(raw.key.clone()).or_default();
-            let duplicate = match value {
-                None => children.any_value.is_some(),
-                Some(v) if wildcard => children.wildcards.iter().any(|w| w.pattern.as_str() == v),
-                Some(v) => children.exact.contains_key(v),
-            };
-            if duplicate {
-                let composite = format!(
-                    "{}.{}",
-                    self.domain,
-                    stat.split_once('.').map_or(&*stat, |(_, rest)| rest)
-                );
-                self.error(
-                    line,
-                    &here,
-                    format!("duplicate descriptor composite key '{composite}'"),
-                );
-                continue;
-            }
-            match value {
-                None => children.any_value = Some(Box::new(child)),
-                Some(v) if wildcard => children.wildcards.push(WildcardChild {
-                    pattern: Pattern::new(v),
-                    shared: raw.share_threshold,
-                    node: child,
-                }),
-                Some(v) => {
-                    children.exact.insert(v.to_string(), child);
-                }
+    /// Hangs a compiled descriptor under its parent: by exact value, as a wildcard (in file
+    /// order), or as the key-only child. A second descriptor in the same place is an error.
+    fn attach(
+        &mut self,
+        parent: &mut Node,
+        raw: &RawDescriptor,
+        value: Option<&str>,
+        child: Node,
+        at: &Here<'_>,
+    ) {
+        let children: &mut KeyChildren = parent.children.entry(raw.key.clone()).or_default();
+        let wildcard = value.is_some_and(|v| v.contains('*'));
+        let duplicate = match value {
+            None => children.any_value.is_some(),
+            Some(v) if wildcard => children.wildcards.iter().any(|w| w.pattern.as_str() == v),
+            Some(v) => children.exact.contains_key(v),
+        };
+        if duplicate {
+            let composite = format!(
+                "{}.{}",
+                self.domain,
+                at.stat.split_once('.').map_or(at.stat, |(_, rest)| rest)
+            );
+            self.error(
+                at.line,
+                at.path,
+                format!("duplicate descriptor composite key '{composite}'"),
+            );
+            return;
+        }
+        match value {
+            None => children.any_value = Some(Box::new(child)),
+            Some(v) if wildcard => children.wildcards.push(WildcardChild {
+                pattern: Pattern::new(v),
+                shared: raw.share_threshold,
+                node: child,
+            }),
+            Some(v) => {
+                children.exact.insert(v.to_string(), child);
             }
         }
     }
@@ -414,122 +427,15 @@ impl Compiler<'_> {
     fn rule(
         &mut self,
         raw: &RawDescriptor,
-        line: u64,
-        here: &str,
-        stat: &str,
+        at: &Here<'_>,
         keys: &[&str],
         value_levels: &[bool],
     ) -> Option<Rule> {
-        let limits: Vec<(String, &Spanned<RawRateLimit>)> =
-            match (&raw.rate_limit, &raw.rate_limits) {
-                (Some(_), Some(_)) => {
-                    self.error(
-                        line,
-                        here,
-                        "use either rate_limit or rate_limits, not both".into(),
-                    );
-                    return None;
-                }
-                (Some(one), None) => vec![(format!("{here}.rate_limit"), one)],
-                (None, Some(many)) if many.is_empty() => {
-                    self.error(
-                        line,
-                        &format!("{here}.rate_limits"),
-                        "rate_limits must list at least one limit".into(),
-                    );
-                    return None;
-                }
-                (None, Some(many)) => many
-                    .iter()
-                    .enumerate()
-                    .map(|(n, l)| (format!("{here}.rate_limits[{n}]"), l))
-                    .collect(),
-                (None, None) => {
-                    if raw.ban.is_some() {
-                        self.error(
-                            line,
-                            &format!("{here}.ban"),
-                            "ban needs a rate_limit on the same descriptor".into(),
-                        );
-                    }
-                    if raw.algorithm.is_some() || raw.buckets.is_some() {
-                        self.error(
-                            line,
-                            &format!("{here}.algorithm"),
-                            "algorithm and buckets need a rate_limit on the same descriptor".into(),
-                        );
-                    }
-                    if raw.tag_by.is_some() {
-                        self.error(
-                            line,
-                            &format!("{here}.tag_by"),
-                            "tag_by needs a rate_limit on the same descriptor".into(),
-                        );
-                    }
-                    return None;
-                }
-            };
+        let limits = self.limit_list(raw, at)?;
         let errors_before = self.errors.len();
-
-        let ban_ms = match &raw.ban {
-            Some(text) => match duration::parse_ms(text) {
-                Ok(ms) => Some(ms),
-                Err(message) => {
-                    self.error(line, &format!("{here}.ban"), message);
-                    None
-                }
-            },
-            None => None,
-        };
-        let algorithm = match (raw.algorithm.as_deref(), raw.buckets) {
-            (None | Some("sliding_log"), None) => Algorithm::SlidingLog,
-            (Some("sliding_log"), Some(_)) => {
-                self.error(
-                    line,
-                    &format!("{here}.buckets"),
-                    "buckets only apply to algorithm: sliding_counter".into(),
-                );
-                Algorithm::SlidingLog
-            }
-            (None, Some(_)) => {
-                self.error(
-                    line,
-                    &format!("{here}.buckets"),
-                    "buckets only apply to algorithm: sliding_counter".into(),
-                );
-                Algorithm::SlidingLog
-            }
-            (Some("sliding_counter"), buckets) => {
-                let buckets = buckets.unwrap_or(DEFAULT_BUCKETS);
-                if !(2..=MAX_BUCKETS).contains(&buckets) {
-                    self.error(
-                        line,
-                        &format!("{here}.buckets"),
-                        format!("buckets must be between 2 and {MAX_BUCKETS}"),
-                    );
-                }
-                Algorithm::SlidingCounter { buckets }
-            }
-            (Some(other), _) => {
-                self.error(
-                    line,
-                    &format!("{here}.algorithm"),
-                    format!("unknown algorithm '{other}': use sliding_log or sliding_counter"),
-                );
-                Algorithm::SlidingLog
-            }
-        };
-        if let Some(tag_key) = raw.tag_by.as_ref().filter(|k| !keys.contains(&k.as_str())) {
-            self.error(
-                line,
-                &format!("{here}.tag_by"),
-                format!(
-                    "tag_by '{tag_key}' is not a key of this descriptor (keys: {})",
-                    keys.join(", ")
-                ),
-            );
-        }
-
+        let ban_ms = self.ban(raw, at);
+        let algorithm = self.algorithm(raw, at);
+        self.check_tag_by(raw, keys, at);
         let mut windows = Vec::with_capacity(limits.len());
         let mut unlimited = false;
         let mut replaces = Vec::new();
@@ -537,87 +443,222 @@ impl Compiler<'_> {
             let l = &spanned.value;
             let line = spanned.referenced.line();
             if l.unlimited {
-                if l.unit.is_some() || l.window.is_some() {
-                    self.error(
-                        line,
-                        &format!("{path}.unit"),
-                        "should not specify rate limit unit when unlimited".into(),
-                    );
-                }
-                if limits.len() > 1 {
-                    self.error(
-                        line,
-                        &format!("{path}.unlimited"),
-                        "an unlimited rate limit cannot be combined with other limits".into(),
-                    );
-                }
-                if raw.ban.is_some() {
-                    self.error(
-                        line,
-                        &format!("{here}.ban"),
-                        "an unlimited rate limit cannot have a ban".into(),
-                    );
-                }
+                self.check_unlimited(raw, l, limits.len(), path, line, at);
                 unlimited = true;
-            } else {
-                let name: Option<Arc<str>> = l.name.as_deref().map(Into::into);
-                match (&l.unit, &l.window) {
-                    (Some(_), Some(_)) => {
-                        self.error(line, &format!("{path}.window"), "use either unit or window, not both".into())
-                    }
-                    (Some(unit), None) => match Unit::from_name(unit) {
-                        Some(unit) => windows.push(Window::per_unit(l.requests_per_unit, unit, name)),
-                        None => self.error(line, &format!("{path}.unit"), format!("invalid rate limit unit '{unit}'")),
-                    },
-                    (None, Some(text)) => match duration::parse_ms(text) {
-                        Ok(length_ms) => windows.push(Window {
-                            limit: l.requests_per_unit,
-                            length_ms,
-                            unit: Unit::nearest(length_ms),
-                            name,
-                        }),
-                        Err(message) => self.error(line, &format!("{path}.window"), message),
-                    },
-                    (None, None) => self.error(
-                        line,
-                        &format!("{path}.unit"),
-                        "invalid rate limit unit '': set unit (second, minute, hour, day, week, month, year) or window (e.g. 90s)".into(),
-                    ),
-                }
+            } else if let Some(window) = self.window(l, path, line) {
+                windows.push(window);
             }
-            for (n, replace) in l.replaces.iter().flatten().enumerate() {
-                match replace.name.as_deref().filter(|n| !n.is_empty()) {
-                    None => self.error(
-                        line,
-                        &format!("{path}.replaces[{n}]"),
-                        "should not have an empty replaces entry".into(),
+            self.replaces(l, path, line, &mut replaces);
+        }
+        self.check_self_replace(&limits, &replaces, at);
+        if self.errors.len() > errors_before {
+            return None;
+        }
+        let limit = if unlimited {
+            Limit::Unlimited
+        } else {
+            Limit::windows(windows, ban_ms, algorithm)
+        };
+        Some(self.build_rule(raw, at, value_levels, limit, replaces))
+    }
+
+    /// The limits a descriptor lists (`rate_limit` or `rate_limits`), each with its YAML path;
+    /// `None` when it lists none (then the rule-only settings are errors) or both.
+    fn limit_list<'r>(
+        &mut self,
+        raw: &'r RawDescriptor,
+        at: &Here<'_>,
+    ) -> Option<Vec<(String, &'r Spanned<RawRateLimit>)>> {
+        let here = at.path;
+        match (&raw.rate_limit, &raw.rate_limits) {
+            (Some(_), Some(_)) => {
+                let message = "use either rate_limit or rate_limits, not both";
+                self.error(at.line, here, message.into());
+                None
+            }
+            (Some(one), None) => Some(vec![(format!("{here}.rate_limit"), one)]),
+            (None, Some(many)) if many.is_empty() => {
+                let message = "rate_limits must list at least one limit";
+                self.error(at.line, &format!("{here}.rate_limits"), message.into());
+                None
+            }
+            (None, Some(many)) => Some(
+                many.iter()
+                    .enumerate()
+                    .map(|(n, l)| (format!("{here}.rate_limits[{n}]"), l))
+                    .collect(),
+            ),
+            (None, None) => {
+                let needs_limit = [
+                    (raw.ban.is_some(), "ban", "ban"),
+                    (
+                        raw.algorithm.is_some() || raw.buckets.is_some(),
+                        "algorithm",
+                        "algorithm and buckets",
                     ),
-                    Some(name) => replaces.push(Arc::<str>::from(name)),
+                    (raw.tag_by.is_some(), "tag_by", "tag_by"),
+                ];
+                for (set, field, what) in needs_limit {
+                    if set {
+                        let message = format!("{what} needs a rate_limit on the same descriptor");
+                        self.error(at.line, &format!("{here}.{field}"), message);
+                    }
                 }
+                None
             }
         }
+    }
+
+    fn ban(&mut self, raw: &RawDescriptor, at: &Here<'_>) -> Option<u64> {
+        let text = raw.ban.as_ref()?;
+        match duration::parse_ms(text) {
+            Ok(ms) => Some(ms),
+            Err(message) => {
+                self.error(at.line, &format!("{}.ban", at.path), message);
+                None
+            }
+        }
+    }
+
+    fn algorithm(&mut self, raw: &RawDescriptor, at: &Here<'_>) -> Algorithm {
+        match (raw.algorithm.as_deref(), raw.buckets) {
+            (None | Some("sliding_log"), None) => Algorithm::SlidingLog,
+            (None | Some("sliding_log"), Some(_)) => {
+                let message = "buckets only apply to algorithm: sliding_counter";
+                self.error(at.line, &format!("{}.buckets", at.path), message.into());
+                Algorithm::SlidingLog
+            }
+            (Some("sliding_counter"), buckets) => {
+                let buckets = buckets.unwrap_or(DEFAULT_BUCKETS);
+                if !(2..=MAX_BUCKETS).contains(&buckets) {
+                    let message = format!("buckets must be between 2 and {MAX_BUCKETS}");
+                    self.error(at.line, &format!("{}.buckets", at.path), message);
+                }
+                Algorithm::SlidingCounter { buckets }
+            }
+            (Some(other), _) => {
+                let message =
+                    format!("unknown algorithm '{other}': use sliding_log or sliding_counter");
+                self.error(at.line, &format!("{}.algorithm", at.path), message);
+                Algorithm::SlidingLog
+            }
+        }
+    }
+
+    fn check_tag_by(&mut self, raw: &RawDescriptor, keys: &[&str], at: &Here<'_>) {
+        if let Some(tag_key) = raw.tag_by.as_ref().filter(|k| !keys.contains(&k.as_str())) {
+            let message = format!(
+                "tag_by '{tag_key}' is not a key of this descriptor (keys: {})",
+                keys.join(", ")
+            );
+            self.error(at.line, &format!("{}.tag_by", at.path), message);
+        }
+    }
+
+    fn check_unlimited(
+        &mut self,
+        raw: &RawDescriptor,
+        l: &RawRateLimit,
+        limit_count: usize,
+        path: &str,
+        line: u64,
+        at: &Here<'_>,
+    ) {
+        if l.unit.is_some() || l.window.is_some() {
+            let message = "should not specify rate limit unit when unlimited";
+            self.error(line, &format!("{path}.unit"), message.into());
+        }
+        if limit_count > 1 {
+            let message = "an unlimited rate limit cannot be combined with other limits";
+            self.error(line, &format!("{path}.unlimited"), message.into());
+        }
+        if raw.ban.is_some() {
+            let message = "an unlimited rate limit cannot have a ban";
+            self.error(line, &format!("{}.ban", at.path), message.into());
+        }
+    }
+
+    /// One limited window: a reference `unit`, or our `window` of any length.
+    fn window(&mut self, l: &RawRateLimit, path: &str, line: u64) -> Option<Window> {
+        let name: Option<Arc<str>> = l.name.as_deref().map(Into::into);
+        let failed = match (&l.unit, &l.window) {
+            (Some(_), Some(_)) => (
+                format!("{path}.window"),
+                "use either unit or window, not both".to_string(),
+            ),
+            (Some(unit), None) => match Unit::from_name(unit) {
+                Some(unit) => return Some(Window::per_unit(l.requests_per_unit, unit, name)),
+                None => (
+                    format!("{path}.unit"),
+                    format!("invalid rate limit unit '{unit}'"),
+                ),
+            },
+            (None, Some(text)) => match duration::parse_ms(text) {
+                Ok(length_ms) => {
+                    return Some(Window {
+                        limit: l.requests_per_unit,
+                        length_ms,
+                        unit: Unit::nearest(length_ms),
+                        name,
+                    });
+                }
+                Err(message) => (format!("{path}.window"), message),
+            },
+            (None, None) => (
+                format!("{path}.unit"),
+                "invalid rate limit unit '': set unit (second, minute, hour, day, week, month, year) or window (e.g. 90s)".to_string(),
+            ),
+        };
+        self.error(line, &failed.0, failed.1);
+        None
+    }
+
+    fn replaces(&mut self, l: &RawRateLimit, path: &str, line: u64, into: &mut Vec<Arc<str>>) {
+        for (n, replace) in l.replaces.iter().flatten().enumerate() {
+            match replace.name.as_deref().filter(|n| !n.is_empty()) {
+                None => self.error(
+                    line,
+                    &format!("{path}.replaces[{n}]"),
+                    "should not have an empty replaces entry".into(),
+                ),
+                Some(name) => into.push(Arc::<str>::from(name)),
+            }
+        }
+    }
+
+    fn check_self_replace(
+        &mut self,
+        limits: &[(String, &Spanned<RawRateLimit>)],
+        replaces: &[Arc<str>],
+        at: &Here<'_>,
+    ) {
         let own_names: Vec<&str> = limits
             .iter()
             .filter_map(|(_, l)| l.value.name.as_deref())
             .collect();
         if let Some(name) = replaces.iter().find(|r| own_names.contains(&&***r)) {
-            self.error(
-                line,
-                here,
-                format!("replaces should not contain name of same descriptor ('{name}')"),
-            );
+            let message = format!("replaces should not contain name of same descriptor ('{name}')");
+            self.error(at.line, at.path, message);
         }
-        if self.errors.len() > errors_before {
-            return None;
-        }
+    }
+
+    fn build_rule(
+        &self,
+        raw: &RawDescriptor,
+        at: &Here<'_>,
+        value_levels: &[bool],
+        limit: Limit,
+        replaces: Vec<Arc<str>>,
+    ) -> Rule {
         // The stat path below the domain, split for metric labels: first level, then the rest.
-        let below_domain = stat
+        let below_domain = at
+            .stat
             .strip_prefix(self.domain.as_str())
             .and_then(|rest| rest.strip_prefix('.'))
-            .unwrap_or(stat);
+            .unwrap_or(at.stat);
         let (key1, key2) = below_domain.split_once('.').unwrap_or((below_domain, ""));
-        Some(Rule {
-            path: stat.to_string(),
+        Rule {
+            path: at.stat.to_string(),
             domain: self.domain.as_str().into(),
             stat_key1: key1.into(),
             stat_key2: key2.into(),
@@ -626,24 +667,23 @@ impl Compiler<'_> {
             } else {
                 value_levels.to_vec()
             },
-            limit: if unlimited {
-                Limit::Unlimited
-            } else {
-                Limit::Windows {
-                    windows,
-                    ban_ms,
-                    algorithm,
-                }
-            },
+            limit,
             replaces,
             shadow_mode: raw.shadow_mode,
             quota_mode: raw.quota_mode,
             detailed_metric: raw.detailed_metric,
             metadata: raw.metadata.clone(),
             tag_by: raw.tag_by.clone(),
-            source: format!("{}:{line}", self.file).into(),
-        })
+            source: format!("{}:{}", self.file, at.line).into(),
+        }
     }
+}
+
+/// Where in the config a descriptor is: its line, its YAML path and its stat path.
+struct Here<'a> {
+    line: u64,
+    path: &'a str,
+    stat: &'a str,
 }
 
 #[cfg(test)]
@@ -685,11 +725,11 @@ mod tests {
         assert_eq!(rules[1].1.path, "messaging.to_number");
         assert_eq!(
             rules[0].1.limit,
-            Limit::Windows {
-                windows: vec![Window::per_unit(5, Unit::Day, None)],
-                ban_ms: None,
-                algorithm: Algorithm::SlidingLog
-            }
+            Limit::windows(
+                vec![Window::per_unit(5, Unit::Day, None)],
+                None,
+                Algorithm::SlidingLog
+            )
         );
     }
 
@@ -787,6 +827,15 @@ descriptors:
                 "domain: d\ndescriptors:\n  - key: a\n    ratelimit: {unit: second}\n",
                 "4: descriptors[0].ratelimit: unknown field `ratelimit`, expected one of key, value, rate_limit, rate_limits, ban, algorithm, buckets, tag_by, descriptors, shadow_mode, quota_mode, detailed_metric, value_to_metric, share_threshold, metadata",
             ),
+        ];
+        for (yaml, expected) in cases {
+            assert_eq!(only_error(yaml), expected, "for:\n{yaml}");
+        }
+    }
+
+    #[test]
+    fn rule_errors_name_file_line_and_path() {
+        let cases = [
             (
                 "domain: d\ndescriptors:\n  - key: a\n    rate_limit: {unit: second, requests_per_unit: 1}\n    rate_limits: [{unit: second, requests_per_unit: 1}]\n",
                 "3: descriptors[0]: use either rate_limit or rate_limits, not both",
@@ -881,15 +930,10 @@ descriptors:
             ("plain.yaml", "domain: plain\n"),
         ])
         .expect("valid");
-        assert_eq!(
-            limits.store_failure.get("open"),
-            Some(&FailurePolicy::Allow)
-        );
-        assert_eq!(
-            limits.store_failure.get("closed"),
-            Some(&FailurePolicy::Deny)
-        );
-        assert_eq!(limits.store_failure.get("plain"), None);
+        let policy = |d: &str| limits.domain(d).and_then(|d| d.store_failure);
+        assert_eq!(policy("open"), Some(FailurePolicy::Allow));
+        assert_eq!(policy("closed"), Some(FailurePolicy::Deny));
+        assert_eq!(policy("plain"), None);
         assert_eq!(
             only_error("domain: d\nstore_failure: maybe\n"),
             "2: store_failure: unknown store_failure 'maybe': use error, allow or deny"

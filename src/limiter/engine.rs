@@ -1,23 +1,26 @@
 //! The decision for one request: validate, match, ask the store, and shape the statuses.
+//!
+//! [`Limiter::should_rate_limit`] is the one request path: gRPC and `POST /json` both call it, and
+//! it reports every call to the [`Observer`] (metrics), so no transport times or counts calls.
 
 use std::borrow::Cow;
 use std::collections::HashSet;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use arc_swap::ArcSwap;
 
+use super::clock::Stopwatch;
 use super::headers;
 use super::key::{self, Variant};
-use super::observe::{DescriptorReport, NoObserver, Observer};
+use super::observe::{CallResult, DescriptorReport, NoObserver, Observer};
 pub use super::rules::FailurePolicy;
 use super::rules::{Algorithm, Limit, Limits, Match, Node, Rule, Segment, Window};
 use super::{
-    Clock, Code, Decision, Descriptor, LimiterError, ReportedLimit, Request, Status, Unit,
+    Clock, Code, Decision, Descriptor, LimiterError, ReportedLimit, Request, RuleMetadata, Status,
+    Unit,
 };
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::time::Instant;
-
-use crate::store::{CheckItem, CheckOutcome, ItemOutcome, Role, Store};
+use crate::store::{CheckItem, CheckOutcome, ItemOutcome, Role, Store, StoreError};
 
 /// Switches that change answers for every domain.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -29,7 +32,7 @@ pub struct LimiterOptions {
     pub global_shadow_mode: bool,
     /// Add `RateLimit-Policy`, `RateLimit` and, when over, `Retry-After` to the response.
     pub response_headers: bool,
-    /// Fill `dynamic_metadata` with the request and the matched rules' `metadata`.
+    /// Return the matched rules' `metadata` for the response's `dynamic_metadata`.
     pub dynamic_metadata: bool,
 }
 
@@ -78,8 +81,16 @@ enum Plan<'a> {
     Check {
         item: usize,
         rule: Option<&'a Arc<Rule>>,
+        /// The windows as configured (names and units for the status), in the store's order.
+        windows: Cow<'a, [Window]>,
         segments: Vec<Segment<'a>>,
     },
+}
+
+/// A request matched against the rules: one plan per descriptor, and the store's batch.
+struct Planned<'a> {
+    plans: Vec<Plan<'a>>,
+    items: Vec<CheckItem<'a>>,
 }
 
 impl Limiter {
@@ -100,7 +111,7 @@ impl Limiter {
         }
     }
 
-    /// Reports every decision to `observer` (metrics).
+    /// Reports every call and decision to `observer` (metrics).
     pub fn with_observer(mut self, observer: Arc<dyn Observer>) -> Limiter {
         self.observer = observer;
         self
@@ -119,11 +130,6 @@ impl Limiter {
         self.store.name()
     }
 
-    /// Lets the store drop state no window needs any more (see `Store::sweep`).
-    pub fn sweep_store(&self) {
-        self.store.sweep(self.clock.now_ms());
-    }
-
     /// Whether the store answers now.
     pub async fn store_ready(&self) -> bool {
         self.store.ready().await
@@ -134,81 +140,105 @@ impl Limiter {
         self.store_errors.load(Ordering::Relaxed)
     }
 
-    fn note_store_error(
-        &self,
-        error: &crate::store::StoreError,
-        now_ms: u64,
-        policy: FailurePolicy,
-    ) {
-        let total = self.store_errors.fetch_add(1, Ordering::Relaxed) + 1;
-        let last = self.last_error_log_ms.load(Ordering::Relaxed);
-        let due = last == 0 || now_ms.saturating_sub(last) >= ERROR_LOG_EVERY_MS;
-        if due
-            && self
-                .last_error_log_ms
-                .compare_exchange(last, now_ms.max(1), Ordering::Relaxed, Ordering::Relaxed)
-                .is_ok()
-        {
-            tracing::error!(%error, store = self.store.name(), total_errors = total, policy = ?policy, "store call failed");
-        }
+    /// Decides one request, and tells the observer how the call ended and how long it took.
+    /// Logged as a debug-level span with the domain, descriptor count, result and latency.
+    #[tracing::instrument(
+        name = "should_rate_limit",
+        level = "debug",
+        skip_all,
+        fields(
+            domain = %request.domain,
+            descriptors = request.descriptors.len(),
+            decision = tracing::field::Empty,
+            latency_us = tracing::field::Empty,
+        )
+    )]
+    pub async fn should_rate_limit(&self, request: &Request) -> Result<Decision, LimiterError> {
+        let started = Stopwatch::start();
+        let result = self.decide(request).await;
+        let elapsed = started.elapsed();
+        let call = match &result {
+            Ok(d) if d.overall == Code::Ok => CallResult::Ok,
+            Ok(_) => CallResult::OverLimit,
+            Err(LimiterError::InvalidRequest(_)) => CallResult::Invalid,
+            Err(LimiterError::Store(_)) => CallResult::StoreError,
+        };
+        self.observer.call(call, elapsed);
+        let span = tracing::Span::current();
+        span.record("decision", tracing::field::debug(call));
+        span.record(
+            "latency_us",
+            u64::try_from(elapsed.as_micros()).unwrap_or(u64::MAX),
+        );
+        tracing::debug!("decided");
+        result
     }
 
-    pub async fn should_rate_limit(&self, request: &Request) -> Result<Decision, LimiterError> {
+    async fn decide(&self, request: &Request) -> Result<Decision, LimiterError> {
         validate(request)?;
         let limits = self.limits.load_full();
         let now_ms = self.clock.now_ms();
-        let Some(root) = limits.domain(&request.domain) else {
+        let Some(domain) = limits.domain(&request.domain) else {
             self.observer.unknown_domain();
-            return Ok(self.finish(
-                request,
-                Vec::new(),
-                vec![Status::unlimited_by_config(); request.descriptors.len()],
-                Code::Ok,
-                None,
-            ));
+            let statuses = vec![Status::unlimited_by_config(); request.descriptors.len()];
+            return Ok(self.finish(statuses, Code::Ok, Vec::new(), &[]));
         };
-
-        let (plans, items) = plan(request, root);
-        let outcome = if items.is_empty() {
-            CheckOutcome::default()
+        let planned = plan(request, &domain.root);
+        let outcome = if planned.items.is_empty() {
+            CheckOutcome {
+                admitted: true,
+                items: Vec::new(),
+            }
         } else {
-            let policy = limits
-                .store_failure
-                .get(&request.domain)
-                .copied()
-                .unwrap_or(self.options.failure_policy);
-            self.check(&items, now_ms, policy).await?
+            let policy = domain.store_failure.unwrap_or(self.options.failure_policy);
+            self.check(&planned.items, now_ms, policy).await?
         };
-        let overall = if items.is_empty() || outcome.admitted {
+        Ok(self.respond(request, &planned, &outcome))
+    }
+
+    /// Shapes the answer from the store's outcome and reports each checked descriptor.
+    fn respond(
+        &self,
+        request: &Request,
+        planned: &Planned<'_>,
+        outcome: &CheckOutcome,
+    ) -> Decision {
+        let overall = if outcome.admitted {
             Code::Ok
         } else {
             Code::OverLimit
         };
-
-        let statuses = plans
+        let statuses: Vec<Status> = planned
+            .plans
             .iter()
-            .map(|plan| match plan {
-                Plan::NoLimit => Status::unlimited_by_config(),
-                Plan::Unlimited => Status {
-                    code: Code::Ok,
-                    current_limit: None,
-                    limit_remaining: u32::MAX,
-                    duration_until_reset_ms: None,
-                },
-                Plan::Check { item, rule, .. } => {
-                    let shadow = rule.is_some_and(|r| r.shadow_mode);
-                    match outcome.items.get(*item) {
-                        Some(found) => status_of(&items[*item].windows, found, shadow),
-                        None => Status::unlimited_by_config(),
-                    }
-                }
-            })
-            .collect::<Vec<_>>();
-        for plan in &plans {
+            .map(|plan| status_of_plan(plan, outcome))
+            .collect();
+        self.report(request, planned, outcome);
+        let headers = if self.options.response_headers && !self.shadowed(overall) {
+            headers::build(&statuses, |n| planned.windows_of(n), overall)
+        } else {
+            // Global shadow mode turned this rejection into OK: the client is not limited, so
+            // it gets no Retry-After and no zero-remaining RateLimit either.
+            Vec::new()
+        };
+        if self.shadowed(overall) {
+            self.observer.global_shadow();
+        }
+        self.finish(statuses, overall, headers, &planned.rules())
+    }
+
+    /// Whether global shadow mode turns this overall code into OK.
+    fn shadowed(&self, overall: Code) -> bool {
+        self.options.global_shadow_mode && overall == Code::OverLimit
+    }
+
+    fn report(&self, request: &Request, planned: &Planned<'_>, outcome: &CheckOutcome) {
+        for plan in &planned.plans {
             if let Plan::Check {
                 item,
                 rule,
                 segments,
+                ..
             } = plan
                 && let Some(found) = outcome.items.get(*item)
             {
@@ -216,45 +246,23 @@ impl Limiter {
                     &request.domain,
                     rule.map(|r| &**r),
                     segments,
-                    &items[*item],
+                    &planned.items[*item],
                     found,
                     outcome.admitted,
                     self.options.near_limit_ratio,
                 ));
             }
         }
-        if self.options.global_shadow_mode && overall == Code::OverLimit {
-            self.observer.global_shadow();
-        }
-        let windows_of = |n: usize| match plans.get(n) {
-            Some(Plan::Check { item, .. }) => Some(&*items[*item].windows),
-            _ => None,
-        };
-        let headers = if self.options.response_headers {
-            headers::build(&statuses, windows_of, overall)
-        } else {
-            Vec::new()
-        };
-        let rules: Vec<&Arc<Rule>> = plans
-            .iter()
-            .filter_map(|p| match p {
-                Plan::Check {
-                    rule: Some(rule), ..
-                } => Some(*rule),
-                _ => None,
-            })
-            .collect();
-        Ok(self.finish(request, headers, statuses, overall, Some(&rules)))
     }
 
-    /// Asks the store, timing the call; a failure answers per the failure policy.
+    /// Asks the store; a failure answers per the failure policy.
     async fn check(
         &self,
         items: &[CheckItem<'_>],
         now_ms: u64,
         policy: FailurePolicy,
     ) -> Result<CheckOutcome, LimiterError> {
-        let started = Instant::now();
+        let started = Stopwatch::start();
         let result = self.store.check(items, now_ms).await;
         self.observer
             .store_call(self.store.name(), started.elapsed(), result.is_ok());
@@ -280,125 +288,207 @@ impl Limiter {
         })
     }
 
+    fn note_store_error(&self, error: &StoreError, now_ms: u64, policy: FailurePolicy) {
+        let total = self.store_errors.fetch_add(1, Ordering::Relaxed) + 1;
+        let last = self.last_error_log_ms.load(Ordering::Relaxed);
+        let due = last == 0 || now_ms.saturating_sub(last) >= ERROR_LOG_EVERY_MS;
+        if due
+            && self
+                .last_error_log_ms
+                .compare_exchange(last, now_ms.max(1), Ordering::Relaxed, Ordering::Relaxed)
+                .is_ok()
+        {
+            tracing::error!(%error, store = self.store.name(), total_errors = total, policy = ?policy, "store call failed");
+        }
+    }
+
     fn finish(
         &self,
-        request: &Request,
-        response_headers: Vec<(String, String)>,
         statuses: Vec<Status>,
         overall: Code,
-        rules: Option<&[&Arc<Rule>]>,
+        response_headers: Vec<(String, String)>,
+        rules: &[&Arc<Rule>],
     ) -> Decision {
         let overall = if self.options.global_shadow_mode {
             Code::Ok
         } else {
             overall
         };
-        let dynamic_metadata = self
-            .options
-            .dynamic_metadata
-            .then(|| dynamic_metadata(request, rules.unwrap_or_default()));
         Decision {
             overall,
             statuses,
             response_headers,
-            dynamic_metadata,
+            dynamic_metadata: self.options.dynamic_metadata.then(|| rule_metadata(rules)),
+        }
+    }
+}
+
+impl<'a> Planned<'a> {
+    /// The configured windows of request descriptor `n`, if it was checked.
+    fn windows_of(&self, n: usize) -> Option<&[Window]> {
+        match self.plans.get(n) {
+            Some(Plan::Check { windows, .. }) => Some(windows),
+            _ => None,
+        }
+    }
+
+    /// The matched rules that were checked, in request order.
+    fn rules(&self) -> Vec<&'a Arc<Rule>> {
+        self.plans
+            .iter()
+            .filter_map(|p| match p {
+                Plan::Check {
+                    rule: Some(rule), ..
+                } => Some(*rule),
+                _ => None,
+            })
+            .collect()
+    }
+}
+
+fn status_of_plan(plan: &Plan<'_>, outcome: &CheckOutcome) -> Status {
+    match plan {
+        Plan::NoLimit => Status::unlimited_by_config(),
+        Plan::Unlimited => Status {
+            code: Code::Ok,
+            current_limit: None,
+            limit_remaining: u32::MAX,
+            duration_until_reset_ms: None,
+        },
+        Plan::Check {
+            item,
+            rule,
+            windows,
+            ..
+        } => {
+            let shadow = rule.is_some_and(|r| r.shadow_mode);
+            match outcome.items.get(*item) {
+                Some(found) => status_of(windows, found, shadow),
+                None => Status::unlimited_by_config(),
+            }
         }
     }
 }
 
 /// Matches every descriptor and turns the ones that need the store into check items.
-/// `replaces` is applied here: a rule another matched rule replaces becomes `NoLimit`.
-fn plan<'a>(request: &'a Request, root: &'a Node) -> (Vec<Plan<'a>>, Vec<CheckItem<'a>>) {
+fn plan<'a>(request: &'a Request, root: &'a Node) -> Planned<'a> {
     // First every descriptor's rule, so that `replaces` can see all of them.
     let found: Vec<Found<'_>> = request
         .descriptors
         .iter()
-        .map(|descriptor| match descriptor.limit {
-            Some(over) => match Unit::from_proto(over.unit) {
-                Some(unit) => Found::Override(Window::per_unit(over.requests_per_unit, unit, None)),
-                // `validate` rejected unknown units already.
-                None => Found::Nothing,
-            },
-            None => root
-                .find(&descriptor.entries)
-                .map_or(Found::Nothing, Found::Rule),
-        })
+        .map(|descriptor| find(descriptor, root))
         .collect();
-    let replaced: HashSet<&str> = found
+    let replaced = replaced_names(&found);
+    let request_hits = u64::from(request.hits_addend.max(1));
+    let mut planned = Planned {
+        plans: Vec::with_capacity(request.descriptors.len()),
+        items: Vec::with_capacity(request.descriptors.len()),
+    };
+    for (descriptor, found) in request.descriptors.iter().zip(found) {
+        let hits = descriptor.hits_addend.unwrap_or(request_hits);
+        let plan = match found {
+            Found::Nothing => Plan::NoLimit,
+            Found::Override(window) => {
+                planned.push_override(&request.domain, descriptor, window, hits)
+            }
+            Found::Rule(m) if replaced.iter().any(|name| m.rule.is_named(name)) => Plan::NoLimit,
+            Found::Rule(m) => planned.push_rule(&request.domain, m, hits),
+        };
+        planned.plans.push(plan);
+    }
+    planned
+}
+
+fn find<'a>(descriptor: &'a Descriptor, root: &'a Node) -> Found<'a> {
+    match descriptor.limit {
+        Some(over) => match Unit::from_proto(over.unit) {
+            Some(unit) => Found::Override(Window::per_unit(over.requests_per_unit, unit, None)),
+            // `validate` rejected unknown units already.
+            None => Found::Nothing,
+        },
+        None => root
+            .find(&descriptor.entries)
+            .map_or(Found::Nothing, Found::Rule),
+    }
+}
+
+/// The names every matched rule `replaces`.
+fn replaced_names<'a>(found: &[Found<'a>]) -> HashSet<&'a str> {
+    found
         .iter()
         .filter_map(|f| match f {
             Found::Rule(m) => Some(m.rule.replaces.iter().map(|n| &**n)),
             _ => None,
         })
         .flatten()
-        .collect();
+        .collect()
+}
 
-    let request_hits = u64::from(request.hits_addend.max(1));
-    let mut plans = Vec::with_capacity(request.descriptors.len());
-    let mut items: Vec<CheckItem<'_>> = Vec::with_capacity(request.descriptors.len());
-    for (descriptor, found) in request.descriptors.iter().zip(found) {
-        let hits = descriptor.hits_addend.unwrap_or(request_hits);
-        match found {
-            Found::Nothing => plans.push(Plan::NoLimit),
-            Found::Override(window) => {
-                let segments = value_segments(descriptor);
-                let variant = Variant::Override {
-                    window_ms: window.length_ms,
-                };
-                items.push(CheckItem {
-                    key: key::build(&request.domain, &segments, variant, None),
-                    windows: Cow::Owned(vec![window]),
-                    algorithm: Algorithm::SlidingLog,
-                    ban_ms: None,
-                    hits,
-                    role: Role::Enforce,
-                });
-                plans.push(Plan::Check {
-                    item: items.len() - 1,
-                    rule: None,
-                    segments,
-                });
-            }
-            Found::Rule(m) if replaced.iter().any(|name| m.rule.is_named(name)) => {
-                plans.push(Plan::NoLimit)
-            }
-            Found::Rule(m) => match &m.rule.limit {
-                Limit::Unlimited => plans.push(Plan::Unlimited),
-                Limit::Windows {
-                    windows,
-                    ban_ms,
-                    algorithm,
-                } => {
-                    let rule = m.rule;
-                    items.push(CheckItem {
-                        key: key::build(
-                            &request.domain,
-                            &m.segments,
-                            Variant::Configured,
-                            rule.tag_by.as_deref(),
-                        ),
-                        windows: Cow::Borrowed(windows),
-                        algorithm: *algorithm,
-                        ban_ms: *ban_ms,
-                        hits,
-                        role: if rule.shadow_mode {
-                            Role::Shadow
-                        } else if rule.quota_mode {
-                            Role::Quota
-                        } else {
-                            Role::Enforce
-                        },
-                    });
-                    plans.push(Plan::Check {
-                        item: items.len() - 1,
-                        rule: Some(rule),
-                        segments: m.segments,
-                    });
-                }
-            },
+impl<'a> Planned<'a> {
+    fn push_override(
+        &mut self,
+        domain: &str,
+        descriptor: &'a Descriptor,
+        window: Window,
+        hits: u64,
+    ) -> Plan<'a> {
+        let segments = value_segments(descriptor);
+        let variant = Variant::Override {
+            window_ms: window.length_ms,
+        };
+        self.items.push(CheckItem {
+            key: key::build(domain, &segments, variant, None),
+            windows: Cow::Owned(vec![window.counted()]),
+            algorithm: Algorithm::SlidingLog,
+            ban_ms: None,
+            hits,
+            role: Role::Enforce,
+        });
+        Plan::Check {
+            item: self.items.len() - 1,
+            rule: None,
+            windows: Cow::Owned(vec![window]),
+            segments,
         }
     }
-    (plans, items)
+
+    fn push_rule(&mut self, domain: &str, m: Match<'a>, hits: u64) -> Plan<'a> {
+        let rule = m.rule;
+        let Limit::Windows {
+            windows,
+            counted,
+            ban_ms,
+            algorithm,
+        } = &rule.limit
+        else {
+            return Plan::Unlimited;
+        };
+        self.items.push(CheckItem {
+            key: key::build(
+                domain,
+                &m.segments,
+                Variant::Configured,
+                rule.tag_by.as_deref(),
+            ),
+            windows: Cow::Borrowed(counted),
+            algorithm: *algorithm,
+            ban_ms: *ban_ms,
+            hits,
+            role: if rule.shadow_mode {
+                Role::Shadow
+            } else if rule.quota_mode {
+                Role::Quota
+            } else {
+                Role::Enforce
+            },
+        });
+        Plan::Check {
+            item: self.items.len() - 1,
+            rule: Some(rule),
+            windows: Cow::Borrowed(windows),
+            segments: m.segments,
+        }
+    }
 }
 
 fn value_segments(descriptor: &Descriptor) -> Vec<Segment<'_>> {
@@ -448,7 +538,7 @@ fn report<'a>(
         .zip(&outcome.windows)
         .min_by_key(|(w, o)| u64::from(w.limit).saturating_sub(after(o.count)));
     let near = binding.map_or(0, |(w, o)| {
-        let threshold = (f64::from(w.limit) * near_ratio).floor() as u64;
+        let threshold = near_threshold(w.limit, near_ratio);
         let after = after(o.count);
         let before = after.saturating_sub(hits);
         after.saturating_sub(before.max(threshold)).min(hits)
@@ -456,6 +546,14 @@ fn report<'a>(
     report.near = near;
     report.within = hits - near;
     report
+}
+
+/// Hits above this count of a window are "near" its limit.
+fn near_threshold(limit: u32, ratio: f64) -> u64 {
+    // `ratio` is in [0, 1] (the flag is checked), so the product is in [0, limit] and fits.
+    #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
+    let threshold = (f64::from(limit) * ratio.clamp(0.0, 1.0)).floor() as u64;
+    threshold
 }
 
 /// The status of one checked descriptor.
@@ -550,48 +648,17 @@ fn validate(request: &Request) -> Result<(), LimiterError> {
     Ok(())
 }
 
-/// The reference server's `dynamic_metadata` shape: the request, plus the matched rules'
-/// `metadata` merged (first value wins).
-fn dynamic_metadata(
-    request: &Request,
-    rules: &[&Arc<Rule>],
-) -> serde_json::Map<String, serde_json::Value> {
-    use serde_json::{Map, Value, json};
-    let descriptors: Vec<Value> = request
-        .descriptors
-        .iter()
-        .map(|d| {
-            let mut out = Map::new();
-            let entries: Vec<Value> = d.entries.iter().map(|(k, v)| Value::String(format!("{k}={v}"))).collect();
-            out.insert("entries".into(), Value::Array(entries));
-            if let Some(limit) = d.limit {
-                out.insert(
-                    "limit".into(),
-                    json!({"requestsPerUnit": limit.requests_per_unit, "unit": Unit::from_proto(limit.unit).map_or("UNKNOWN".to_string(), |u| u.name().to_uppercase())}),
-                );
-            }
-            if let Some(hits) = d.hits_addend {
-                out.insert("hitsAddend".into(), json!(hits));
-            }
-            Value::Object(out)
-        })
-        .collect();
-    let mut metadata = Map::new();
+/// The matched rules' `metadata`, merged (first value wins), for `dynamic_metadata`.
+fn rule_metadata(rules: &[&Arc<Rule>]) -> RuleMetadata {
+    let mut merged = serde_json::Map::new();
     for rule in rules {
-        if let Some(Value::Object(fields)) = &rule.metadata {
+        if let Some(serde_json::Value::Object(fields)) = &rule.metadata {
             for (k, v) in fields {
-                metadata.entry(k.clone()).or_insert_with(|| v.clone());
+                merged.entry(k.clone()).or_insert_with(|| v.clone());
             }
         }
     }
-    let mut out = Map::new();
-    out.insert("domain".into(), Value::String(request.domain.clone()));
-    out.insert("descriptors".into(), Value::Array(descriptors));
-    out.insert("hitsAddend".into(), json!(request.hits_addend.max(1)));
-    if !metadata.is_empty() {
-        out.insert("metadata".into(), Value::Object(metadata));
-    }
-    out
+    RuleMetadata(merged)
 }
 
 #[cfg(test)]
@@ -737,32 +804,54 @@ mod tests {
     }
 
     #[test]
-    fn dynamic_metadata_carries_request_and_rule_metadata() {
+    fn dynamic_metadata_carries_the_matched_rules_metadata() {
         let options = LimiterOptions {
             dynamic_metadata: true,
             ..LimiterOptions::default()
         };
         let (l, _) = limiter(CONFIG, options);
         let d = decide(&l, &req(&[&[("ip", "m")], &[("nothing", "x")]]));
-        let meta = serde_json::Value::Object(d.dynamic_metadata.expect("switched on"));
+        let meta = d.dynamic_metadata.expect("switched on");
         assert_eq!(
-            meta,
-            serde_json::json!({
-                "domain": "d",
-                "descriptors": [{"entries": ["ip=m"]}, {"entries": ["nothing=x"]}],
-                "hitsAddend": 1,
-                "metadata": {"team": "edge"}
-            })
+            serde_json::Value::Object(meta.0),
+            serde_json::json!({"team": "edge"})
         );
         let (off, _) = limiter(CONFIG, LimiterOptions::default());
         assert_eq!(decide(&off, &req(&[&[("ip", "m")]])).dynamic_metadata, None);
+    }
+
+    #[test]
+    fn global_shadow_mode_sends_no_limit_headers_on_answers_it_let_through() {
+        let options = LimiterOptions {
+            global_shadow_mode: true,
+            response_headers: true,
+            ..LimiterOptions::default()
+        };
+        let (l, _) = limiter(CONFIG, options);
+        let first = decide(&l, &req(&[&[("ip", "s")]]));
+        assert!(
+            first.response_headers.iter().any(|(k, _)| k == "RateLimit"),
+            "admitted answers keep their headers: {:?}",
+            first.response_headers
+        );
+        for _ in 0..2 {
+            decide(&l, &req(&[&[("ip", "s")]]));
+        }
+        let shadowed = decide(&l, &req(&[&[("ip", "s")]]));
+        assert_eq!(shadowed.overall, Code::Ok);
+        assert_eq!(shadowed.statuses[0].code, Code::OverLimit);
+        assert!(
+            shadowed.response_headers.is_empty(),
+            "no Retry-After or zero-remaining RateLimit on an answer turned OK: {:?}",
+            shadowed.response_headers
+        );
     }
 
     struct Broken;
 
     impl Store for Broken {
         fn check<'a>(&'a self, _: &'a [CheckItem<'a>], _: u64) -> StoreFuture<'a> {
-            Box::pin(async { Err(StoreError::Unavailable("down".into())) })
+            Box::pin(async { Err(StoreError::unavailable("down")) })
         }
         fn name(&self) -> &'static str {
             "broken"

@@ -1,11 +1,11 @@
 //! Store keys. This module alone decides key names and the Redis Cluster hash tag.
 //!
-//! A key is `rl:{<tag>}<rest>`. Redis Cluster hashes only the text between the first `{` and the
-//! next `}`, so every key of one descriptor (its log and its ban) shares the tag and a Lua call
-//! that touches both stays in one slot. By default the tag is the whole descriptor identity, which
-//! spreads descriptors over the cluster; a rule with `tag_by` tags by one entry's value instead, so
-//! descriptors of one request that carry the same value (a user id) share a slot and are decided
-//! in one script call.
+//! A key is `rl:{<tag>}<rest>` ([`StoreKey`] lays it out). Redis Cluster hashes only the text
+//! between the first `{` and the next `}`, so every key of one descriptor (its log, its bucket
+//! counters and its ban) shares the tag and a Lua call that touches them stays in one slot. By
+//! default the tag is the whole descriptor identity, which spreads descriptors over the cluster;
+//! a rule with `tag_by` tags by one entry's value instead, so descriptors of one request that
+//! carry the same value (a user id) share a slot and are decided in one script call.
 //!
 //! Every name and value is escaped (`%`, `{`, `}`, `:`, `=`, `~` become `%XX`), so the encoding is
 //! injective: two different descriptors never share a key, and no value can move a key to another
@@ -14,6 +14,7 @@
 use std::fmt::Write;
 
 use super::rules::Segment;
+pub use crate::store::StoreKey;
 
 /// What a log counts: the configured rule, or a caller's override of it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -24,39 +25,6 @@ pub enum Variant {
     Override {
         window_ms: u64,
     },
-}
-
-/// The keys of one descriptor in the store.
-#[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct StoreKey {
-    base: String,
-    tag_len: usize,
-}
-
-impl StoreKey {
-    /// The sorted-set log of admitted hits.
-    pub fn log(&self) -> String {
-        format!("{}:log", self.base)
-    }
-
-    /// The bucket counters of `sliding_counter` rules: a hash, field `<bucket_ms>:<bucket>`.
-    pub fn counters(&self) -> String {
-        format!("{}:cnt", self.base)
-    }
-
-    /// The ban marker, present (with a TTL) while the descriptor is banned.
-    pub fn ban(&self) -> String {
-        format!("{}:ban", self.base)
-    }
-
-    /// The hash tag, without braces: keys with equal tags share a Redis Cluster slot.
-    pub fn tag(&self) -> &str {
-        &self.base["rl:{".len()..self.tag_len]
-    }
-
-    pub fn as_str(&self) -> &str {
-        &self.base
-    }
 }
 
 /// Builds the key of a matched descriptor. `tag_by` names the entry key whose value becomes the
@@ -95,26 +63,18 @@ pub fn build(
             _ => None,
         })
     });
-    let mut base = String::with_capacity(identity.len() * 2 + 8);
-    base.push_str("rl:{");
     match tag_value {
         Some((key, value)) => {
-            escape_into(&mut base, domain);
-            base.push(':');
-            escape_into(&mut base, key);
-            base.push('=');
-            escape_into(&mut base, value);
-            let tag_len = base.len();
-            base.push_str("}:");
-            base.push_str(&identity);
-            StoreKey { base, tag_len }
+            let mut tag = String::with_capacity(domain.len() + key.len() + value.len() + 2);
+            escape_into(&mut tag, domain);
+            tag.push(':');
+            escape_into(&mut tag, key);
+            tag.push('=');
+            escape_into(&mut tag, value);
+            identity.insert(0, ':');
+            StoreKey::new(&tag, &identity)
         }
-        None => {
-            base.push_str(&identity);
-            let tag_len = base.len();
-            base.push('}');
-            StoreKey { base, tag_len }
-        }
+        None => StoreKey::new(&identity, ""),
     }
 }
 

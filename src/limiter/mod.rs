@@ -1,6 +1,7 @@
 //! The rate-limit domain: rules and matching, store keys, and the decision for a request.
-//! Nothing here knows about gRPC or Redis; the service turns protobuf into [`Request`] and
-//! [`Decision`] back, and stores implement [`crate::store::Store`].
+//! Nothing here knows about gRPC, HTTP or Redis: the transports turn their requests into
+//! [`Request`] and [`Decision`] back, and the limiter asks a [`crate::store::Store`] (the
+//! contract below it) to decide its batch.
 
 pub mod clock;
 pub mod engine;
@@ -12,7 +13,7 @@ pub mod unit;
 
 pub use clock::{Clock, ManualClock, SystemClock};
 pub use engine::{FailurePolicy, Limiter, LimiterOptions};
-pub use observe::{DescriptorReport, NoObserver, Observer};
+pub use observe::{CallResult, DescriptorReport, NoObserver, Observer};
 pub use unit::Unit;
 
 /// A `ShouldRateLimit` request in domain terms.
@@ -82,12 +83,17 @@ pub struct Decision {
     /// One per request descriptor, in request order.
     pub statuses: Vec<Status>,
     pub response_headers: Vec<(String, String)>,
-    /// `dynamic_metadata`, when switched on.
-    pub dynamic_metadata: Option<serde_json::Map<String, serde_json::Value>>,
+    /// The matched rules' metadata, when `dynamic_metadata` is switched on. The transports
+    /// shape the response field from it and the request.
+    pub dynamic_metadata: Option<RuleMetadata>,
 }
 
+/// The `metadata` of the rules a request matched, merged (the first value of a field wins).
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct RuleMetadata(pub serde_json::Map<String, serde_json::Value>);
+
 /// Why a request was not decided.
-#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+#[derive(Debug, thiserror::Error)]
 pub enum LimiterError {
     #[error("{0}")]
     InvalidRequest(String),

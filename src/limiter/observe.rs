@@ -25,7 +25,31 @@ pub struct DescriptorReport<'a> {
     pub ban_set: bool,
 }
 
+/// How a whole call ended.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CallResult {
+    Ok,
+    OverLimit,
+    Invalid,
+    StoreError,
+}
+
+impl CallResult {
+    /// The metric label value.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            CallResult::Ok => "ok",
+            CallResult::OverLimit => "over_limit",
+            CallResult::Invalid => "invalid",
+            CallResult::StoreError => "store_error",
+        }
+    }
+}
+
+/// Told about every call, whichever transport it came by; the metrics implement it.
 pub trait Observer: Send + Sync + 'static {
+    /// A call ended, after `elapsed` (validation, matching, the store and shaping the answer).
+    fn call(&self, result: CallResult, elapsed: Duration);
     fn descriptor(&self, report: &DescriptorReport<'_>);
     /// A request named a domain with no config.
     fn unknown_domain(&self);
@@ -39,6 +63,7 @@ pub trait Observer: Send + Sync + 'static {
 pub struct NoObserver;
 
 impl Observer for NoObserver {
+    fn call(&self, _: CallResult, _: Duration) {}
     fn descriptor(&self, _: &DescriptorReport<'_>) {}
     fn unknown_domain(&self) {}
     fn global_shadow(&self) {}

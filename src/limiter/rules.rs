@@ -9,6 +9,8 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 use super::unit::Unit;
+use crate::store;
+pub use crate::store::Algorithm;
 
 /// One window of a rule: at most `limit` hits in any interval of `length_ms`.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -23,14 +25,6 @@ pub struct Window {
 }
 
 impl Window {
-    /// For `sliding_counter`: the bucket length, and the oldest bucket that overlaps the window
-    /// ending at `now_ms`. Every bucket from there on counts in full.
-    pub fn bucket_span(&self, buckets: u32, now_ms: u64) -> (u64, u64) {
-        let size = (self.length_ms / u64::from(buckets.max(1))).max(1);
-        let oldest = now_ms.saturating_sub(self.length_ms) / size;
-        (size, oldest)
-    }
-
     /// A window of exactly one unit, as the reference format writes it.
     pub fn per_unit(limit: u32, unit: Unit, name: Option<Arc<str>>) -> Window {
         Window {
@@ -40,19 +34,14 @@ impl Window {
             name,
         }
     }
-}
 
-/// How a rule counts hits.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub enum Algorithm {
-    /// Exact: one log entry per admitted hit; memory grows with the limit.
-    #[default]
-    SlidingLog,
-    /// Constant memory: each window is cut into `buckets` counters, and every bucket that
-    /// overlaps the window counts in full. The count is never below the true one, so it never
-    /// admits more than the limit in any window; it may reject for up to one bucket
-    /// (window / buckets) longer than the exact log would.
-    SlidingCounter { buckets: u32 },
+    /// What a store counts of this window.
+    pub fn counted(&self) -> store::Window {
+        store::Window {
+            limit: self.limit,
+            length_ms: self.length_ms,
+        }
+    }
 }
 
 /// What a matched rule asks for.
@@ -61,12 +50,27 @@ pub enum Limit {
     /// Every window must have room; windows share one log, trimmed by the longest.
     Windows {
         windows: Vec<Window>,
+        /// The same windows as the store counts them, in the same order (handed to the store
+        /// by reference on every request). Built by [`Limit::windows`].
+        counted: Vec<store::Window>,
         /// After going over, reject everything on this descriptor for this long.
         ban_ms: Option<u64>,
         algorithm: Algorithm,
     },
     /// Matched, never limited; answered without touching the store.
     Unlimited,
+}
+
+impl Limit {
+    pub fn windows(windows: Vec<Window>, ban_ms: Option<u64>, algorithm: Algorithm) -> Limit {
+        let counted = windows.iter().map(Window::counted).collect();
+        Limit::Windows {
+            windows,
+            counted,
+            ban_ms,
+            algorithm,
+        }
+    }
 }
 
 /// A configured rule: where it sits and how it behaves.
@@ -185,9 +189,15 @@ pub enum FailurePolicy {
 /// All loaded rules, by domain.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Limits {
-    pub domains: HashMap<String, Node>,
-    /// Domains whose config overrides the server's store failure policy.
-    pub store_failure: HashMap<String, FailurePolicy>,
+    pub domains: HashMap<String, Domain>,
+}
+
+/// One domain's rules and settings.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Domain {
+    pub root: Node,
+    /// Overrides the server's store failure policy for this domain.
+    pub store_failure: Option<FailurePolicy>,
 }
 
 /// How one level of a matched descriptor enters the log's identity.
@@ -207,7 +217,7 @@ pub struct Match<'a> {
 }
 
 impl Limits {
-    pub fn domain(&self, domain: &str) -> Option<&Node> {
+    pub fn domain(&self, domain: &str) -> Option<&Domain> {
         self.domains.get(domain)
     }
 
@@ -229,8 +239,8 @@ impl Limits {
             }
         }
         let mut out = Vec::new();
-        for (domain, root) in &self.domains {
-            walk(domain, root, &mut out);
+        for (name, domain) in &self.domains {
+            walk(name, &domain.root, &mut out);
         }
         out.sort_by(|a, b| (a.0, &a.1.path).cmp(&(b.0, &b.1.path)));
         out
@@ -276,6 +286,7 @@ impl Rule {
                 windows,
                 ban_ms,
                 algorithm,
+                ..
             } => {
                 let windows: Vec<String> = windows
                     .iter()

@@ -11,18 +11,35 @@
 use std::collections::hash_map::RandomState;
 use std::collections::{HashMap, VecDeque};
 use std::hash::BuildHasher;
-use std::sync::{Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard, Weak};
+use std::time::Duration;
 
-use super::{CheckItem, CheckOutcome, ItemOutcome, Store, StoreFuture, WindowOutcome, admits};
-use crate::limiter::rules::{Algorithm, Window};
+use super::{
+    Algorithm, CheckItem, CheckOutcome, ItemOutcome, Store, StoreFuture, Window, WindowOutcome,
+    admits, longest_ms,
+};
 
 const SHARDS: usize = 64;
-/// How often a shard drops idle logs, at the latest (checked on access, no timer task).
+/// How often a shard drops idle logs, at the latest (checked on access, and by the sweeper).
 const SWEEP_EVERY_MS: u64 = 10_000;
 
 pub struct MemoryStore {
+    shards: Arc<Shards>,
+    /// Stops the sweeper task when the store goes (mini-redis's `DbDropGuard` idea).
+    _sweeper: Option<SweeperGuard>,
+}
+
+struct Shards {
     shards: Box<[Mutex<Shard>]>,
     hasher: RandomState,
+}
+
+struct SweeperGuard(tokio::task::JoinHandle<()>);
+
+impl Drop for SweeperGuard {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
 }
 
 #[derive(Default)]
@@ -57,6 +74,19 @@ struct Entry {
     total: u64,
 }
 
+/// The shards one batch holds, sorted by index, locked for the whole decision.
+struct Locked<'s> {
+    guards: Vec<(usize, MutexGuard<'s, Shard>)>,
+}
+
+/// What phase 1 found for one item.
+#[derive(Clone, Copy, Default)]
+struct Fit {
+    fits: bool,
+    ban_remaining_ms: u64,
+    ban_set: bool,
+}
+
 impl Default for MemoryStore {
     fn default() -> Self {
         Self::new()
@@ -64,133 +94,72 @@ impl Default for MemoryStore {
 }
 
 impl MemoryStore {
+    /// A store that sweeps idle logs only when requests touch their shard.
     pub fn new() -> MemoryStore {
         MemoryStore {
-            shards: (0..SHARDS).map(|_| Mutex::new(Shard::default())).collect(),
-            hasher: RandomState::new(),
+            shards: Arc::new(Shards {
+                shards: (0..SHARDS).map(|_| Mutex::new(Shard::default())).collect(),
+                hasher: RandomState::new(),
+            }),
+            _sweeper: None,
         }
+    }
+
+    /// A store that also sweeps every shard every `every`, so idle logs go even without
+    /// traffic. `now_ms` is the limiter's clock. The sweeper is a task on the current Tokio
+    /// runtime and ends with the store; outside a runtime the store sweeps on access only.
+    pub fn with_sweeper(
+        every: Duration,
+        now_ms: impl Fn() -> u64 + Send + Sync + 'static,
+    ) -> MemoryStore {
+        let mut store = MemoryStore::new();
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            tracing::warn!("no async runtime: the embedded store sweeps on access only");
+            return store;
+        };
+        let shards = Arc::downgrade(&store.shards);
+        store._sweeper = Some(SweeperGuard(
+            runtime.spawn(sweep_forever(shards, every, now_ms)),
+        ));
+        store
     }
 
     /// Number of descriptors that currently hold state, for tests and introspection.
     pub fn len(&self) -> usize {
-        self.shards.iter().map(|s| lock(s).slots.len()).sum()
+        self.shards.shards.iter().map(|s| lock(s).slots.len()).sum()
     }
 
     pub fn is_empty(&self) -> bool {
         self.len() == 0
     }
 
-    fn shard_of(&self, key: &str) -> usize {
-        // SHARDS is a power of two, so the mask keeps the index in range.
-        (self.hasher.hash_one(key) as usize) & (SHARDS - 1)
+    /// Drops, in every shard, state that no window or ban needs at `now_ms` any more.
+    pub fn sweep(&self, now_ms: u64) {
+        self.shards.sweep(now_ms);
     }
 
+    /// Decides a batch atomically: lock its shards, see what fits, record if admitted, report.
     fn decide(&self, items: &[CheckItem<'_>], now_ms: u64) -> CheckOutcome {
         let shard_of: Vec<usize> = items
             .iter()
-            .map(|i| self.shard_of(i.key.as_str()))
+            .map(|i| self.shards.shard_of(i.key.as_str()))
             .collect();
-        let mut order = shard_of.clone();
-        order.sort_unstable();
-        order.dedup();
-        let mut guards: Vec<(usize, MutexGuard<'_, Shard>)> = order
-            .into_iter()
-            .map(|i| (i, lock(&self.shards[i])))
-            .collect();
-        for (_, shard) in guards.iter_mut() {
+        let mut locked = self.shards.lock_all(&shard_of);
+        for (_, shard) in locked.guards.iter_mut() {
             shard.sweep(now_ms);
         }
-
-        // Phase 1: does each item fit? Hits of earlier fitting items on the same key count as
-        // pending, so two descriptors of one request that share a log cannot overshoot together.
-        let mut fits = vec![false; items.len()];
-        let mut ban_remaining = vec![0u64; items.len()];
-        let mut ban_set = vec![false; items.len()];
-        for (n, item) in items.iter().enumerate() {
-            let pending: u64 = items[..n]
-                .iter()
-                .zip(&fits)
-                .filter(|(other, fit)| **fit && other.key == item.key)
-                .map(|(other, _)| other.hits)
-                .sum();
-            let shard = shard_mut(&mut guards, shard_of[n]);
-            let slot = shard.slots.get_mut(item.key.as_str());
-            if let Some(slot) = slot.as_ref().filter(|s| s.ban_until_ms > now_ms) {
-                ban_remaining[n] = slot.ban_until_ms - now_ms;
-                continue;
-            }
-            let room = |slot: Option<&Slot>| {
-                item.windows.iter().all(|w| {
-                    let count = slot.map_or(0, |s| s.count(item.algorithm, w, now_ms));
-                    count + pending + item.hits <= u64::from(w.limit)
-                })
-            };
-            let slot = slot.map(|s| {
-                s.trim(item.algorithm, now_ms, &item.windows);
-                &*s
-            });
-            fits[n] = room(slot);
-            if let Some(ban_ms) = item.ban_ms.filter(|_| !fits[n]) {
-                let slot = shard.slots.entry(item.key.as_str().to_owned()).or_default();
-                slot.ban_until_ms = now_ms.saturating_add(ban_ms);
-                slot.keep_until_ms = slot.keep_until_ms.max(slot.ban_until_ms);
-                ban_remaining[n] = ban_ms;
-                ban_set[n] = true;
-            }
-        }
-
-        let admitted = admits(items.iter().zip(&fits).map(|(i, f)| (i.role, *f)));
-
-        // Phase 2: record.
+        let fits = fit_all(&mut locked, items, &shard_of, now_ms);
+        let admitted = admits(items.iter().zip(&fits).map(|(i, f)| (i.role, f.fits)));
         if admitted {
-            for (n, item) in items.iter().enumerate() {
-                if fits[n] && item.hits > 0 {
-                    let slot = shard_mut(&mut guards, shard_of[n])
-                        .slots
-                        .entry(item.key.as_str().to_owned())
-                        .or_default();
-                    slot.record(item.algorithm, now_ms, item.hits, &item.windows);
-                }
-            }
+            record_all(&mut locked, items, &shard_of, &fits, now_ms);
         }
-
-        // Phase 3: report each window's state after the decision.
         let outcomes = items
             .iter()
-            .enumerate()
-            .map(|(n, item)| {
-                if ban_remaining[n] > 0 {
-                    return ItemOutcome {
-                        ban_remaining_ms: ban_remaining[n],
-                        ban_set: ban_set[n],
-                        fits: false,
-                        windows: Vec::new(),
-                    };
-                }
-                let slot = shard_mut(&mut guards, shard_of[n])
-                    .slots
-                    .get(item.key.as_str());
-                let windows = item
-                    .windows
-                    .iter()
-                    .map(|w| match slot {
-                        Some(slot) => slot.outcome(item.algorithm, w, now_ms, fits[n], item.hits),
-                        None => WindowOutcome {
-                            count: 0,
-                            reset_ms: if fits[n] || item.hits <= u64::from(w.limit) {
-                                0
-                            } else {
-                                w.length_ms
-                            },
-                        },
-                    })
-                    .collect();
-                ItemOutcome {
-                    ban_remaining_ms: 0,
-                    ban_set: false,
-                    fits: fits[n],
-                    windows,
-                }
+            .zip(&fits)
+            .zip(&shard_of)
+            .map(|((item, fit), &shard)| {
+                let slot = locked.shard(shard).slots.get(item.key.as_str());
+                item_outcome(slot, item, *fit, now_ms)
             })
             .collect();
         CheckOutcome {
@@ -200,14 +169,170 @@ impl MemoryStore {
     }
 }
 
-impl Store for MemoryStore {
+async fn sweep_forever(
+    shards: Weak<Shards>,
+    every: Duration,
+    now_ms: impl Fn() -> u64 + Send + Sync + 'static,
+) {
+    loop {
+        tokio::time::sleep(every).await;
+        match shards.upgrade() {
+            Some(shards) => shards.sweep(now_ms()),
+            None => return,
+        }
+    }
+}
+
+impl Shards {
+    fn shard_of(&self, key: &str) -> usize {
+        // SHARDS is a power of two, so the mask keeps the index in range; only the low bits
+        // of the hash are wanted, so truncating it is the point.
+        #[allow(clippy::cast_possible_truncation)]
+        let hash = self.hasher.hash_one(key) as usize;
+        hash & (SHARDS - 1)
+    }
+
+    /// Locks the given shards in index order, so two batches never wait on each other in a
+    /// cycle.
+    fn lock_all(&self, shard_of: &[usize]) -> Locked<'_> {
+        let mut order = shard_of.to_vec();
+        order.sort_unstable();
+        order.dedup();
+        Locked {
+            guards: order
+                .into_iter()
+                .map(|i| (i, lock(&self.shards[i])))
+                .collect(),
+        }
+    }
+
     fn sweep(&self, now_ms: u64) {
         // One shard at a time, so requests on other shards never wait for the whole sweep.
         for shard in self.shards.iter() {
             lock(shard).sweep(now_ms);
         }
     }
+}
 
+impl Locked<'_> {
+    /// The locked shard with index `index`. Every item's shard was locked (and `guards` sorted
+    /// by index) before this is called, so the binary search always lands on it.
+    fn shard(&mut self, index: usize) -> &mut Shard {
+        let at = self.guards.partition_point(|(i, _)| *i < index);
+        &mut self.guards[at].1
+    }
+}
+
+/// Phase 1: does each item fit? Hits of earlier fitting items on the same key count as pending,
+/// so two descriptors of one request that share a log cannot overshoot together. An item that
+/// does not fit and has a ban is banned here.
+fn fit_all(
+    locked: &mut Locked<'_>,
+    items: &[CheckItem<'_>],
+    shard_of: &[usize],
+    now_ms: u64,
+) -> Vec<Fit> {
+    let mut fits: Vec<Fit> = Vec::with_capacity(items.len());
+    for (n, item) in items.iter().enumerate() {
+        let pending: u64 = items[..n]
+            .iter()
+            .zip(&fits)
+            .filter(|(other, fit)| fit.fits && other.key == item.key)
+            .map(|(other, _)| other.hits)
+            .sum();
+        fits.push(fit_one(locked.shard(shard_of[n]), item, pending, now_ms));
+    }
+    fits
+}
+
+fn fit_one(shard: &mut Shard, item: &CheckItem<'_>, pending: u64, now_ms: u64) -> Fit {
+    let slot = shard.slots.get_mut(item.key.as_str());
+    if let Some(slot) = slot.as_ref().filter(|s| s.ban_until_ms > now_ms) {
+        return Fit {
+            ban_remaining_ms: slot.ban_until_ms - now_ms,
+            ..Fit::default()
+        };
+    }
+    let slot = slot.map(|s| {
+        s.trim(item.algorithm, now_ms, &item.windows);
+        &*s
+    });
+    let fits = item.windows.iter().all(|w| {
+        let count = slot.map_or(0, |s| s.count(item.algorithm, w, now_ms));
+        count + pending + item.hits <= u64::from(w.limit)
+    });
+    match item.ban_ms.filter(|_| !fits) {
+        Some(ban_ms) => {
+            let slot = shard.slots.entry(item.key.as_str().to_owned()).or_default();
+            slot.ban_until_ms = now_ms.saturating_add(ban_ms);
+            slot.keep_until_ms = slot.keep_until_ms.max(slot.ban_until_ms);
+            Fit {
+                fits: false,
+                ban_remaining_ms: ban_ms,
+                ban_set: true,
+            }
+        }
+        None => Fit {
+            fits,
+            ..Fit::default()
+        },
+    }
+}
+
+/// Phase 2 (admitted batches only): record the hits of every item that fits.
+fn record_all(
+    locked: &mut Locked<'_>,
+    items: &[CheckItem<'_>],
+    shard_of: &[usize],
+    fits: &[Fit],
+    now_ms: u64,
+) {
+    for ((item, fit), &shard) in items.iter().zip(fits).zip(shard_of) {
+        if fit.fits && item.hits > 0 {
+            let slot = locked
+                .shard(shard)
+                .slots
+                .entry(item.key.as_str().to_owned())
+                .or_default();
+            slot.record(item.algorithm, now_ms, item.hits, &item.windows);
+        }
+    }
+}
+
+/// Phase 3: each window's state after the decision.
+fn item_outcome(slot: Option<&Slot>, item: &CheckItem<'_>, fit: Fit, now_ms: u64) -> ItemOutcome {
+    if fit.ban_remaining_ms > 0 {
+        return ItemOutcome {
+            ban_remaining_ms: fit.ban_remaining_ms,
+            ban_set: fit.ban_set,
+            fits: false,
+            windows: Vec::new(),
+        };
+    }
+    let windows = item
+        .windows
+        .iter()
+        .map(|w| match slot {
+            Some(slot) => slot.outcome(item.algorithm, w, now_ms, fit.fits, item.hits),
+            None => WindowOutcome {
+                count: 0,
+                reset_ms: if fit.fits || item.hits <= u64::from(w.limit) {
+                    0
+                } else {
+                    w.length_ms
+                },
+            },
+        })
+        .collect();
+    ItemOutcome {
+        ban_remaining_ms: 0,
+        ban_set: false,
+        fits: fit.fits,
+        windows,
+    }
+}
+
+impl Store for MemoryStore {
     fn check<'a>(&'a self, items: &'a [CheckItem<'a>], now_ms: u64) -> StoreFuture<'a> {
         let outcome = self.decide(items, now_ms);
         Box::pin(async move { Ok(outcome) })
@@ -218,23 +343,12 @@ impl Store for MemoryStore {
     }
 }
 
-/// The locked shard with index `index`. Every item's shard was locked (and `guards` sorted by
-/// index) before this is called, so the binary search always lands on it.
-fn shard_mut<'g>(guards: &'g mut [(usize, MutexGuard<'_, Shard>)], index: usize) -> &'g mut Shard {
-    let at = guards.partition_point(|(i, _)| *i < index);
-    &mut guards[at].1
-}
-
 fn lock(shard: &Mutex<Shard>) -> MutexGuard<'_, Shard> {
     // A panic while holding the lock cannot leave a slot half-written in a way that breaks the
     // invariants we rely on (entries stay sorted, totals only grow), so keep serving.
     shard
         .lock()
         .unwrap_or_else(|poisoned| poisoned.into_inner())
-}
-
-fn longest_ms(windows: &[Window]) -> u64 {
-    windows.iter().map(|w| w.length_ms).max().unwrap_or(0)
 }
 
 impl Shard {
@@ -420,19 +534,11 @@ mod tests {
     use std::borrow::Cow;
 
     use super::*;
-    use crate::limiter::key::{self, Variant};
-    use crate::limiter::rules::Segment;
-    use crate::limiter::unit::Unit;
-    use crate::store::Role;
+    use crate::store::{Role, StoreKey};
 
     fn item(value: &str, windows: Vec<Window>, hits: u64) -> CheckItem<'static> {
         CheckItem {
-            key: key::build(
-                "d",
-                &[Segment::Value { key: "k", value }],
-                Variant::Configured,
-                None,
-            ),
+            key: StoreKey::new(&format!("d:k={value}"), ""),
             windows: Cow::Owned(windows),
             algorithm: Algorithm::SlidingLog,
             ban_ms: None,
@@ -442,12 +548,7 @@ mod tests {
     }
 
     fn window(limit: u32, length_ms: u64) -> Window {
-        Window {
-            limit,
-            length_ms,
-            unit: Unit::nearest(length_ms),
-            name: None,
-        }
+        Window { limit, length_ms }
     }
 
     #[test]
@@ -533,6 +634,31 @@ mod tests {
         assert_eq!(store.len(), 1, "still inside its window");
         store.sweep(111_000);
         assert_eq!(store.len(), 0);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn the_sweeper_drops_idle_logs_and_ends_with_the_store() {
+        use std::sync::atomic::{AtomicU64, Ordering};
+        let now = Arc::new(AtomicU64::new(0));
+        let clock = now.clone();
+        let store = MemoryStore::with_sweeper(Duration::from_secs(10), move || {
+            clock.load(Ordering::SeqCst)
+        });
+        assert!(
+            store
+                .decide(&[item("a", vec![window(5, 1000)], 1)], 0)
+                .admitted
+        );
+        now.store(20_000, Ordering::SeqCst);
+        // Paused time: this sleep lets the sweeper's 10 s timer fire, with no real waiting.
+        tokio::time::sleep(Duration::from_secs(11)).await;
+        assert_eq!(store.len(), 0, "swept without any request");
+        let shards = Arc::downgrade(&store.shards);
+        drop(store);
+        assert!(
+            shards.upgrade().is_none(),
+            "the sweeper holds no strong reference"
+        );
     }
 
     #[test]

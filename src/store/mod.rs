@@ -1,22 +1,110 @@
-//! Where the logs live. Both stores take the same batch and decide it the same way, atomically:
-//! a request's descriptors are admitted all together or not at all.
+//! The store contract: what the limiter hands a store, what a store answers, and the one rule
+//! both stores decide by. Everything a store needs is defined here, so `store/` depends on
+//! nothing in `limiter/` (the limiter depends on this contract, never the other way round).
 //!
-//! The embedded store ([`MemoryStore`]) decides under in-process locks; the Redis store decides
-//! inside one Lua script per hash slot. The conformance suite in `tests/` runs the same scenarios
-//! against each.
+//! Both stores take the same batch and decide it the same way, atomically: a request's
+//! descriptors are admitted all together or not at all. The embedded store ([`MemoryStore`])
+//! decides under in-process locks; the Redis store decides inside one Lua script per hash slot
+//! (`lua/slidegate.lua`, whose header documents `KEYS`, `ARGV` and the reply). The conformance
+//! suite in `tests/` runs the same scenarios against each.
 
 use std::borrow::Cow;
 use std::future::Future;
 use std::pin::Pin;
-
-use crate::limiter::key::StoreKey;
-use crate::limiter::rules::{Algorithm, Window};
+use std::sync::Arc;
+use std::time::Duration;
 
 mod memory;
 pub mod redis;
 
 pub use memory::MemoryStore;
 pub use redis::{ClockSource, RedisOptions, RedisStore};
+
+/// One window as a store counts it: at most `limit` hits in any interval of `length_ms`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Window {
+    pub limit: u32,
+    pub length_ms: u64,
+}
+
+impl Window {
+    /// For `sliding_counter`: the bucket length, and the oldest bucket that overlaps the window
+    /// ending at `now_ms`. Every bucket from there on counts in full.
+    pub fn bucket_span(&self, buckets: u32, now_ms: u64) -> (u64, u64) {
+        let size = (self.length_ms / u64::from(buckets.max(1))).max(1);
+        let oldest = now_ms.saturating_sub(self.length_ms) / size;
+        (size, oldest)
+    }
+}
+
+/// The longest of some windows: a log is trimmed by it.
+pub fn longest_ms(windows: &[Window]) -> u64 {
+    windows.iter().map(|w| w.length_ms).max().unwrap_or(0)
+}
+
+/// How a rule counts hits.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Algorithm {
+    /// Exact: one log entry per admitted hit; memory grows with the limit.
+    #[default]
+    SlidingLog,
+    /// Constant memory: each window is cut into `buckets` counters, and every bucket that
+    /// overlaps the window counts in full. The count is never below the true one, so it never
+    /// admits more than the limit in any window; it may reject for up to one bucket
+    /// (window / buckets) longer than the exact log would.
+    SlidingCounter { buckets: u32 },
+}
+
+/// The keys of one descriptor in the store: `rl:{<tag>}<rest>` plus a suffix per structure.
+/// Redis Cluster hashes only the tag, so every key of one descriptor shares a slot.
+/// `limiter::key::build` decides the tag (and escapes braces out of it); this type only lays
+/// the key out.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct StoreKey {
+    base: String,
+    tag_len: usize,
+}
+
+impl StoreKey {
+    /// `tag` must hold no `{` or `}` (the builder escapes them), or the slot would move.
+    pub fn new(tag: &str, rest: &str) -> StoreKey {
+        debug_assert!(
+            !tag.contains(['{', '}']),
+            "unescaped brace in hash tag {tag:?}"
+        );
+        let mut base = String::with_capacity(tag.len() + rest.len() + 5);
+        base.push_str("rl:{");
+        base.push_str(tag);
+        let tag_len = base.len();
+        base.push('}');
+        base.push_str(rest);
+        StoreKey { base, tag_len }
+    }
+
+    /// The sorted-set log of admitted hits.
+    pub fn log(&self) -> String {
+        format!("{}:log", self.base)
+    }
+
+    /// The bucket counters of `sliding_counter` rules: a hash, field `<bucket_ms>:<bucket>`.
+    pub fn counters(&self) -> String {
+        format!("{}:cnt", self.base)
+    }
+
+    /// The ban marker, present (with a TTL) while the descriptor is banned.
+    pub fn ban(&self) -> String {
+        format!("{}:ban", self.base)
+    }
+
+    /// The hash tag, without braces: keys with equal tags share a Redis Cluster slot.
+    pub fn tag(&self) -> &str {
+        &self.base["rl:{".len()..self.tag_len]
+    }
+
+    pub fn as_str(&self) -> &str {
+        &self.base
+    }
+}
 
 /// How a descriptor takes part in the admission decision.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -72,15 +160,31 @@ pub struct CheckOutcome {
     pub items: Vec<ItemOutcome>,
 }
 
-/// A store failure. The message never carries credentials.
-#[derive(Clone, Debug, thiserror::Error, PartialEq, Eq)]
+/// A store failure. Messages never carry credentials; the client's own error is kept as the
+/// source, for logs.
+#[derive(Clone, Debug, thiserror::Error)]
 pub enum StoreError {
-    #[error("store timed out after {0} ms")]
-    Timeout(u64),
-    #[error("store unavailable: {0}")]
-    Unavailable(String),
+    #[error("store timed out after {} ms", .0.as_millis())]
+    Timeout(Duration),
+    #[error("store unavailable: {context}")]
+    Unavailable {
+        context: String,
+        #[source]
+        source: Option<Arc<dyn std::error::Error + Send + Sync>>,
+    },
+    /// The store answered, but not in the agreed shape (a script error reply, a short reply).
     #[error("store answered something unexpected: {0}")]
     Protocol(String),
+}
+
+impl StoreError {
+    /// Unavailable for a reason with no underlying error.
+    pub fn unavailable(context: impl Into<String>) -> StoreError {
+        StoreError::Unavailable {
+            context: context.into(),
+            source: None,
+        }
+    }
 }
 
 pub type StoreFuture<'a> =
@@ -102,10 +206,6 @@ pub trait Store: Send + Sync + 'static {
     fn ready(&self) -> ReadyFuture<'_> {
         Box::pin(async { true })
     }
-
-    /// Drops state that no window or ban needs any more. The server calls it periodically; the
-    /// Redis store has nothing to do (keys expire by TTL).
-    fn sweep(&self, _now_ms: u64) {}
 }
 
 /// The admission rule both stores share: every enforcing item fits, and if there are quota

@@ -17,10 +17,9 @@ use fred::types::scripts::Script;
 use futures_util::future::join_all;
 
 use super::{
-    CheckItem, CheckOutcome, ItemOutcome, Store, StoreError, StoreFuture, WindowOutcome, admits,
+    Algorithm, CheckItem, CheckOutcome, ItemOutcome, Role, Store, StoreError, StoreFuture,
+    WindowOutcome, admits,
 };
-use crate::limiter::rules::Algorithm;
-use crate::store::Role;
 
 type UndoFuture<'a> =
     std::pin::Pin<Box<dyn std::future::Future<Output = Result<(), Error>> + Send + 'a>>;
@@ -65,7 +64,8 @@ pub fn redact(url: &str) -> String {
     let Some((scheme, rest)) = url.split_once("://") else {
         return url.to_string();
     };
-    match rest.split_once('@') {
+    // The last `@` ends the user info, as the client reads it: a password may hold an `@`.
+    match rest.rsplit_once('@') {
         Some((userinfo, host)) => {
             let user = userinfo.split_once(':').map_or(userinfo, |(u, _)| u);
             format!("{scheme}://{user}:***@{host}")
@@ -112,9 +112,26 @@ fn client_url(url: &str) -> String {
     out
 }
 
+/// The error code the script puts first in its error replies (Redis error replies start with a
+/// code, like `WRONGTYPE` or `NOSCRIPT`).
+const SCRIPT_ERROR_CODE: &str = "SLIDEGATE";
+
 fn unavailable(e: &Error) -> StoreError {
     // fred's messages carry the error kind and the server's reply text, never the URL.
-    StoreError::Unavailable(format!("{:?}: {}", e.kind(), e.details()))
+    StoreError::Unavailable {
+        context: format!("{:?}: {}", e.kind(), e.details()),
+        source: Some(std::sync::Arc::new(e.clone())),
+    }
+}
+
+/// A script call's failure: the script's own error reply (by its error code) means the call was
+/// malformed, a protocol error; anything else is the store being unavailable.
+fn call_failed(e: &Error) -> StoreError {
+    if e.details().split_whitespace().next() == Some(SCRIPT_ERROR_CODE) {
+        StoreError::Protocol(e.details().to_string())
+    } else {
+        unavailable(e)
+    }
 }
 
 impl RedisStore {
@@ -122,7 +139,7 @@ impl RedisStore {
     pub async fn connect(options: RedisOptions) -> Result<RedisStore, StoreError> {
         let url = client_url(&options.url);
         let config = Config::from_url(&url).map_err(|e| {
-            StoreError::Unavailable(format!(
+            StoreError::unavailable(format!(
                 "invalid Redis URL {}: {}",
                 redact(&options.url),
                 e.details()
@@ -141,7 +158,7 @@ impl RedisStore {
             .map_err(|e| unavailable(&e))?;
         tokio::time::timeout(options.connect_timeout, pool.init())
             .await
-            .map_err(|_| StoreError::Timeout(options.connect_timeout.as_millis() as u64))?
+            .map_err(|_| StoreError::Timeout(options.connect_timeout))?
             .map_err(|e| unavailable(&e))?;
         let script = Script::from_lua(SCRIPT);
         script
@@ -165,8 +182,7 @@ impl RedisStore {
         })
     }
 
-    /// Removes every log and ban key of a test domain is the caller's business; this only
-    /// exposes the client for tests and tools.
+    /// A client of the pool, for tests and tools that look at the keys directly.
     pub fn client(&self) -> &Client {
         self.pool.next()
     }
@@ -217,13 +233,7 @@ impl RedisStore {
             .script
             .evalsha_with_reload(self.pool.next(), keys, args)
             .await
-            .map_err(|e| {
-                if e.details().contains("slidegate:") {
-                    StoreError::Protocol(e.details().to_string())
-                } else {
-                    unavailable(&e)
-                }
-            })?;
+            .map_err(|e| call_failed(&e))?;
         parse_reply(&reply, items, group)
     }
 
@@ -380,11 +390,17 @@ fn parse_reply(
         let fits = next("fits")? == 1;
         let ban_remaining_ms = next("ban")?;
         let ban_set = next("ban set")? == 1;
-        let m = next("window count")? as usize;
-        if ban_remaining_ms == 0 && m != items[i].windows.len() {
+        // Checked against the request before anything is reserved: a banned item has none.
+        let expected = if ban_remaining_ms == 0 {
+            items[i].windows.len()
+        } else {
+            0
+        };
+        let m = next("window count")?;
+        if usize::try_from(m).ok() != Some(expected) {
             return Err(bad("window count does not match the request"));
         }
-        let mut windows = Vec::with_capacity(m);
+        let mut windows = Vec::with_capacity(expected);
         for _ in 0..m {
             windows.push(WindowOutcome {
                 count: next("count")?,
@@ -413,7 +429,7 @@ impl Store for RedisStore {
         Box::pin(async move {
             match tokio::time::timeout(self.timeout, self.decide(items, now_ms)).await {
                 Ok(result) => result,
-                Err(_) => Err(StoreError::Timeout(self.timeout.as_millis() as u64)),
+                Err(_) => Err(StoreError::Timeout(self.timeout)),
             }
         })
     }
@@ -453,6 +469,40 @@ mod tests {
             "redis://:***@host:6379"
         );
         assert_eq!(redact("redis://host:6379"), "redis://host:6379");
+        // The client reads user info up to the last `@`, so the password may hold one.
+        assert_eq!(
+            redact("redis://u:p@ss@host:6379"),
+            "redis://u:***@host:6379"
+        );
+    }
+
+    #[test]
+    fn replies_that_do_not_match_the_request_are_protocol_errors() {
+        let key = crate::store::StoreKey::new("d:k=v", "");
+        let items = [CheckItem {
+            key,
+            windows: std::borrow::Cow::Owned(vec![crate::store::Window {
+                limit: 5,
+                length_ms: 1000,
+            }]),
+            algorithm: Algorithm::SlidingLog,
+            ban_ms: None,
+            hits: 1,
+            role: Role::Enforce,
+        }];
+        // now, recorded, fits, ban, ban set, m = 2^62 (never reserved), ...
+        let huge = [1_000, 1, 1, 0, 0, 1 << 62, 1, 0];
+        assert!(matches!(
+            parse_reply(&huge, &items, &[0]),
+            Err(StoreError::Protocol(m)) if m.contains("window count")
+        ));
+        let good = [1_000, 1, 1, 0, 0, 1, 1, 999];
+        let reply = parse_reply(&good, &items, &[0]).expect("well-formed");
+        assert_eq!(reply.items[0].windows[0].count, 1);
+        assert!(matches!(
+            parse_reply(&good[..7], &items, &[0]),
+            Err(StoreError::Protocol(_))
+        ));
     }
 
     #[test]

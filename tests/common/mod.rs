@@ -64,7 +64,7 @@ impl TestServer {
             options: ServerOptions::default(),
         };
         let join = tokio::spawn(async move {
-            slidegate::server::run(grpc, http, app, async {
+            slidegate::server::run(slidegate::server::Listeners { grpc, http }, app, async {
                 let _ = stopped.await;
             })
             .await
@@ -162,7 +162,7 @@ pub fn with_override(
 }
 
 pub fn with_hits(mut d: RateLimitDescriptor, hits: u64) -> RateLimitDescriptor {
-    d.hits_addend = Some(hits);
+    d.hits_addend = Some(hits.into());
     d
 }
 
