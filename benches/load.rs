@@ -102,7 +102,7 @@ async fn drive(store: Arc<dyn Store>, secs: u64, callers: u64, scenario: &'stati
     let addr = grpc.local_addr().expect("addr");
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
     let server = tokio::spawn(slidegate::server::run(
-        slidegate::server::Listeners { grpc, http },
+        slidegate::server::Listeners::new(grpc, http),
         app,
         async {
             let _ = stopped.await;

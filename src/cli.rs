@@ -1,22 +1,22 @@
-//! The binary's command line and environment: every flag has an environment twin
-//! (`SLIDEGATE_*`). It assembles the library's parts (config, store, limiter, metrics, reload)
-//! and hands them to `slidegate::server::run`.
+//! The binary's command line and environment. Every flag has a `SLIDEGATE_*` twin, and the
+//! reference server's own variables (`REDIS_URL`, `RUNTIME_ROOT`, `USE_PROMETHEUS`, ...) work too
+//! ([`reference`]); flags and `SLIDEGATE_*` win over them. [`serve`] assembles the library's
+//! parts and hands them to `slidegate::server::run`.
 
+use std::ffi::OsString;
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::process::ExitCode;
-use std::sync::Arc;
-
-use clap::{Parser, Subcommand, ValueEnum};
-
-use slidegate::config;
 use std::time::Duration;
 
-use slidegate::limiter::{Clock, FailurePolicy, Limiter, LimiterOptions, SystemClock};
-use slidegate::metrics::Metrics;
-use slidegate::server::{App, Listeners, ServerOptions};
-use slidegate::store::redis::redact;
-use slidegate::store::{ClockSource, MemoryStore, RedisOptions, RedisStore, Store};
+use clap::builder::BoolishValueParser;
+use clap::parser::ValueSource;
+use clap::{ArgAction, CommandFactory, FromArgMatches, Parser, Subcommand, ValueEnum};
+
+use slidegate::config;
+
+mod reference;
+mod serve;
 
 #[derive(Debug, Parser)]
 #[command(
@@ -35,8 +35,10 @@ pub struct Cli {
 pub enum Command {
     /// Validate a config file or directory; print every error and exit non-zero if any.
     Check {
-        #[arg(long, env = "SLIDEGATE_CONFIG")]
-        config: PathBuf,
+        /// The file or directory (or use --config).
+        path: Option<PathBuf>,
+        #[arg(long = "config", env = "SLIDEGATE_CONFIG")]
+        config: Option<PathBuf>,
     },
 }
 
@@ -48,9 +50,18 @@ pub struct ServeArgs {
     /// gRPC listen address (RateLimitService, health, reflection).
     #[arg(long, env = "SLIDEGATE_GRPC_ADDR", default_value = "0.0.0.0:8081")]
     pub grpc_addr: SocketAddr,
-    /// HTTP listen address (/healthz, /readyz, POST /json).
+    /// HTTP listen address (/healthz, /readyz, /healthcheck, /metrics, POST /json).
     #[arg(long, env = "SLIDEGATE_HTTP_ADDR", default_value = "0.0.0.0:8080")]
     pub http_addr: SocketAddr,
+    /// Also serve the metrics alone on this address (the reference's PROMETHEUS_ADDR).
+    #[arg(long, env = "SLIDEGATE_METRICS_ADDR")]
+    pub metrics_addr: Option<SocketAddr>,
+    /// The path of the metrics on --metrics-addr.
+    #[arg(long, env = "SLIDEGATE_METRICS_PATH", default_value = "/metrics")]
+    pub metrics_path: String,
+    /// Metric names and format: slidegate's (OpenMetrics) or the reference server's.
+    #[arg(long, env = "SLIDEGATE_METRIC_NAMES", value_enum, default_value_t = MetricNamesArg::Slidegate)]
+    pub metric_names: MetricNamesArg,
     /// Redis URL; without it slidegate runs on its embedded in-process store.
     #[arg(long = "redis", env = "SLIDEGATE_REDIS_URL")]
     pub redis_url: Option<String>,
@@ -74,11 +85,21 @@ pub struct ServeArgs {
     #[arg(long, env = "SLIDEGATE_NEAR_LIMIT_RATIO", default_value_t = 0.8, value_parser = ratio_arg)]
     pub near_limit_ratio: f64,
     /// Do not watch the config for changes (SIGHUP still reloads).
-    #[arg(long, env = "SLIDEGATE_NO_WATCH")]
+    #[arg(long, env = "SLIDEGATE_NO_WATCH", action = ArgAction::SetTrue, value_parser = BoolishValueParser::new())]
     pub no_watch: bool,
     /// Quiet time after a config change before reloading.
     #[arg(long, env = "SLIDEGATE_RELOAD_DEBOUNCE", default_value = "250ms", value_parser = duration_arg)]
     pub reload_debounce: Duration,
+    /// Several files may define one domain; their descriptors are merged.
+    #[arg(long, env = "SLIDEGATE_MERGE_DOMAIN_CONFIG", action = ArgAction::SetTrue, value_parser = BoolishValueParser::new())]
+    pub merge_domain_config: bool,
+    /// Start even when the config is missing or invalid: answer OK without limits until a valid
+    /// config arrives.
+    #[arg(long, env = "SLIDEGATE_FORCE_START", action = ArgAction::SetTrue, value_parser = BoolishValueParser::new())]
+    pub force_start_without_initial_config: bool,
+    /// Report not ready (/readyz, /healthcheck) until at least one domain is loaded.
+    #[arg(long, env = "SLIDEGATE_READY_NEEDS_CONFIG", action = ArgAction::SetTrue, value_parser = BoolishValueParser::new())]
+    pub ready_needs_config: bool,
     /// After SIGTERM, keep serving with readiness off this long before closing listeners.
     #[arg(long, env = "SLIDEGATE_SHUTDOWN_DELAY", default_value = "0s", value_parser = duration_or_zero_arg)]
     pub shutdown_delay: Duration,
@@ -86,13 +107,28 @@ pub struct ServeArgs {
     #[arg(long, env = "SLIDEGATE_SHUTDOWN_GRACE", default_value = "20s", value_parser = duration_arg)]
     pub shutdown_grace: Duration,
     /// Answer OK overall for every request (statuses still say what would happen).
-    #[arg(long, env = "SLIDEGATE_SHADOW_MODE")]
+    #[arg(long, env = "SLIDEGATE_SHADOW_MODE", action = ArgAction::SetTrue, value_parser = BoolishValueParser::new())]
     pub shadow_mode: bool,
+    /// Treat every rule as quota_mode.
+    #[arg(long, env = "SLIDEGATE_QUOTA_MODE", action = ArgAction::SetTrue, value_parser = BoolishValueParser::new())]
+    pub quota_mode: bool,
     /// Add RateLimit-Policy, RateLimit and Retry-After to responses.
-    #[arg(long, env = "SLIDEGATE_RESPONSE_HEADERS")]
+    #[arg(long, env = "SLIDEGATE_RESPONSE_HEADERS", action = ArgAction::SetTrue, value_parser = BoolishValueParser::new())]
     pub response_headers: bool,
+    /// Add the reference server's RateLimit-Limit, -Remaining and -Reset headers.
+    #[arg(long, env = "SLIDEGATE_LIMIT_HEADERS", action = ArgAction::SetTrue, value_parser = BoolishValueParser::new())]
+    pub limit_headers: bool,
+    /// Names of those three headers: limit, remaining, reset.
+    #[arg(
+        long,
+        env = "SLIDEGATE_LIMIT_HEADER_NAMES",
+        value_delimiter = ',',
+        num_args = 3,
+        default_value = "RateLimit-Limit,RateLimit-Remaining,RateLimit-Reset"
+    )]
+    pub limit_header_names: Vec<String>,
     /// Fill the response's dynamic_metadata with the request and matched rules' metadata.
-    #[arg(long, env = "SLIDEGATE_DYNAMIC_METADATA")]
+    #[arg(long, env = "SLIDEGATE_DYNAMIC_METADATA", action = ArgAction::SetTrue, value_parser = BoolishValueParser::new())]
     pub dynamic_metadata: bool,
     /// Log output format.
     #[arg(long, env = "SLIDEGATE_LOG_FORMAT", value_enum, default_value_t = LogFormat::Text)]
@@ -115,17 +151,24 @@ pub enum FailureArg {
     Deny,
 }
 
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum MetricNamesArg {
+    Slidegate,
+    Reference,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum LogFormat {
+    Text,
+    Json,
+}
+
 fn duration_arg(text: &str) -> Result<Duration, String> {
     config::duration::parse_ms(text).map(Duration::from_millis)
 }
 
 fn duration_or_zero_arg(text: &str) -> Result<Duration, String> {
-    // Zero is no duration in config, but "no delay" here: `0`, or 0 with a known unit.
-    let zero_unit = text.trim().strip_prefix('0');
-    if zero_unit.is_some_and(|unit| ["", "ms", "s", "m", "h", "d", "w"].contains(&unit)) {
-        return Ok(Duration::ZERO);
-    }
-    duration_arg(text)
+    config::duration::parse_ms_or_zero(text).map(Duration::from_millis)
 }
 
 fn ratio_arg(text: &str) -> Result<f64, String> {
@@ -135,23 +178,98 @@ fn ratio_arg(text: &str) -> Result<f64, String> {
     }
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
-pub enum LogFormat {
-    Text,
-    Json,
-}
-
-/// The binary's entry point.
-pub fn main() -> ExitCode {
-    let cli = Cli::parse();
-    match cli.command {
-        Some(Command::Check { config }) => check(&config),
-        None => serve(cli.serve),
+/// Reads a boolean as the reference server and most tools write one.
+pub fn parse_bool(text: &str) -> Option<bool> {
+    match text.trim().to_ascii_lowercase().as_str() {
+        "1" | "t" | "true" | "y" | "yes" | "on" => Some(true),
+        "0" | "f" | "false" | "n" | "no" | "off" => Some(false),
+        _ => None,
     }
 }
 
-fn check(path: &std::path::Path) -> ExitCode {
-    match config::load_path(path) {
+/// The binary's entry point. Exit codes: 0 done, 1 failed, 2 usage.
+pub fn main() -> ExitCode {
+    let argv: Vec<OsString> = std::env::args_os().collect();
+    let var = |name: &str| std::env::var(name).ok().filter(|v| !v.is_empty());
+    // Started as `ratelimit` (the reference's binary name, as Envoy Gateway starts its
+    // container), slidegate takes the reference's defaults too.
+    let as_reference = argv
+        .first()
+        .and_then(|p| std::path::Path::new(p).file_name())
+        .is_some_and(|n| n == "ratelimit");
+    if argv.len() == 1 && !as_reference && !reference::configured(&var) {
+        let _ = Cli::command().write_long_help(&mut std::io::stderr());
+        return ExitCode::from(2);
+    }
+    if let Err(message) = check_boolean_variables(&var) {
+        eprintln!("error: {message}");
+        return ExitCode::from(2);
+    }
+    let matches = match Cli::command().try_get_matches_from(&argv) {
+        Ok(m) => m,
+        Err(e) => {
+            let _ = e.print();
+            return ExitCode::from(u8::try_from(e.exit_code()).unwrap_or(2));
+        }
+    };
+    let cli = match Cli::from_arg_matches(&matches) {
+        Ok(cli) => cli,
+        Err(e) => {
+            let _ = e.print();
+            return ExitCode::from(2);
+        }
+    };
+    match cli.command {
+        Some(Command::Check { path, config }) => match path.or(config) {
+            Some(path) => check(&path, &cli.serve),
+            None => {
+                eprintln!("error: check needs a file or directory: slidegate check DIR");
+                ExitCode::from(2)
+            }
+        },
+        None => {
+            let given = |id: &str| {
+                matches!(
+                    matches.value_source(id),
+                    Some(ValueSource::CommandLine | ValueSource::EnvVariable)
+                )
+            };
+            let mut args = cli.serve;
+            match reference::apply(&mut args, &given, &var, as_reference) {
+                Ok(notes) => serve::serve(args, notes),
+                Err(message) => {
+                    eprintln!("error: {message}");
+                    ExitCode::from(2)
+                }
+            }
+        }
+    }
+}
+
+/// Every `SLIDEGATE_*` boolean must read as one; the error names the variable, not the flag.
+fn check_boolean_variables(var: &dyn Fn(&str) -> Option<String>) -> Result<(), String> {
+    let command = Cli::command();
+    for arg in command.get_arguments() {
+        let (Some(name), ArgAction::SetTrue) = (arg.get_env(), arg.get_action()) else {
+            continue;
+        };
+        let name = name.to_string_lossy();
+        if let Some(value) = var(&name)
+            && parse_bool(&value).is_none()
+        {
+            return Err(format!(
+                "{name}={value:?} is not a boolean: use 1/0, true/false or yes/no"
+            ));
+        }
+    }
+    Ok(())
+}
+
+fn check(path: &std::path::Path, args: &ServeArgs) -> ExitCode {
+    let options = config::LoadOptions {
+        merge_domains: args.merge_domain_config,
+    };
+    match config::load_path_with(path, options) {
         Ok(loaded) => {
             let rules = loaded.limits.rules();
             print!("{}", loaded.limits.describe());
@@ -174,180 +292,13 @@ fn check(path: &std::path::Path) -> ExitCode {
     }
 }
 
-fn init_logging(args: &ServeArgs) {
-    use tracing_subscriber::EnvFilter;
-    let filter = match &args.log_level {
-        Some(level) => EnvFilter::new(level),
-        None => EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info")),
-    };
-    // Colours only on a terminal: escape codes in a container's log file are noise.
-    let builder = tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
-        .with_writer(std::io::stderr);
-    match args.log_format {
-        LogFormat::Text => builder.init(),
-        LogFormat::Json => builder.json().init(),
-    }
-}
-
-fn serve(args: ServeArgs) -> ExitCode {
-    init_logging(&args);
-    let runtime = match tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
-    {
-        Ok(rt) => rt,
-        Err(e) => {
-            tracing::error!("cannot start the async runtime: {e}");
-            return ExitCode::FAILURE;
-        }
-    };
-    match runtime.block_on(serve_async(args)) {
-        Ok(()) => ExitCode::SUCCESS,
-        Err(message) => {
-            tracing::error!("{message}");
-            ExitCode::FAILURE
-        }
-    }
-}
-
-async fn serve_async(args: ServeArgs) -> Result<(), String> {
-    let Some(config_path) = &args.config else {
-        return Err(
-            "--config (or SLIDEGATE_CONFIG) is required: a YAML file or a directory".into(),
-        );
-    };
-    let loaded = config::load_path(config_path).map_err(|e| format!("config rejected:\n{e}"))?;
-    for warning in &loaded.warnings {
-        tracing::warn!("{warning}");
-    }
-    tracing::info!(
-        config = %config_path.display(),
-        files = loaded.files.len(),
-        domains = loaded.limits.domains.len(),
-        "config loaded"
-    );
-    let clock = Arc::new(SystemClock);
-    let store = open_store(&args, clock.clone()).await?;
-    let metrics = Arc::new(Metrics::new());
-    metrics.config_loaded(true);
-    let limiter = Arc::new(
-        Limiter::new(loaded.limits, store, clock, limiter_options(&args))
-            .with_observer(metrics.clone()),
-    );
-    let _watch = config::watch::spawn(
-        config_path.clone(),
-        limiter.clone(),
-        metrics.clone(),
-        loaded.fingerprint,
-        args.reload_debounce,
-        !args.no_watch,
-    )
-    .map_err(|e| format!("cannot watch {}: {e}", config_path.display()))?;
-    let listeners = bind(&args).await?;
-    tracing::info!(grpc = %args.grpc_addr, http = %args.http_addr, store = limiter.store_name(), "serving");
-    let app = App {
-        limiter,
-        metrics,
-        options: ServerOptions {
-            shutdown_delay: args.shutdown_delay,
-            shutdown_grace: args.shutdown_grace,
-            ..ServerOptions::default()
-        },
-    };
-    slidegate::server::run(listeners, app, shutdown_signal())
-        .await
-        .map_err(|e| e.to_string())
-}
-
-/// How often the embedded store drops idle logs when no request touches them.
-const MEMORY_SWEEP_EVERY: Duration = Duration::from_secs(10);
-
-/// The embedded store, or Redis when `--redis` names one.
-async fn open_store(args: &ServeArgs, clock: Arc<SystemClock>) -> Result<Arc<dyn Store>, String> {
-    let Some(url) = &args.redis_url else {
-        return Ok(Arc::new(MemoryStore::with_sweeper(
-            MEMORY_SWEEP_EVERY,
-            move || clock.now_ms(),
-        )));
-    };
-    let options = RedisOptions {
-        url: url.clone(),
-        pool_size: args.redis_pool_size,
-        timeout: args.redis_timeout,
-        connect_timeout: args.redis_connect_timeout,
-        clock: match args.clock {
-            ClockArg::Server => ClockSource::Server,
-            ClockArg::Redis => ClockSource::Redis,
-        },
-    };
-    let store = RedisStore::connect(options)
-        .await
-        .map_err(|e| format!("cannot use Redis at {}: {e}", redact(url)))?;
-    tracing::info!(redis = %redact(url), store = store.name(), "connected to Redis");
-    Ok(Arc::new(store))
-}
-
-fn limiter_options(args: &ServeArgs) -> LimiterOptions {
-    LimiterOptions {
-        near_limit_ratio: args.near_limit_ratio,
-        failure_policy: match args.store_failure {
-            FailureArg::Error => FailurePolicy::Error,
-            FailureArg::Allow => FailurePolicy::Allow,
-            FailureArg::Deny => FailurePolicy::Deny,
-        },
-        global_shadow_mode: args.shadow_mode,
-        response_headers: args.response_headers,
-        dynamic_metadata: args.dynamic_metadata,
-    }
-}
-
-async fn bind(args: &ServeArgs) -> Result<Listeners, String> {
-    let grpc = tokio::net::TcpListener::bind(args.grpc_addr)
-        .await
-        .map_err(|e| format!("cannot listen on {} (gRPC): {e}", args.grpc_addr))?;
-    let http = tokio::net::TcpListener::bind(args.http_addr)
-        .await
-        .map_err(|e| format!("cannot listen on {} (HTTP): {e}", args.http_addr))?;
-    Ok(Listeners { grpc, http })
-}
-
-/// Completes on SIGTERM or Ctrl-C.
-async fn shutdown_signal() {
-    let ctrl_c = async {
-        if let Err(e) = tokio::signal::ctrl_c().await {
-            tracing::warn!("cannot listen for Ctrl-C: {e}");
-            std::future::pending::<()>().await;
-        }
-    };
-    #[cfg(unix)]
-    let term = async {
-        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-            Ok(mut s) => {
-                s.recv().await;
-            }
-            Err(e) => {
-                tracing::warn!("cannot listen for SIGTERM: {e}");
-                std::future::pending::<()>().await;
-            }
-        }
-    };
-    #[cfg(not(unix))]
-    let term = std::future::pending::<()>();
-    tokio::select! {
-        _ = ctrl_c => {},
-        _ = term => {},
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
 
     #[test]
     fn a_zero_delay_takes_only_known_units() {
-        for zero in ["0", "0s", "0ms", " 0m "] {
+        for zero in ["0", "0s", "0ms", " 0m ", "0.0s"] {
             assert_eq!(duration_or_zero_arg(zero), Ok(Duration::ZERO), "{zero:?}");
         }
         assert_eq!(
@@ -357,5 +308,26 @@ mod tests {
         for bad in ["0parsec", "0x", "parsec", ""] {
             assert!(duration_or_zero_arg(bad).is_err(), "{bad:?} was accepted");
         }
+    }
+
+    #[test]
+    fn booleans_read_as_the_reference_writes_them() {
+        for yes in ["1", "true", "TRUE", "t", "yes", "on"] {
+            assert_eq!(parse_bool(yes), Some(true), "{yes}");
+        }
+        for no in ["0", "false", "F", "no", "off"] {
+            assert_eq!(parse_bool(no), Some(false), "{no}");
+        }
+        assert_eq!(parse_bool("maybe"), None);
+        let var = |name: &str| (name == "SLIDEGATE_NO_WATCH").then(|| "maybe".to_string());
+        let error = check_boolean_variables(&var).expect_err("refused");
+        assert!(error.starts_with("SLIDEGATE_NO_WATCH=\"maybe\""), "{error}");
+        let var = |name: &str| (name == "SLIDEGATE_NO_WATCH").then(|| "1".to_string());
+        assert!(check_boolean_variables(&var).is_ok());
+    }
+
+    #[test]
+    fn the_command_line_is_consistent() {
+        Cli::command().debug_assert();
     }
 }

@@ -1,7 +1,7 @@
-//! The HTTP port: `/healthz` (alive), `/readyz` (able to decide), `/metrics` (Prometheus),
-//! `/config` (the loaded rules, one per line), and `POST /json`, which takes the proto3 JSON form
-//! of a `RateLimitRequest` and answers the JSON `RateLimitResponse` with 200 (OK), 429
-//! (OVER_LIMIT), 400 (bad request) or 503 (store or config unavailable).
+//! The HTTP port: `/healthz` (alive), `/readyz` and `/healthcheck` (able to decide), `/metrics`
+//! (Prometheus), `/config` (the loaded rules, one per line), and `POST /json`, which takes the
+//! proto3 JSON form of a `RateLimitRequest` and answers the JSON `RateLimitResponse` with 200
+//! (OK), 429 (OVER_LIMIT), 400 (bad request) or 503 (store or config unavailable).
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -24,12 +24,15 @@ pub struct HttpState {
     pub metrics: Arc<Metrics>,
     /// False until serving starts and again once shutdown begins.
     pub ready: Arc<AtomicBool>,
+    /// Ready only once at least one domain is loaded (the reference's
+    /// `HEALTHY_WITH_AT_LEAST_ONE_CONFIG_LOADED`).
+    pub ready_needs_config: bool,
 }
 
 pub fn router(state: HttpState) -> Router {
     Router::new()
         .route("/healthz", get(|| async { "OK\n" }))
-        .route("/healthcheck", get(|| async { "OK\n" }))
+        .route("/healthcheck", get(healthcheck))
         .route("/readyz", get(readyz))
         .route("/json", post(json))
         .route("/metrics", get(metrics))
@@ -37,23 +40,52 @@ pub fn router(state: HttpState) -> Router {
         .with_state(state)
 }
 
+/// `/metrics` alone at `path`, for a separate metrics listener (the reference's
+/// `PROMETHEUS_ADDR` and `PROMETHEUS_PATH`).
+pub fn metrics_router(metrics: Arc<Metrics>, path: &str) -> Router {
+    Router::new().route(
+        path,
+        get(move || {
+            let metrics = metrics.clone();
+            async move { exposition(&metrics) }
+        }),
+    )
+}
+
+/// Able to decide now: serving, the store answers, and a config is loaded if one is required.
+async fn is_ready(state: &HttpState) -> bool {
+    let serving = || state.ready.load(Ordering::SeqCst);
+    let configured = !state.ready_needs_config || !state.limiter.limits().domains.is_empty();
+    // Asked again after the store answers: a drain that began during a slow ping is reported
+    // at once, not after it.
+    serving() && configured && state.limiter.store_ready().await && serving()
+}
+
 async fn readyz(State(state): State<HttpState>) -> Response {
-    if state.ready.load(Ordering::SeqCst) && state.limiter.store_ready().await {
+    if is_ready(&state).await {
         (StatusCode::OK, "ready\n").into_response()
     } else {
         (StatusCode::SERVICE_UNAVAILABLE, "not ready\n").into_response()
     }
 }
 
+/// The reference's health check, which Envoy Gateway and existing probes use: 200 `OK` while
+/// healthy (ready, as `/readyz`), 500 otherwise.
+async fn healthcheck(State(state): State<HttpState>) -> Response {
+    if is_ready(&state).await {
+        (StatusCode::OK, "OK").into_response()
+    } else {
+        (StatusCode::INTERNAL_SERVER_ERROR, "unhealthy").into_response()
+    }
+}
+
 async fn metrics(State(state): State<HttpState>) -> Response {
-    (
-        [(
-            axum::http::header::CONTENT_TYPE,
-            "application/openmetrics-text; version=1.0.0; charset=utf-8",
-        )],
-        state.metrics.render(),
-    )
-        .into_response()
+    exposition(&state.metrics)
+}
+
+fn exposition(metrics: &Metrics) -> Response {
+    let (content_type, body) = metrics.render();
+    ([(axum::http::header::CONTENT_TYPE, content_type)], body).into_response()
 }
 
 async fn config(State(state): State<HttpState>) -> String {

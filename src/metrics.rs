@@ -1,5 +1,8 @@
-//! Prometheus metrics, served on the HTTP port at `/metrics` (OpenMetrics text, which Prometheus
-//! reads; counters carry the `_total` suffix).
+//! Prometheus metrics, served on the HTTP port at `/metrics`: OpenMetrics text by default
+//! (counters carry the `_total` suffix), or, with [`MetricNames::Reference`], the Prometheus text
+//! format with the names the reference server's statsd-exporter mapping produces (counters
+//! without `_total`), so its dashboards and alerts keep working. Both add the `process_*`
+//! metrics.
 //!
 //! Per rule, with labels `domain`, `key1` (first level of the rule's path) and `key2` (the rest):
 //! `ratelimit_service_rate_limit_{total_hits,over_limit,near_limit,within_limit,shadow_mode}_total`
@@ -24,6 +27,19 @@ use crate::limiter::observe::{CallResult, DescriptorReport, Observer};
 use crate::limiter::rules::Segment;
 use crate::limiter::{Clock, SystemClock};
 
+mod process;
+mod reference;
+
+/// How `/metrics` names and encodes the series.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum MetricNames {
+    /// OpenMetrics text; counters end in `_total`.
+    #[default]
+    Slidegate,
+    /// Prometheus text format 0.0.4, counters named as the reference's exporter names them.
+    Reference,
+}
+
 /// Most label sets with descriptor values kept, over all detailed rules.
 pub const DETAILED_SERIES_CAP: usize = 1000;
 
@@ -44,8 +60,29 @@ struct StoreLabels {
     store: &'static str,
 }
 
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct MethodLabels {
+    grpc_method: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ErrorLabels {
+    err_type: &'static str,
+}
+
+/// The one RPC, as the reference labels it.
+const METHOD: MethodLabels = MethodLabels {
+    grpc_method: "ShouldRateLimit",
+};
+
 pub struct Metrics {
     registry: Registry,
+    names: MetricNames,
+    /// The reference's call counters: `ratelimit_server.<method>.*` and
+    /// `ratelimit.service.call.should_rate_limit.<error>`.
+    total_requests: Family<MethodLabels, Counter>,
+    response_seconds: Family<MethodLabels, Histogram>,
+    call_errors: Family<ErrorLabels, Counter>,
     total_hits: Family<RuleLabels, Counter>,
     over_limit: Family<RuleLabels, Counter>,
     near_limit: Family<RuleLabels, Counter>,
@@ -83,8 +120,16 @@ impl Default for Metrics {
 
 impl Metrics {
     pub fn new() -> Metrics {
+        Metrics::with_names(MetricNames::default())
+    }
+
+    pub fn with_names(names: MetricNames) -> Metrics {
         let mut registry = Registry::default();
         let m = Metrics {
+            names,
+            total_requests: Family::default(),
+            response_seconds: Family::new_with_constructor(latency_histogram),
+            call_errors: Family::default(),
             total_hits: Family::default(),
             over_limit: Family::default(),
             near_limit: Family::default(),
@@ -193,19 +238,50 @@ impl Metrics {
             "Seconds since the serving config was loaded",
             self.config_age.clone(),
         );
+        registry.register(
+            "ratelimit_service_total_requests",
+            "ShouldRateLimit calls, by gRPC method",
+            self.total_requests.clone(),
+        );
+        registry.register(
+            "ratelimit_service_response_time_seconds",
+            "ShouldRateLimit latency, by gRPC method",
+            self.response_seconds.clone(),
+        );
+        registry.register(
+            "ratelimit_service_should_rate_limit_error",
+            "Calls that failed: redis_error (store) or service_error (invalid request)",
+            self.call_errors.clone(),
+        );
     }
 
-    /// The exposition, in OpenMetrics text.
-    pub fn render(&self) -> String {
+    /// The exposition and its content type, in the format [`MetricNames`] chose.
+    pub fn render(&self) -> (&'static str, String) {
         let loaded = self.config_loaded_ms.load(Ordering::Relaxed);
         if loaded > 0 {
-            self.config_age
-                .set(now_ms().saturating_sub(loaded) as f64 / 1000.0);
+            #[allow(clippy::cast_precision_loss)] // an age in ms is far below 2^53
+            let age_s = now_ms().saturating_sub(loaded) as f64 / 1000.0;
+            self.config_age.set(age_s);
         }
-        let mut out = String::new();
+        let mut open_metrics = String::new();
         // Writing into a String cannot fail.
-        let _ = prometheus_client::encoding::text::encode(&mut out, &self.registry);
-        out
+        let _ =
+            prometheus_client::encoding::text::encode_registry(&mut open_metrics, &self.registry);
+        match self.names {
+            MetricNames::Slidegate => {
+                open_metrics.push_str(&process::render(false));
+                open_metrics.push_str("# EOF\n");
+                (
+                    "application/openmetrics-text; version=1.0.0; charset=utf-8",
+                    open_metrics,
+                )
+            }
+            MetricNames::Reference => {
+                let mut text = reference::prometheus_text(&open_metrics);
+                text.push_str(&process::render(true));
+                ("text/plain; version=0.0.4; charset=utf-8", text)
+            }
+        }
     }
 
     pub fn config_loaded(&self, ok: bool) {
@@ -284,6 +360,18 @@ impl Observer for Metrics {
             })
             .inc();
         self.request_seconds.observe(elapsed.as_secs_f64());
+        self.total_requests.get_or_create(&METHOD).inc();
+        self.response_seconds
+            .get_or_create(&METHOD)
+            .observe(elapsed.as_secs_f64());
+        let err_type = match result {
+            CallResult::StoreError => "redis_error",
+            CallResult::Invalid => "service_error",
+            CallResult::Ok | CallResult::OverLimit => return,
+        };
+        self.call_errors
+            .get_or_create(&ErrorLabels { err_type })
+            .inc();
     }
 
     fn descriptor(&self, report: &DescriptorReport<'_>) {

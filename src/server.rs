@@ -30,8 +30,8 @@ pub enum ServerError {
     Reflection(#[from] tonic_reflection::server::Error),
 }
 
-/// How shutdown behaves.
-#[derive(Clone, Copy, Debug)]
+/// How shutdown, readiness and the metrics listener behave.
+#[derive(Clone, Debug)]
 pub struct ServerOptions {
     /// After the shutdown signal, keep serving (with readiness off) this long, so load balancers
     /// stop sending new requests before connections close.
@@ -40,6 +40,10 @@ pub struct ServerOptions {
     pub shutdown_grace: Duration,
     /// How often gRPC health re-checks that the store answers.
     pub health_interval: Duration,
+    /// Ready only once at least one domain is loaded.
+    pub ready_needs_config: bool,
+    /// Where the metrics-only listener (if any) serves `/metrics`.
+    pub metrics_path: String,
 }
 
 impl Default for ServerOptions {
@@ -48,6 +52,8 @@ impl Default for ServerOptions {
             shutdown_delay: Duration::ZERO,
             shutdown_grace: Duration::from_secs(20),
             health_interval: Duration::from_secs(2),
+            ready_needs_config: false,
+            metrics_path: "/metrics".into(),
         }
     }
 }
@@ -68,10 +74,23 @@ const HEALTH_NAMES: [&str; 3] = [
     "",
 ];
 
-/// The two sockets slidegate serves on, bound by the caller (tests bind `127.0.0.1:0`).
+/// The sockets slidegate serves on, bound by the caller (tests bind `127.0.0.1:0`).
 pub struct Listeners {
     pub grpc: TcpListener,
     pub http: TcpListener,
+    /// A second place for `/metrics` only (the reference's `PROMETHEUS_ADDR`).
+    pub metrics: Option<TcpListener>,
+}
+
+impl Listeners {
+    /// gRPC and HTTP, no separate metrics listener.
+    pub fn new(grpc: TcpListener, http: TcpListener) -> Listeners {
+        Listeners {
+            grpc,
+            http,
+            metrics: None,
+        }
+    }
 }
 
 /// Resolves once the flag it watches is set (or its sender is gone, which also means go).
@@ -115,9 +134,19 @@ pub async fn run(
         limiter: app.limiter.clone(),
         metrics: app.metrics.clone(),
         ready: ready.clone(),
+        ready_needs_config: app.options.ready_needs_config,
     };
     let http_server = axum::serve(listeners.http, http::router(http_state))
         .with_graceful_shutdown(wait_for(stop.clone()));
+    if let Some(listener) = listeners.metrics {
+        let router = http::metrics_router(app.metrics.clone(), &app.options.metrics_path);
+        let serve = axum::serve(listener, router).with_graceful_shutdown(wait_for(stop.clone()));
+        tokio::spawn(async move {
+            if let Err(e) = serve.await {
+                tracing::error!("metrics listener failed: {e}");
+            }
+        });
+    }
 
     if !*draining.borrow() {
         ready.store(true, Ordering::SeqCst);

@@ -8,9 +8,15 @@
     clippy::too_many_lines
 )]
 
-use std::path::PathBuf;
-use std::process::Command;
+mod common;
 
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use common::KillOnDrop;
+use common::redis::{free_port, shared_standalone};
 use serde_json::Value;
 
 const MANIFEST: &str = env!("CARGO_MANIFEST_DIR");
@@ -105,6 +111,7 @@ fn kubernetes_manifests_validate_against_the_schemas() {
     let files: Vec<String> = [
         "limits-configmap.yaml",
         "redis-secret.yaml",
+        "redis.yaml",
         "shared.yaml",
         "sidecar.yaml",
     ]
@@ -153,10 +160,23 @@ fn shared_service_carries_what_the_readme_promises() {
         1
     );
     let secret = find(&documents("deploy/kubernetes/redis-secret.yaml"), "Secret").clone();
+    let url = secret["stringData"]["url"].as_str().expect("url");
+    // The Redis the Secret names is one redis.yaml deploys: its Service, on its port.
+    let redis = documents("deploy/kubernetes/redis.yaml");
+    let redis_service = find(&redis, "Service");
+    let port = redis_service["spec"]["ports"][0]["port"]
+        .as_i64()
+        .expect("port");
+    let host = format!(
+        "redis://{}.ratelimit.svc.cluster.local:{port}",
+        redis_service["metadata"]["name"].as_str().expect("name")
+    );
+    assert_eq!(url, host);
+    let args = find(&redis, "StatefulSet")["spec"]["template"]["spec"]["containers"][0]["args"]
+        .to_string();
     assert!(
-        secret["stringData"]["url"]
-            .as_str()
-            .is_some_and(|u| u.starts_with("redis"))
+        args.contains("noeviction") && args.contains("appendonly"),
+        "{args}"
     );
 }
 
@@ -206,6 +226,11 @@ fn istio_envoyfilter_points_at_slidegate() {
         "outbound|8081||slidegate.ratelimit.svc.cluster.local"
     );
     assert_eq!(config["rate_limit_service"]["transport_api_version"], "V3");
+    assert_eq!(
+        config["rate_limit_service"]["grpc_service"]["envoy_grpc"]["authority"],
+        "slidegate.ratelimit.svc.cluster.local",
+        "the authority Istio's global rate-limit task sets"
+    );
     let actions = &docs[1]["spec"]["configPatches"][0]["patch"]["value"]["rate_limits"];
     assert_eq!(
         actions[0]["actions"][0]["request_headers"]["descriptor_key"],
@@ -233,4 +258,142 @@ fn dockerfile_passes_hadolint_and_builds_a_non_root_image() {
     );
     assert!(text.contains("USER 65532"), "runs as non-root");
     assert!(text.contains("EXPOSE 8080 8081"));
+}
+
+/// An HTTP GET as the kubelet's probe does it: any status from 200 to 399 is a success.
+fn probe(port: u16, path: &str) -> Option<u16> {
+    let reply = common::redis::command(port, &format!("GET {path} HTTP/1.0\r\n")).ok()?;
+    reply.split_whitespace().nth(1)?.parse().ok()
+}
+
+fn succeeds(code: Option<u16>) -> bool {
+    code.is_some_and(|c| (200..400).contains(&c))
+}
+
+/// Runs the slidegate container of `file` as Kubernetes would: its exact `args` and `env`
+/// (the Secret's Redis URL pointing at a test Redis, the ConfigMap mounted as a ConfigMap
+/// directory), its container ports mapped to free ones, then checks every probe as the kubelet
+/// would, and that on SIGTERM readiness fails at once while liveness holds (the drain delay).
+fn run_container(file: &str) {
+    let docs = documents(file);
+    let c = container(find(&docs, "Deployment"), "slidegate").clone();
+    let scratch = common::temp_dir("manifest");
+    let limits = find(
+        &documents("deploy/kubernetes/limits-configmap.yaml"),
+        "ConfigMap",
+    )["data"]
+        .clone();
+    let mount = scratch.0.join("limits");
+    std::fs::create_dir_all(mount.join("..v1")).expect("mount");
+    for (name, text) in limits.as_object().expect("data") {
+        std::fs::write(mount.join("..v1").join(name), text.as_str().expect("text")).expect("file");
+        std::os::unix::fs::symlink(format!("..data/{name}"), mount.join(name)).expect("link");
+    }
+    std::os::unix::fs::symlink("..v1", mount.join("..data")).expect("..data");
+    // Container port -> a free port here (what the pod's own network namespace gives it).
+    let ports: HashMap<i64, u16> = c["ports"]
+        .as_array()
+        .expect("ports")
+        .iter()
+        .filter_map(|p| p["containerPort"].as_i64())
+        .chain([8080, 8081])
+        .map(|p| (p, free_port()))
+        .collect();
+    let mapped = |text: &str| {
+        let mut out = text.replace("/etc/slidegate", &mount.display().to_string());
+        for (from, to) in &ports {
+            out = out.replace(&format!(":{from}"), &format!(":{to}"));
+        }
+        out
+    };
+    let args: Vec<String> = c["args"]
+        .as_array()
+        .expect("args")
+        .iter()
+        .map(|a| mapped(a.as_str().expect("arg")))
+        .collect();
+    let mut command = Command::new(env!("CARGO_BIN_EXE_slidegate"));
+    command.env_clear().args(&args);
+    for var in c["env"].as_array().into_iter().flatten() {
+        let name = var["name"].as_str().expect("name");
+        let value = match &var["value"] {
+            Value::String(v) => v.clone(),
+            _ if var["valueFrom"]["secretKeyRef"]["name"] == "slidegate-redis" => {
+                shared_standalone().url()
+            }
+            other => panic!("{file}: env {name} from {other} is not understood"),
+        };
+        command.env(name, value);
+    }
+    for (flag, var, port) in [
+        ("--http-addr", "SLIDEGATE_HTTP_ADDR", 8080),
+        ("--grpc-addr", "SLIDEGATE_GRPC_ADDR", 8081),
+    ] {
+        if !args.iter().any(|a| a == flag) {
+            command.env(var, format!("127.0.0.1:{}", ports[&port]));
+        }
+    }
+    let mut child = KillOnDrop(
+        command
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("start slidegate"),
+    );
+    let port_of = |probe: &Value| -> u16 {
+        let port = &probe["httpGet"]["port"];
+        let number = port.as_i64().unwrap_or_else(|| {
+            c["ports"]
+                .as_array()
+                .and_then(|ps| ps.iter().find(|p| p["name"] == *port))
+                .and_then(|p| p["containerPort"].as_i64())
+                .unwrap_or_else(|| panic!("{file}: no container port named {port}"))
+        });
+        ports[&number]
+    };
+    let (live, ready) = (&c["livenessProbe"], &c["readinessProbe"]);
+    let path = |probe: &Value| probe["httpGet"]["path"].as_str().expect("path").to_string();
+    let end = Instant::now() + Duration::from_secs(20);
+    while !succeeds(probe(port_of(ready), &path(ready))) {
+        assert!(
+            Instant::now() < end,
+            "{file}: readiness probe never succeeded"
+        );
+        std::thread::sleep(Duration::from_millis(25));
+    }
+    assert!(
+        succeeds(probe(port_of(live), &path(live))),
+        "{file}: liveness"
+    );
+
+    // SIGTERM, as the kubelet sends it: out of the endpoints at once, still alive and serving.
+    let pid = child.0.id().to_string();
+    let term = Command::new("kill")
+        .args(["-TERM", &pid])
+        .status()
+        .expect("kill");
+    assert!(term.success());
+    let end = Instant::now() + Duration::from_secs(3);
+    while succeeds(probe(port_of(ready), &path(ready))) {
+        assert!(Instant::now() < end, "{file}: still ready after SIGTERM");
+        std::thread::sleep(Duration::from_millis(25));
+    }
+    assert!(
+        succeeds(probe(port_of(live), &path(live))),
+        "{file}: liveness holds while draining, so the kubelet does not kill it early"
+    );
+    assert!(
+        child.0.try_wait().expect("wait").is_none(),
+        "{file}: exited before the drain delay"
+    );
+}
+
+#[test]
+fn sidecar_container_starts_as_its_manifest_says_and_answers_its_probes() {
+    run_container("deploy/kubernetes/sidecar.yaml");
+}
+
+#[test]
+fn shared_container_starts_as_its_manifest_says_and_answers_its_probes() {
+    run_container("deploy/kubernetes/shared.yaml");
 }

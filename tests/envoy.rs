@@ -84,6 +84,8 @@ fn start_slidegate_with(config: &str, extra: &[&str]) -> Slidegate {
 
 struct Envoy {
     port: u16,
+    /// The readiness listener Kubernetes probes (`:9902/ready` in the deployed file).
+    readiness: u16,
     _child: KillOnDrop,
     _dir: TempDir,
 }
@@ -94,13 +96,14 @@ struct Envoy {
 fn start_envoy(upstream: u16, slidegate_grpc: u16, failure_mode_deny: bool) -> Envoy {
     let template = std::fs::read_to_string(format!("{MANIFEST}/deploy/envoy/envoy.yaml"))
         .expect("read envoy.yaml");
-    let (listen, admin) = (free_port(), free_port());
+    let (listen, admin, readiness) = (free_port(), free_port(), free_port());
     let mut config = template;
     for (from, to) in [
         ("port_value: 10000", format!("port_value: {listen}")),
         ("port_value: 8000", format!("port_value: {upstream}")),
         ("port_value: 8081", format!("port_value: {slidegate_grpc}")),
         ("port_value: 9901", format!("port_value: {admin}")),
+        ("port_value: 9902", format!("port_value: {readiness}")),
         ("address: 0.0.0.0", "address: 127.0.0.1".to_string()),
         ("timeout: 0.05s", "timeout: 2s".to_string()),
         (
@@ -141,6 +144,7 @@ fn start_envoy(upstream: u16, slidegate_grpc: u16, failure_mode_deny: bool) -> E
     });
     Envoy {
         port: listen,
+        readiness,
         _child: child,
         _dir: dir,
     }
@@ -189,6 +193,13 @@ async fn limits_through_envoy(extra: &[&str]) {
     let slidegate = start_slidegate(&args);
     let upstream = start_upstream().await;
     let envoy = start_envoy(upstream, slidegate.grpc, false);
+    // The probe the sidecar manifest points at: admin's /ready through the readiness listener.
+    let ready = common::redis::command(
+        envoy.readiness,
+        "GET /ready HTTP/1.1\r\nHost: probe\r\nConnection: close\r\n",
+    )
+    .expect("readiness listener answers");
+    assert!(ready.contains(" 200 ") && ready.contains("LIVE"), "{ready}");
     // Users are unique per run so that runs sharing one Redis never meet.
     let alice = common::unique_domain("alice");
     let bob = common::unique_domain("bob");

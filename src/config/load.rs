@@ -57,7 +57,7 @@ impl fmt::Display for ConfigErrors {
 }
 
 /// A successful load.
-#[derive(Debug)]
+#[derive(Debug, Default)]
 pub struct Loaded {
     pub limits: Limits,
     pub files: Vec<PathBuf>,
@@ -109,6 +109,11 @@ pub fn warnings(limits: &Limits) -> Vec<String> {
 /// `.` are skipped, which also skips Kubernetes' `..data` and timestamped ConfigMap folders while
 /// the visible symlinks into them are read).
 pub fn load_path(path: &Path) -> Result<Loaded, ConfigErrors> {
+    load_path_with(path, LoadOptions::default())
+}
+
+/// [`load_path`] with `options`.
+pub fn load_path_with(path: &Path, options: LoadOptions) -> Result<Loaded, ConfigErrors> {
     let files = config_files(path).map_err(|message| {
         ConfigErrors(vec![ConfigError {
             file: path.display().to_string(),
@@ -136,7 +141,7 @@ pub fn load_path(path: &Path) -> Result<Loaded, ConfigErrors> {
         sources.hash(&mut hasher);
         hasher.finish()
     };
-    let compiled = compile_sources(&sources);
+    let compiled = compile_sources_with(&sources, options);
     match compiled {
         Ok(limits) if errors.is_empty() => Ok(Loaded {
             warnings: warnings(&limits),
@@ -175,8 +180,24 @@ fn config_files(path: &Path) -> Result<Vec<PathBuf>, String> {
     Ok(files)
 }
 
+/// How files combine into one config.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct LoadOptions {
+    /// Several files may name one domain; their descriptors are merged (the reference's
+    /// `MERGE_DOMAIN_CONFIG`). A descriptor defined twice is still an error.
+    pub merge_domains: bool,
+}
+
 /// Compiles `(file name, YAML text)` pairs, one domain per file.
 pub fn compile_sources(sources: &[(String, String)]) -> Result<Limits, ConfigErrors> {
+    compile_sources_with(sources, LoadOptions::default())
+}
+
+/// Compiles `(file name, YAML text)` pairs with `options`.
+pub fn compile_sources_with(
+    sources: &[(String, String)],
+    options: LoadOptions,
+) -> Result<Limits, ConfigErrors> {
     let mut errors = Vec::new();
     let mut limits = Limits::default();
     let mut domain_files: HashMap<String, String> = HashMap::new();
@@ -198,55 +219,26 @@ pub fn compile_sources(sources: &[(String, String)]) -> Result<Limits, ConfigErr
             None => (String::new(), 1),
         };
         if domain.is_empty() {
-            ctx.error(
-                line,
-                "domain",
-                "config file cannot have empty domain".into(),
-            );
+            let message = "config file cannot have empty domain";
+            ctx.error(line, "domain", message.into());
             continue;
         }
-        if let Some(first) = domain_files.get(&domain) {
-            ctx.error(
-                line,
-                "domain",
-                format!("duplicate domain '{domain}' in config file (first defined in {first})"),
-            );
-            continue;
+        match domain_files.get(&domain) {
+            Some(first) if !options.merge_domains => {
+                let message = format!(
+                    "duplicate domain '{domain}' in config file (first defined in {first})"
+                );
+                ctx.error(line, "domain", message);
+                continue;
+            }
+            Some(_) => {}
+            None => {
+                domain_files.insert(domain.clone(), file.clone());
+            }
         }
-        domain_files.insert(domain.clone(), file.clone());
         ctx.domain = domain.clone();
-        let store_failure =
-            raw.store_failure
-                .as_ref()
-                .and_then(|policy| match policy.value.as_str() {
-                    "error" => Some(FailurePolicy::Error),
-                    "allow" => Some(FailurePolicy::Allow),
-                    "deny" => Some(FailurePolicy::Deny),
-                    other => {
-                        ctx.error(
-                            policy.referenced.line(),
-                            "store_failure",
-                            format!("unknown store_failure '{other}': use error, allow or deny"),
-                        );
-                        None
-                    }
-                });
-        let mut root = Node::default();
-        ctx.descriptors(
-            &raw.descriptors,
-            "descriptors",
-            &domain,
-            &[],
-            &[],
-            &mut root,
-        );
-        limits.domains.insert(
-            domain,
-            Domain {
-                root,
-                store_failure,
-            },
-        );
+        let entry = limits.domains.entry(domain.clone()).or_default();
+        ctx.domain_file(&raw, &domain, entry);
     }
     if errors.is_empty() {
         Ok(limits)
@@ -316,6 +308,43 @@ struct Compiler<'a> {
 }
 
 impl Compiler<'_> {
+    /// One file's domain settings and descriptors, compiled into `into` (empty, or holding what
+    /// earlier files of the same domain defined when domains are merged).
+    fn domain_file(&mut self, raw: &RawFile, domain: &str, into: &mut Domain) {
+        if let Some(policy) = &raw.store_failure {
+            let line = policy.referenced.line();
+            let parsed = match policy.value.as_str() {
+                "error" => Some(FailurePolicy::Error),
+                "allow" => Some(FailurePolicy::Allow),
+                "deny" => Some(FailurePolicy::Deny),
+                other => {
+                    let message =
+                        format!("unknown store_failure '{other}': use error, allow or deny");
+                    self.error(line, "store_failure", message);
+                    None
+                }
+            };
+            match (into.store_failure, parsed) {
+                (Some(earlier), Some(this)) if earlier != this => {
+                    let message = format!(
+                        "store_failure of domain '{domain}' is set differently in another file"
+                    );
+                    self.error(line, "store_failure", message);
+                }
+                (_, Some(this)) => into.store_failure = Some(this),
+                _ => {}
+            }
+        }
+        self.descriptors(
+            &raw.descriptors,
+            "descriptors",
+            domain,
+            &[],
+            &[],
+            &mut into.root,
+        );
+    }
+
     fn error(&mut self, line: u64, path: &str, message: String) {
         self.errors.push(ConfigError {
             file: self.file.to_string(),
@@ -842,7 +871,7 @@ descriptors:
             ),
             (
                 "domain: d\ndescriptors:\n  - key: a\n    rate_limit: {window: 90, requests_per_unit: 1}\n",
-                "4: descriptors[0].rate_limit.window: invalid duration '90': write a number with a unit (ms, s, m, h, d, w), e.g. 90s or 1h30m",
+                "4: descriptors[0].rate_limit.window: invalid duration '90': write a number with a unit (ms, s, m, h, d, w), e.g. 90s, 0.05s or 1h30m",
             ),
             (
                 "domain: d\ndescriptors:\n  - key: a\n    rate_limit: {window: 90s, unit: minute, requests_per_unit: 1}\n",
@@ -854,7 +883,7 @@ descriptors:
             ),
             (
                 "domain: d\ndescriptors:\n  - key: a\n    rate_limit: {unit: second, requests_per_unit: 1}\n    ban: soon\n",
-                "3: descriptors[0].ban: invalid duration 'soon': write a number with a unit (ms, s, m, h, d, w), e.g. 90s or 1h30m",
+                "3: descriptors[0].ban: invalid duration 'soon': write a number with a unit (ms, s, m, h, d, w), e.g. 90s, 0.05s or 1h30m",
             ),
             (
                 "domain: d\ndescriptors:\n  - key: a\n    rate_limit: {unit: second, requests_per_unit: 1}\n    tag_by: user\n",
@@ -937,6 +966,57 @@ descriptors:
         assert_eq!(
             only_error("domain: d\nstore_failure: maybe\n"),
             "2: store_failure: unknown store_failure 'maybe': use error, allow or deny"
+        );
+    }
+
+    #[test]
+    fn domains_merge_across_files_when_asked() {
+        let sources = [
+            (
+                "a.yaml",
+                "domain: d\ndescriptors:\n  - key: a\n    rate_limit: {unit: second, requests_per_unit: 1}\n",
+            ),
+            (
+                "b.yaml",
+                "domain: d\nstore_failure: allow\ndescriptors:\n  - key: b\n    rate_limit: {unit: second, requests_per_unit: 2}\n",
+            ),
+        ];
+        let owned: Vec<(String, String)> = sources
+            .iter()
+            .map(|(f, t)| (f.to_string(), t.to_string()))
+            .collect();
+        assert!(compile_sources(&owned).is_err(), "refused without merging");
+        let merged = compile_sources_with(
+            &owned,
+            LoadOptions {
+                merge_domains: true,
+            },
+        )
+        .expect("merged");
+        let paths: Vec<&str> = merged
+            .rules()
+            .iter()
+            .map(|(_, r)| r.path.as_str())
+            .collect();
+        assert_eq!(paths, ["d.a", "d.b"]);
+        assert_eq!(
+            merged.domain("d").and_then(|d| d.store_failure),
+            Some(FailurePolicy::Allow)
+        );
+        let mut twice = owned.clone();
+        twice[1].1 = owned[0].1.clone();
+        let errors = compile_sources_with(
+            &twice,
+            LoadOptions {
+                merge_domains: true,
+            },
+        )
+        .expect_err("the same descriptor twice");
+        assert!(
+            errors
+                .to_string()
+                .contains("duplicate descriptor composite key 'd.a'"),
+            "{errors}"
         );
     }
 

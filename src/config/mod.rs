@@ -6,4 +6,7 @@ pub mod load;
 pub mod model;
 pub mod watch;
 
-pub use load::{ConfigError, ConfigErrors, Loaded, compile_sources, load_path};
+pub use load::{
+    ConfigError, ConfigErrors, LoadOptions, Loaded, compile_sources, compile_sources_with,
+    load_path, load_path_with,
+};

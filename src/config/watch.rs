@@ -14,7 +14,7 @@ use std::time::Duration;
 use notify::{RecursiveMode, Watcher};
 use tokio::sync::mpsc;
 
-use super::load::load_path;
+use super::load::{LoadOptions, load_path_with};
 use crate::limiter::Limiter;
 use crate::metrics::Metrics;
 
@@ -41,12 +41,13 @@ pub enum Reload {
 /// Loads `path` and, if it differs from what `current` fingerprints, swaps it in.
 pub async fn reload(
     path: &Path,
+    options: LoadOptions,
     limiter: &Limiter,
     metrics: &Metrics,
     current: &mut u64,
 ) -> Reload {
     let owned = path.to_path_buf();
-    let loaded = match tokio::task::spawn_blocking(move || load_path(&owned)).await {
+    let loaded = match tokio::task::spawn_blocking(move || load_path_with(&owned, options)).await {
         Ok(loaded) => loaded,
         Err(e) => {
             tracing::error!("config reload task failed: {e}");
@@ -78,6 +79,7 @@ pub async fn reload(
 /// config already serving.
 pub fn spawn(
     path: PathBuf,
+    options: LoadOptions,
     limiter: Arc<Limiter>,
     metrics: Arc<Metrics>,
     fingerprint: u64,
@@ -122,7 +124,7 @@ pub fn spawn(
                     tracing::info!("SIGHUP: reloading config");
                 }
             }
-            reload(&path, &limiter, &metrics, &mut current).await;
+            reload(&path, options, &limiter, &metrics, &mut current).await;
         }
     });
     Ok(ConfigWatch {

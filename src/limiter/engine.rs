@@ -23,7 +23,7 @@ use super::{
 use crate::store::{CheckItem, CheckOutcome, ItemOutcome, Role, Store, StoreError};
 
 /// Switches that change answers for every domain.
-#[derive(Clone, Copy, Debug, PartialEq)]
+#[derive(Clone, Debug, PartialEq)]
 pub struct LimiterOptions {
     /// Fraction of a limit above which admitted hits count as "near limit" in metrics.
     pub near_limit_ratio: f64,
@@ -34,6 +34,28 @@ pub struct LimiterOptions {
     pub response_headers: bool,
     /// Return the matched rules' `metadata` for the response's `dynamic_metadata`.
     pub dynamic_metadata: bool,
+    /// Every rule counts as a `quota_mode` rule (the reference's `QUOTA_MODE`).
+    pub global_quota_mode: bool,
+    /// The reference's three headers (`LIMIT_RESPONSE_HEADERS_ENABLED`), under these names.
+    pub limit_headers: Option<LimitHeaderNames>,
+}
+
+/// Names of the reference server's response headers: limit, remaining, reset (seconds).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct LimitHeaderNames {
+    pub limit: String,
+    pub remaining: String,
+    pub reset: String,
+}
+
+impl Default for LimitHeaderNames {
+    fn default() -> Self {
+        LimitHeaderNames {
+            limit: "RateLimit-Limit".into(),
+            remaining: "RateLimit-Remaining".into(),
+            reset: "RateLimit-Reset".into(),
+        }
+    }
 }
 
 impl Default for LimiterOptions {
@@ -44,6 +66,8 @@ impl Default for LimiterOptions {
             global_shadow_mode: false,
             response_headers: false,
             dynamic_metadata: false,
+            global_quota_mode: false,
+            limit_headers: None,
         }
     }
 }
@@ -183,7 +207,7 @@ impl Limiter {
             let statuses = vec![Status::unlimited_by_config(); request.descriptors.len()];
             return Ok(self.finish(statuses, Code::Ok, Vec::new(), &[]));
         };
-        let planned = plan(request, &domain.root);
+        let planned = plan(request, &domain.root, self.options.global_quota_mode);
         let outcome = if planned.items.is_empty() {
             CheckOutcome {
                 admitted: true,
@@ -214,13 +238,17 @@ impl Limiter {
             .map(|plan| status_of_plan(plan, outcome))
             .collect();
         self.report(request, planned, outcome);
-        let headers = if self.options.response_headers && !self.shadowed(overall) {
-            headers::build(&statuses, |n| planned.windows_of(n), overall)
-        } else {
-            // Global shadow mode turned this rejection into OK: the client is not limited, so
-            // it gets no Retry-After and no zero-remaining RateLimit either.
-            Vec::new()
-        };
+        // When global shadow mode turns a rejection into OK the client is not limited, so it
+        // gets no Retry-After and no zero-remaining RateLimit either.
+        let mut headers = Vec::new();
+        if self.options.response_headers && !self.shadowed(overall) {
+            headers = headers::build(&statuses, |n| planned.windows_of(n), overall);
+        }
+        if let Some(names) = &self.options.limit_headers
+            && !self.shadowed(overall)
+        {
+            headers.extend(headers::reference(&statuses, names));
+        }
         if self.shadowed(overall) {
             self.observer.global_shadow();
         }
@@ -371,7 +399,7 @@ fn status_of_plan(plan: &Plan<'_>, outcome: &CheckOutcome) -> Status {
 }
 
 /// Matches every descriptor and turns the ones that need the store into check items.
-fn plan<'a>(request: &'a Request, root: &'a Node) -> Planned<'a> {
+fn plan<'a>(request: &'a Request, root: &'a Node, quota_all: bool) -> Planned<'a> {
     // First every descriptor's rule, so that `replaces` can see all of them.
     let found: Vec<Found<'_>> = request
         .descriptors
@@ -392,7 +420,7 @@ fn plan<'a>(request: &'a Request, root: &'a Node) -> Planned<'a> {
                 planned.push_override(&request.domain, descriptor, window, hits)
             }
             Found::Rule(m) if replaced.iter().any(|name| m.rule.is_named(name)) => Plan::NoLimit,
-            Found::Rule(m) => planned.push_rule(&request.domain, m, hits),
+            Found::Rule(m) => planned.push_rule(&request.domain, m, hits, quota_all),
         };
         planned.plans.push(plan);
     }
@@ -452,7 +480,7 @@ impl<'a> Planned<'a> {
         }
     }
 
-    fn push_rule(&mut self, domain: &str, m: Match<'a>, hits: u64) -> Plan<'a> {
+    fn push_rule(&mut self, domain: &str, m: Match<'a>, hits: u64, quota_all: bool) -> Plan<'a> {
         let rule = m.rule;
         let Limit::Windows {
             windows,
@@ -476,7 +504,7 @@ impl<'a> Planned<'a> {
             hits,
             role: if rule.shadow_mode {
                 Role::Shadow
-            } else if rule.quota_mode {
+            } else if rule.quota_mode || quota_all {
                 Role::Quota
             } else {
                 Role::Enforce

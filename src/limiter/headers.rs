@@ -2,6 +2,7 @@
 //! (draft-ietf-httpapi-ratelimit-headers, structured-field form) and `Retry-After` when the
 //! request is rejected. Envoy adds them to the downstream response via `response_headers_to_add`.
 
+use super::engine::LimitHeaderNames;
 use super::rules::Window;
 use super::{Code, Status};
 
@@ -69,6 +70,31 @@ pub fn build<'w>(
     headers
 }
 
+/// The reference server's headers (`LIMIT_RESPONSE_HEADERS_ENABLED`): the limit, remaining and
+/// reset in seconds of one status: the limited one with the least remaining, or the last one
+/// over the limit. The reset is the rolling window's (the reference's is the fixed window's).
+pub fn reference(statuses: &[Status], names: &LimitHeaderNames) -> Vec<(String, String)> {
+    let mut chosen: Option<&Status> = None;
+    for status in statuses.iter().filter(|s| s.current_limit.is_some()) {
+        // An over-limit status has 0 remaining, so only a later over-limit one displaces it.
+        let fewer = chosen.is_none_or(|c| status.limit_remaining < c.limit_remaining);
+        if status.code == Code::OverLimit || fewer {
+            chosen = Some(status);
+        }
+    }
+    let Some((status, limit)) = chosen.and_then(|s| Some((s, s.current_limit.as_ref()?))) else {
+        return Vec::new();
+    };
+    vec![
+        (names.limit.clone(), limit.requests_per_unit.to_string()),
+        (names.remaining.clone(), status.limit_remaining.to_string()),
+        (
+            names.reset.clone(),
+            seconds_up(status.duration_until_reset_ms.unwrap_or(0)).to_string(),
+        ),
+    ]
+}
+
 /// Whole seconds, rounded up: a client that waits this long is never early.
 fn seconds_up(ms: u64) -> u64 {
     ms.div_ceil(1000)
@@ -95,6 +121,28 @@ fn sf_string(text: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn reference_headers_follow_the_least_remaining_or_the_last_over_limit() {
+        let names = LimitHeaderNames::default();
+        let w5 = window(5, 60_000, None);
+        let w9 = window(9, 1_000, None);
+        let ok = status(Code::Ok, &w5, 3, 1_500);
+        let tight = status(Code::Ok, &w9, 1, 400);
+        let over = status(Code::OverLimit, &w9, 0, 2_001);
+        assert_eq!(
+            reference(&[ok.clone(), tight.clone()], &names),
+            [
+                ("RateLimit-Limit".to_string(), "9".to_string()),
+                ("RateLimit-Remaining".to_string(), "1".to_string()),
+                ("RateLimit-Reset".to_string(), "1".to_string()),
+            ]
+        );
+        let chosen = reference(&[over, ok.clone(), tight], &names);
+        assert_eq!(chosen[1].1, "0");
+        assert_eq!(chosen[2].1, "3", "the over-limit status stays chosen");
+        assert!(reference(&[Status::unlimited_by_config()], &names).is_empty());
+    }
     use crate::limiter::{ReportedLimit, Unit};
 
     fn window(limit: u32, length_ms: u64, name: Option<&str>) -> Window {

@@ -59,10 +59,18 @@ pub struct RedisStore {
     calls: AtomicU64,
 }
 
-/// The URL with any password replaced, safe for logs.
+/// The URL with any password (in the user info or a `sentinelPassword` parameter) replaced,
+/// safe for logs.
 pub fn redact(url: &str) -> String {
+    let url = match url.split_once("sentinelPassword=") {
+        Some((before, after)) => {
+            let rest = after.find('&').map_or("", |at| &after[at..]);
+            format!("{before}sentinelPassword=***{rest}")
+        }
+        None => url.to_string(),
+    };
     let Some((scheme, rest)) = url.split_once("://") else {
-        return url.to_string();
+        return url;
     };
     // The last `@` ends the user info, as the client reads it: a password may hold an `@`.
     match rest.rsplit_once('@') {
@@ -70,7 +78,7 @@ pub fn redact(url: &str) -> String {
             let user = userinfo.split_once(':').map_or(userinfo, |(u, _)| u);
             format!("{scheme}://{user}:***@{host}")
         }
-        None => url.to_string(),
+        None => url,
     }
 }
 
@@ -473,6 +481,10 @@ mod tests {
         assert_eq!(
             redact("redis://u:p@ss@host:6379"),
             "redis://u:***@host:6379"
+        );
+        assert_eq!(
+            redact("redis-sentinel://h:26379?sentinelServiceName=m&sentinelPassword=pw&node=x:1"),
+            "redis-sentinel://h:26379?sentinelServiceName=m&sentinelPassword=***&node=x:1"
         );
     }
 

@@ -64,7 +64,7 @@ impl TestServer {
             options: ServerOptions::default(),
         };
         let join = tokio::spawn(async move {
-            slidegate::server::run(slidegate::server::Listeners { grpc, http }, app, async {
+            slidegate::server::run(slidegate::server::Listeners::new(grpc, http), app, async {
                 let _ = stopped.await;
             })
             .await

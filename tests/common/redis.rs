@@ -43,7 +43,8 @@ pub fn free_port() -> u16 {
 }
 
 fn spawn(port: u16, dir: &PathBuf, extra: &[String]) -> Child {
-    let child = Command::new("redis-server")
+    let mut command = Command::new("redis-server");
+    command
         .args([
             "--port",
             &port.to_string(),
@@ -56,7 +57,13 @@ fn spawn(port: u16, dir: &PathBuf, extra: &[String]) -> Child {
         ])
         .arg("--dir")
         .arg(dir)
-        .args(extra)
+        .args(extra);
+    spawn_watched(command)
+}
+
+/// Starts a Redis process that dies with this test binary.
+fn spawn_watched(mut command: Command) -> Child {
+    let child = command
         .stdout(Stdio::null())
         .stderr(Stdio::null())
         .spawn()
@@ -234,4 +241,54 @@ pub fn shared_standalone() -> &'static RedisProcess {
 pub fn shared_cluster() -> &'static RedisCluster {
     static SHARED: OnceLock<RedisCluster> = OnceLock::new();
     SHARED.get_or_init(RedisCluster::start)
+}
+
+/// A real Redis Sentinel (`redis-server --sentinel`, the same code as Debian's `redis-sentinel`)
+/// watching `master` under the name `mymaster`.
+pub struct RedisSentinel {
+    pub port: u16,
+    child: Child,
+    dir: PathBuf,
+}
+
+impl RedisSentinel {
+    /// `master_password`: what the sentinel authenticates to the master with (the sentinel
+    /// itself takes no password, as in most deployments).
+    pub fn start(master: &RedisProcess, master_password: Option<&str>) -> RedisSentinel {
+        let port = free_port();
+        let dir = scratch_dir(port);
+        let conf = dir.join("sentinel.conf");
+        let mut text = format!(
+            "port {port}\nbind 127.0.0.1\nsentinel monitor mymaster 127.0.0.1 {} 1\n",
+            master.port
+        );
+        if let Some(password) = master_password {
+            text.push_str(&format!("sentinel auth-pass mymaster {password}\n"));
+        }
+        std::fs::write(&conf, text).expect("write sentinel.conf");
+        let mut command = Command::new("redis-server");
+        command.arg(&conf).arg("--sentinel").arg("--dir").arg(&dir);
+        let child = spawn_watched(command);
+        wait_until(
+            &format!("redis sentinel on {port}"),
+            Duration::from_secs(10),
+            || {
+                command_reply(port, "SENTINEL get-master-addr-by-name mymaster")
+                    .is_some_and(|r| r.contains(&master.port.to_string()))
+            },
+        );
+        RedisSentinel { port, child, dir }
+    }
+}
+
+fn command_reply(port: u16, line: &str) -> Option<String> {
+    command(port, line).ok()
+}
+
+impl Drop for RedisSentinel {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
 }

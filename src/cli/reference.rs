@@ -1,0 +1,651 @@
+//! The reference server's environment (envoyproxy/ratelimit's `src/settings/settings.go`), so a
+//! deployment that starts it with `REDIS_URL`, `RUNTIME_ROOT`, `USE_PROMETHEUS` and friends
+//! starts slidegate unchanged. Each variable is honoured (mapped onto a flag that was not given),
+//! warned about (named in a log line at start: slidegate has no use for it) or refused (start
+//! fails with a message: honouring it wrongly would be worse). The README has the full table.
+
+use std::net::{IpAddr, Ipv4Addr, SocketAddr};
+use std::path::PathBuf;
+
+use super::{LogFormat, MetricNamesArg, ServeArgs, parse_bool};
+
+/// Reads one environment variable (empty counts as unset, as in the reference).
+pub type Var<'a> = &'a dyn Fn(&str) -> Option<String>;
+/// Whether a flag's value came from the command line or its `SLIDEGATE_*` variable.
+pub type Given<'a> = &'a dyn Fn(&str) -> bool;
+
+/// Whether the environment says where the config is, so no arguments are needed.
+pub fn configured(var: Var<'_>) -> bool {
+    ["SLIDEGATE_CONFIG", "RUNTIME_ROOT", "RUNTIME_SUBDIRECTORY"]
+        .iter()
+        .any(|name| var(name).is_some())
+}
+
+/// The reference's variables slidegate has no use for, and why.
+const WARNED: &[(&str, &str)] = &[
+    ("PROTO", "slidegate's gRPC listener is TCP"),
+    (
+        "DEBUG_HOST",
+        "there is no debug port; /config on the HTTP port lists the rules",
+    ),
+    (
+        "DEBUG_PORT",
+        "there is no debug port; /config on the HTTP port lists the rules",
+    ),
+    (
+        "GRPC_MAX_CONNECTION_AGE",
+        "connections are kept until the client or shutdown closes them",
+    ),
+    (
+        "GRPC_MAX_CONNECTION_AGE_GRACE",
+        "connections are kept until the client or shutdown closes them",
+    ),
+    (
+        "GRPC_SERVER_TLS_CERT",
+        "gRPC TLS is not supported yet (GRPC_SERVER_USE_TLS is off)",
+    ),
+    (
+        "GRPC_SERVER_TLS_KEY",
+        "gRPC TLS is not supported yet (GRPC_SERVER_USE_TLS is off)",
+    ),
+    (
+        "GRPC_CLIENT_TLS_CACERT",
+        "gRPC TLS is not supported yet (GRPC_SERVER_USE_TLS is off)",
+    ),
+    (
+        "GRPC_CLIENT_TLS_SAN",
+        "gRPC TLS is not supported yet (GRPC_SERVER_USE_TLS is off)",
+    ),
+    (
+        "CONFIG_GRPC_XDS_NODE_ID",
+        "config comes from files (CONFIG_TYPE=FILE)",
+    ),
+    (
+        "CONFIG_GRPC_XDS_NODE_METADATA",
+        "config comes from files (CONFIG_TYPE=FILE)",
+    ),
+    (
+        "CONFIG_GRPC_XDS_SERVER_URL",
+        "config comes from files (CONFIG_TYPE=FILE)",
+    ),
+    (
+        "CONFIG_GRPC_XDS_SERVER_CONNECT_RETRY_INTERVAL",
+        "config comes from files (CONFIG_TYPE=FILE)",
+    ),
+    (
+        "CONFIG_GRPC_XDS_CLIENT_ADDITIONAL_HEADERS",
+        "config comes from files (CONFIG_TYPE=FILE)",
+    ),
+    (
+        "CONFIG_GRPC_XDS_SERVER_USE_TLS",
+        "config comes from files (CONFIG_TYPE=FILE)",
+    ),
+    (
+        "CONFIG_GRPC_XDS_CLIENT_TLS_CERT",
+        "config comes from files (CONFIG_TYPE=FILE)",
+    ),
+    (
+        "CONFIG_GRPC_XDS_CLIENT_TLS_KEY",
+        "config comes from files (CONFIG_TYPE=FILE)",
+    ),
+    (
+        "CONFIG_GRPC_XDS_SERVER_TLS_CACERT",
+        "config comes from files (CONFIG_TYPE=FILE)",
+    ),
+    (
+        "CONFIG_GRPC_XDS_SERVER_TLS_SAN",
+        "config comes from files (CONFIG_TYPE=FILE)",
+    ),
+    (
+        "XDS_CLIENT_BACKOFF_INITIAL_INTERVAL",
+        "config comes from files (CONFIG_TYPE=FILE)",
+    ),
+    (
+        "XDS_CLIENT_BACKOFF_MAX_INTERVAL",
+        "config comes from files (CONFIG_TYPE=FILE)",
+    ),
+    (
+        "XDS_CLIENT_BACKOFF_RANDOM_FACTOR",
+        "config comes from files (CONFIG_TYPE=FILE)",
+    ),
+    (
+        "XDS_CLIENT_BACKOFF_JITTER",
+        "config comes from files (CONFIG_TYPE=FILE)",
+    ),
+    (
+        "USE_DOG_STATSD",
+        "no statsd: scrape /metrics (USE_PROMETHEUS=true gives the reference's names)",
+    ),
+    ("USE_DOG_STATSD_MOGRIFIERS", "no statsd: scrape /metrics"),
+    ("STATSD_HOST", "no statsd: scrape /metrics"),
+    ("STATSD_PORT", "no statsd: scrape /metrics"),
+    (
+        "EXTRA_TAGS",
+        "no statsd: add labels in the Prometheus scrape config",
+    ),
+    ("STATS_FLUSH_INTERVAL", "metrics are read at scrape time"),
+    (
+        "DISABLE_STATS",
+        "metrics are always kept; nothing is sent anywhere",
+    ),
+    (
+        "PROMETHEUS_MAPPER_YAML",
+        "the names are fixed to the default mapping's",
+    ),
+    (
+        "EXPIRATION_JITTER_MAX_SECONDS",
+        "keys expire exactly when no window needs them",
+    ),
+    (
+        "LOCAL_CACHE_SIZE_IN_BYTES",
+        "there is no local over-limit cache yet",
+    ),
+    (
+        "CACHE_KEY_PREFIX",
+        "keys are rl:{<tag>}:..., one key space per Redis",
+    ),
+    (
+        "REDIS_PIPELINE_WINDOW",
+        "calls are sent as they come, on a pool of connections",
+    ),
+    (
+        "REDIS_PIPELINE_LIMIT",
+        "calls are sent as they come, on a pool of connections",
+    ),
+    (
+        "REDIS_PERSECOND",
+        "every window lives in the one Redis (REDIS_URL)",
+    ),
+    (
+        "REDIS_PERSECOND_SOCKET_TYPE",
+        "every window lives in the one Redis (REDIS_URL)",
+    ),
+    (
+        "REDIS_PERSECOND_TYPE",
+        "every window lives in the one Redis (REDIS_URL)",
+    ),
+    (
+        "REDIS_PERSECOND_URL",
+        "every window lives in the one Redis (REDIS_URL)",
+    ),
+    (
+        "REDIS_PERSECOND_POOL_SIZE",
+        "every window lives in the one Redis (REDIS_URL)",
+    ),
+    (
+        "REDIS_PERSECOND_AUTH",
+        "every window lives in the one Redis (REDIS_URL)",
+    ),
+    (
+        "REDIS_PERSECOND_TLS",
+        "every window lives in the one Redis (REDIS_URL)",
+    ),
+    (
+        "REDIS_PERSECOND_PIPELINE_WINDOW",
+        "every window lives in the one Redis (REDIS_URL)",
+    ),
+    (
+        "REDIS_PERSECOND_PIPELINE_LIMIT",
+        "every window lives in the one Redis (REDIS_URL)",
+    ),
+    (
+        "REDIS_HEALTH_CHECK_ACTIVE_CONNECTION",
+        "readiness always pings Redis",
+    ),
+    (
+        "REDIS_TIMEOUT",
+        "a decision's deadline is --redis-timeout (15 ms), below Envoy's 20 ms",
+    ),
+    (
+        "REDIS_POOL_ON_EMPTY_BEHAVIOR",
+        "calls share the pool's connections; none waits for one",
+    ),
+    (
+        "REDIS_CLUSTER_PIPELINE_PARALLELISM",
+        "calls to several slots always run in parallel",
+    ),
+    (
+        "REDIS_STARTUP_INITIAL_INTERVAL",
+        "see --redis-connect-timeout",
+    ),
+    ("REDIS_STARTUP_MAX_INTERVAL", "see --redis-connect-timeout"),
+    (
+        "REDIS_STARTUP_MAX_ELAPSED_TIME",
+        "see --redis-connect-timeout",
+    ),
+    (
+        "MEMCACHE_HOST_PORT",
+        "the store is Redis or the embedded one",
+    ),
+    (
+        "MEMCACHE_MAX_IDLE_CONNS",
+        "the store is Redis or the embedded one",
+    ),
+    ("MEMCACHE_SRV", "the store is Redis or the embedded one"),
+    (
+        "MEMCACHE_SRV_REFRESH",
+        "the store is Redis or the embedded one",
+    ),
+    ("MEMCACHE_TLS", "the store is Redis or the embedded one"),
+    (
+        "MEMCACHE_TLS_CLIENT_CERT",
+        "the store is Redis or the embedded one",
+    ),
+    (
+        "MEMCACHE_TLS_CLIENT_KEY",
+        "the store is Redis or the embedded one",
+    ),
+    (
+        "MEMCACHE_TLS_CACERT",
+        "the store is Redis or the embedded one",
+    ),
+    (
+        "MEMCACHE_TLS_SKIP_HOSTNAME_VERIFICATION",
+        "the store is Redis or the embedded one",
+    ),
+    (
+        "TRACING_ENABLED",
+        "no OpenTelemetry export; debug logs carry a span per call",
+    ),
+    ("TRACING_SERVICE_NAME", "no OpenTelemetry export"),
+    ("TRACING_SERVICE_NAMESPACE", "no OpenTelemetry export"),
+    ("TRACING_SERVICE_INSTANCE_ID", "no OpenTelemetry export"),
+    ("TRACING_EXPORTER_PROTOCOL", "no OpenTelemetry export"),
+    ("TRACING_SAMPLING_RATE", "no OpenTelemetry export"),
+];
+
+/// What the mapping reads: the variables, which flags were given, and whether the binary runs
+/// under the reference's name (then the reference's defaults apply too).
+#[derive(Clone, Copy)]
+struct Env<'a> {
+    var: Var<'a>,
+    given: Given<'a>,
+    as_reference: bool,
+}
+
+/// Applies the reference's variables to the flags that were not given; returns the notes to
+/// log at start (one per variable slidegate does not use), or why it cannot start.
+pub fn apply(
+    args: &mut ServeArgs,
+    given: Given<'_>,
+    var: Var<'_>,
+    as_reference: bool,
+) -> Result<Vec<String>, String> {
+    refuse(var)?;
+    let env = Env {
+        var,
+        given,
+        as_reference,
+    };
+    let mut notes = Vec::new();
+    listeners(args, env)?;
+    config_dir(args, env, &mut notes)?;
+    redis(args, env, &mut notes)?;
+    switches(args, env)?;
+    logging(args, env)?;
+    prometheus(args, env)?;
+    for (name, why) in WARNED {
+        if var(name).is_some() {
+            notes.push(format!(
+                "{name} is set but slidegate does not use it: {why}"
+            ));
+        }
+    }
+    if flag(var, "USE_STATSD")? == Some(true) {
+        notes.push("USE_STATSD=true: slidegate sends no statsd; scrape /metrics (USE_PROMETHEUS=true gives the reference's names)".into());
+    }
+    if flag(var, "STOP_CACHE_KEY_INCREMENT_WHEN_OVERLIMIT")? == Some(false) {
+        notes.push("STOP_CACHE_KEY_INCREMENT_WHEN_OVERLIMIT=false: slidegate never records a rejected request".into());
+    }
+    Ok(notes)
+}
+
+/// Settings that would silently change what the server is, were they ignored.
+fn refuse(var: Var<'_>) -> Result<(), String> {
+    if var("GRPC_UDS").is_some() {
+        return Err("GRPC_UDS: slidegate listens on TCP only (GRPC_HOST, GRPC_PORT)".into());
+    }
+    if flag(var, "GRPC_SERVER_USE_TLS")? == Some(true) {
+        return Err("GRPC_SERVER_USE_TLS=true: gRPC TLS is not supported yet; terminate TLS in front of slidegate (for example in an Envoy sidecar)".into());
+    }
+    if let Some(kind) = var("CONFIG_TYPE").filter(|k| !k.eq_ignore_ascii_case("FILE")) {
+        return Err(format!(
+            "CONFIG_TYPE={kind}: slidegate reads its config from files only (CONFIG_TYPE=FILE)"
+        ));
+    }
+    if let Some(backend) = var("BACKEND_TYPE").filter(|b| !b.eq_ignore_ascii_case("redis")) {
+        return Err(format!(
+            "BACKEND_TYPE={backend}: slidegate's stores are Redis and its embedded store"
+        ));
+    }
+    for name in [
+        "REDIS_TLS_CLIENT_CERT",
+        "REDIS_TLS_CLIENT_KEY",
+        "REDIS_TLS_CACERT",
+        "REDIS_TLS_SKIP_HOSTNAME_VERIFICATION",
+    ] {
+        if var(name).is_some() {
+            return Err(format!(
+                "{name}: client certificates and custom CAs for Redis are not supported yet; REDIS_TLS=true verifies the server against the system's CAs"
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// A boolean variable, read as the reference reads it; `None` when unset.
+fn flag(var: Var<'_>, name: &str) -> Result<Option<bool>, String> {
+    var(name)
+        .map(|value| {
+            parse_bool(&value).ok_or_else(|| {
+                format!("{name}={value:?} is not a boolean: use 1/0, true/false or yes/no")
+            })
+        })
+        .transpose()
+}
+
+fn listeners(args: &mut ServeArgs, Env { var, given, .. }: Env<'_>) -> Result<(), String> {
+    if !given("http_addr")
+        && let Some(addr) = address(var, "HOST", "PORT", 8080)?
+    {
+        args.http_addr = addr;
+    }
+    if !given("grpc_addr")
+        && let Some(addr) = address(var, "GRPC_HOST", "GRPC_PORT", 8081)?
+    {
+        args.grpc_addr = addr;
+    }
+    Ok(())
+}
+
+/// `HOST`/`PORT`-style pairs; `None` when neither is set.
+fn address(
+    var: Var<'_>,
+    host_name: &str,
+    port_name: &str,
+    default_port: u16,
+) -> Result<Option<SocketAddr>, String> {
+    let (host, port) = (var(host_name), var(port_name));
+    if host.is_none() && port.is_none() {
+        return Ok(None);
+    }
+    let ip = match host.as_deref() {
+        None => IpAddr::V4(Ipv4Addr::UNSPECIFIED),
+        Some("localhost") => IpAddr::V4(Ipv4Addr::LOCALHOST),
+        Some(text) => text
+            .trim_matches(|c| c == '[' || c == ']')
+            .parse()
+            .map_err(|_| format!("{host_name}={text:?} is not an IP address"))?,
+    };
+    let port = match port.as_deref() {
+        None => default_port,
+        Some(text) => text
+            .parse()
+            .map_err(|_| format!("{port_name}={text:?} is not a port number"))?,
+    };
+    Ok(Some(SocketAddr::new(ip, port)))
+}
+
+/// `$RUNTIME_ROOT/$RUNTIME_SUBDIRECTORY/$RUNTIME_APPDIRECTORY`, with the reference's defaults.
+fn config_dir(args: &mut ServeArgs, env: Env<'_>, notes: &mut Vec<String>) -> Result<(), String> {
+    let Env {
+        var,
+        given,
+        as_reference,
+    } = env;
+    let runtime = [
+        "RUNTIME_ROOT",
+        "RUNTIME_SUBDIRECTORY",
+        "RUNTIME_APPDIRECTORY",
+    ];
+    if given("config") || !(as_reference || runtime.iter().any(|n| var(n).is_some())) {
+        return Ok(());
+    }
+    let root = var("RUNTIME_ROOT").unwrap_or_else(|| "/srv/runtime_data/current".into());
+    let mut path = PathBuf::from(root);
+    if let Some(sub) = var("RUNTIME_SUBDIRECTORY") {
+        path.push(sub);
+    }
+    path.push(var("RUNTIME_APPDIRECTORY").unwrap_or_else(|| "config".into()));
+    args.config = Some(path);
+    if flag(var, "RUNTIME_IGNOREDOTFILES")? == Some(false) {
+        notes.push("RUNTIME_IGNOREDOTFILES=false: slidegate always skips dotfiles (which also skips a ConfigMap's ..data copies)".into());
+    }
+    // RUNTIME_WATCH_ROOT: slidegate watches the config directory itself, which sees both a file
+    // changing and a symlink swap above it, so either value is honoured.
+    flag(var, "RUNTIME_WATCH_ROOT")?;
+    Ok(())
+}
+
+/// `REDIS_URL` (`host:port`, or a comma list for cluster and sentinel), `REDIS_TYPE`,
+/// `REDIS_AUTH`, `REDIS_TLS`, `REDIS_SOCKET_TYPE`, `REDIS_POOL_SIZE`, as one Redis URL.
+fn redis(args: &mut ServeArgs, env: Env<'_>, notes: &mut Vec<String>) -> Result<(), String> {
+    let Env {
+        var,
+        given,
+        as_reference,
+    } = env;
+    if !given("redis_pool_size")
+        && let Some(size) = var("REDIS_POOL_SIZE")
+    {
+        args.redis_pool_size = size
+            .parse()
+            .ok()
+            .filter(|n| *n > 0)
+            .ok_or_else(|| format!("REDIS_POOL_SIZE={size:?} is not a positive number"))?;
+    }
+    if given("redis_url") {
+        return Ok(());
+    }
+    let Some(url) = var("REDIS_URL") else {
+        if as_reference {
+            notes.push("REDIS_URL is not set: using the embedded store".into());
+        }
+        return Ok(());
+    };
+    let socket = var("REDIS_SOCKET_TYPE").map(|s| s.to_ascii_lowercase());
+    if socket.as_deref() == Some("unix") || (socket.is_none() && url.starts_with('/')) {
+        return Err("REDIS_SOCKET_TYPE=unix: slidegate reaches Redis over TCP only; set REDIS_SOCKET_TYPE=tcp and REDIS_URL=host:port".into());
+    }
+    if let Some(other) = socket.filter(|s| s != "tcp") {
+        return Err(format!("REDIS_SOCKET_TYPE={other:?}: use tcp"));
+    }
+    let tls = flag(var, "REDIS_TLS")?.unwrap_or(false);
+    let scheme = if tls { "rediss" } else { "redis" };
+    let auth = var("REDIS_AUTH").map_or(String::new(), |auth| match auth.split_once(':') {
+        Some((user, password)) => format!("{}:{}@", encode(user), encode(password)),
+        None => format!(":{}@", encode(&auth)),
+    });
+    let kind = var("REDIS_TYPE").map_or("single".into(), |t| t.to_ascii_lowercase());
+    args.redis_url = Some(match kind.as_str() {
+        "single" => format!("{scheme}://{auth}{url}"),
+        "cluster" => format!("{scheme}-cluster://{auth}{url}"),
+        "sentinel" => sentinel_url(scheme, &auth, &url, var("REDIS_SENTINEL_AUTH"))?,
+        other => {
+            return Err(format!(
+                "REDIS_TYPE={other:?}: use single, cluster or sentinel"
+            ));
+        }
+    });
+    Ok(())
+}
+
+/// The reference writes a sentinel set-up as `<master name>,<sentinel>,<sentinel>...`;
+/// `REDIS_AUTH` is the servers' password and `REDIS_SENTINEL_AUTH` the sentinels'.
+fn sentinel_url(
+    scheme: &str,
+    auth: &str,
+    list: &str,
+    sentinel_auth: Option<String>,
+) -> Result<String, String> {
+    let mut parts = list.split(',').map(str::trim).filter(|p| !p.is_empty());
+    let (Some(master), Some(first)) = (parts.next(), parts.next()) else {
+        return Err(format!(
+            "REDIS_URL={list:?}: with REDIS_TYPE=sentinel write <master name>,<sentinel host:port>,..."
+        ));
+    };
+    let mut url = format!(
+        "{scheme}-sentinel://{auth}{first}?sentinelServiceName={}",
+        encode(master)
+    );
+    for node in parts {
+        url.push_str("&node=");
+        url.push_str(node);
+    }
+    if let Some(sentinel_auth) = sentinel_auth {
+        let (user, password) = sentinel_auth
+            .split_once(':')
+            .map_or((None, sentinel_auth.as_str()), |(u, p)| (Some(u), p));
+        if let Some(user) = user {
+            url.push_str(&format!("&sentinelUsername={}", encode(user)));
+        }
+        url.push_str(&format!("&sentinelPassword={}", encode(password)));
+    }
+    Ok(url)
+}
+
+/// Percent-encodes everything but unreserved characters, for the user info of a URL.
+fn encode(text: &str) -> String {
+    let mut out = String::with_capacity(text.len());
+    for byte in text.bytes() {
+        if byte.is_ascii_alphanumeric() || b"-._~".contains(&byte) {
+            out.push(char::from(byte));
+        } else {
+            out.push_str(&format!("%{byte:02X}"));
+        }
+    }
+    out
+}
+
+/// Boolean modes and the header names.
+fn switches(args: &mut ServeArgs, Env { var, given, .. }: Env<'_>) -> Result<(), String> {
+    let booleans: [(&str, &str, &mut bool); 7] = [
+        ("SHADOW_MODE", "shadow_mode", &mut args.shadow_mode),
+        ("QUOTA_MODE", "quota_mode", &mut args.quota_mode),
+        (
+            "RESPONSE_DYNAMIC_METADATA",
+            "dynamic_metadata",
+            &mut args.dynamic_metadata,
+        ),
+        (
+            "MERGE_DOMAIN_CONFIG",
+            "merge_domain_config",
+            &mut args.merge_domain_config,
+        ),
+        (
+            "FORCE_START_WITHOUT_INITIAL_CONFIG",
+            "force_start_without_initial_config",
+            &mut args.force_start_without_initial_config,
+        ),
+        (
+            "HEALTHY_WITH_AT_LEAST_ONE_CONFIG_LOADED",
+            "ready_needs_config",
+            &mut args.ready_needs_config,
+        ),
+        (
+            "LIMIT_RESPONSE_HEADERS_ENABLED",
+            "limit_headers",
+            &mut args.limit_headers,
+        ),
+    ];
+    for (name, id, field) in booleans {
+        if let Some(value) = flag(var, name)?
+            && !given(id)
+        {
+            *field = value;
+        }
+    }
+    if !given("limit_header_names") {
+        let names = [
+            "LIMIT_LIMIT_HEADER",
+            "LIMIT_REMAINING_HEADER",
+            "LIMIT_RESET_HEADER",
+        ];
+        for (slot, name) in args.limit_header_names.iter_mut().zip(names) {
+            if let Some(value) = var(name) {
+                *slot = value;
+            }
+        }
+    }
+    if !given("near_limit_ratio")
+        && let Some(text) = var("NEAR_LIMIT_RATIO")
+    {
+        args.near_limit_ratio = text
+            .parse()
+            .ok()
+            .filter(|r| (0.0..=1.0).contains(r))
+            .ok_or_else(|| format!("NEAR_LIMIT_RATIO={text:?} is not a ratio between 0 and 1"))?;
+    }
+    Ok(())
+}
+
+/// `LOG_LEVEL` (the reference's default is WARN) and `LOG_FORMAT`.
+fn logging(args: &mut ServeArgs, env: Env<'_>) -> Result<(), String> {
+    let Env {
+        var,
+        given,
+        as_reference,
+    } = env;
+    if !given("log_level") {
+        let level = var("LOG_LEVEL")
+            .or_else(|| (as_reference && var("RUST_LOG").is_none()).then(|| "warn".to_string()));
+        if let Some(level) = level {
+            let filter = match level.to_ascii_lowercase().as_str() {
+                "trace" => "trace",
+                "debug" => "debug",
+                "info" => "info",
+                "warn" | "warning" => "warn",
+                "error" | "fatal" | "panic" => "error",
+                _ => {
+                    return Err(format!(
+                        "LOG_LEVEL={level:?}: use debug, info, warn or error"
+                    ));
+                }
+            };
+            args.log_level = Some(filter.into());
+        }
+    }
+    if !given("log_format")
+        && let Some(format) = var("LOG_FORMAT")
+    {
+        args.log_format = match format.to_ascii_lowercase().as_str() {
+            "text" => LogFormat::Text,
+            "json" => LogFormat::Json,
+            _ => return Err(format!("LOG_FORMAT={format:?}: use text or json")),
+        };
+    }
+    Ok(())
+}
+
+/// `USE_PROMETHEUS`: the reference's metric names on `PROMETHEUS_ADDR` + `PROMETHEUS_PATH`.
+fn prometheus(args: &mut ServeArgs, Env { var, given, .. }: Env<'_>) -> Result<(), String> {
+    if flag(var, "USE_PROMETHEUS")? != Some(true) {
+        return Ok(());
+    }
+    if !given("metric_names") {
+        args.metric_names = MetricNamesArg::Reference;
+    }
+    if !given("metrics_addr") {
+        let text = var("PROMETHEUS_ADDR").unwrap_or_else(|| ":9090".into());
+        let (host, port) = text
+            .rsplit_once(':')
+            .ok_or_else(|| format!("PROMETHEUS_ADDR={text:?}: write host:port or :port"))?;
+        let host = (!host.is_empty()).then(|| host.to_string());
+        let port = Some(port.to_string());
+        let lookup = move |name: &str| {
+            if name == "H" {
+                host.clone()
+            } else {
+                port.clone()
+            }
+        };
+        args.metrics_addr = address(&lookup, "H", "P", 9090)
+            .map_err(|_| format!("PROMETHEUS_ADDR={text:?}: write host:port or :port"))?;
+    }
+    if !given("metrics_path")
+        && let Some(path) = var("PROMETHEUS_PATH")
+    {
+        args.metrics_path = path;
+    }
+    Ok(())
+}

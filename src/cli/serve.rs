@@ -1,0 +1,254 @@
+//! Serving: logging, the store, the limiter, metrics and reload, assembled from the arguments,
+//! then `slidegate::server::run` until SIGTERM.
+
+use std::process::ExitCode;
+use std::sync::Arc;
+use std::time::Duration;
+
+use slidegate::config::{self, LoadOptions, Loaded};
+use slidegate::limiter::{
+    Clock, FailurePolicy, LimitHeaderNames, Limiter, LimiterOptions, SystemClock,
+};
+use slidegate::metrics::{MetricNames, Metrics};
+use slidegate::server::{App, Listeners, ServerOptions};
+use slidegate::store::redis::redact;
+use slidegate::store::{ClockSource, MemoryStore, RedisOptions, RedisStore, Store};
+
+use super::{ClockArg, FailureArg, LogFormat, MetricNamesArg, ServeArgs};
+
+fn init_logging(args: &ServeArgs) {
+    use tracing_subscriber::EnvFilter;
+    let filter = match &args.log_level {
+        Some(level) => EnvFilter::new(level),
+        None => EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info")),
+    };
+    // Colours only on a terminal: escape codes in a container's log file are noise.
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+        .with_writer(std::io::stderr);
+    match args.log_format {
+        LogFormat::Text => builder.init(),
+        LogFormat::Json => builder.json().init(),
+    }
+}
+
+/// Serves until SIGTERM; `notes` are what reading the reference's variables had to say.
+pub fn serve(args: ServeArgs, notes: Vec<String>) -> ExitCode {
+    init_logging(&args);
+    for note in &notes {
+        tracing::warn!("{note}");
+    }
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            tracing::error!("cannot start the async runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    match runtime.block_on(serve_async(args)) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(message) => {
+            tracing::error!("{message}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+async fn serve_async(args: ServeArgs) -> Result<(), String> {
+    let Some(config_path) = &args.config else {
+        return Err(
+            "--config (or SLIDEGATE_CONFIG, or the reference's RUNTIME_ROOT) is required: a YAML file or a directory".into(),
+        );
+    };
+    let load_options = LoadOptions {
+        merge_domains: args.merge_domain_config,
+    };
+    let loaded = initial_config(
+        config_path,
+        load_options,
+        args.force_start_without_initial_config,
+    )?;
+    let clock = Arc::new(SystemClock);
+    let store = open_store(&args, clock.clone()).await?;
+    let metrics = Arc::new(Metrics::with_names(match args.metric_names {
+        MetricNamesArg::Slidegate => MetricNames::Slidegate,
+        MetricNamesArg::Reference => MetricNames::Reference,
+    }));
+    metrics.config_loaded(loaded.fingerprint != 0);
+    let limiter = Arc::new(
+        Limiter::new(loaded.limits, store, clock, limiter_options(&args))
+            .with_observer(metrics.clone()),
+    );
+    let watch = config::watch::spawn(
+        config_path.clone(),
+        load_options,
+        limiter.clone(),
+        metrics.clone(),
+        loaded.fingerprint,
+        args.reload_debounce,
+        !args.no_watch,
+    );
+    let _watch = match watch {
+        Ok(watch) => Some(watch),
+        Err(e) if args.force_start_without_initial_config => {
+            tracing::warn!(
+                "cannot watch {}: {e}; serving without reload",
+                config_path.display()
+            );
+            None
+        }
+        Err(e) => return Err(format!("cannot watch {}: {e}", config_path.display())),
+    };
+    let listeners = bind(&args).await?;
+    tracing::info!(grpc = %args.grpc_addr, http = %args.http_addr, store = limiter.store_name(), "serving");
+    let app = App {
+        limiter,
+        metrics,
+        options: ServerOptions {
+            shutdown_delay: args.shutdown_delay,
+            shutdown_grace: args.shutdown_grace,
+            ready_needs_config: args.ready_needs_config,
+            metrics_path: args.metrics_path.clone(),
+            ..ServerOptions::default()
+        },
+    };
+    slidegate::server::run(listeners, app, shutdown_signal())
+        .await
+        .map_err(|e| e.to_string())
+}
+
+/// The config at start. With `force_start`, a missing or invalid one serves no limits (and
+/// fingerprint 0, so the first valid config the watch sees is swapped in).
+fn initial_config(
+    path: &std::path::Path,
+    options: LoadOptions,
+    force_start: bool,
+) -> Result<Loaded, String> {
+    match config::load_path_with(path, options) {
+        Ok(loaded) => {
+            for warning in &loaded.warnings {
+                tracing::warn!("{warning}");
+            }
+            tracing::info!(
+                config = %path.display(),
+                files = loaded.files.len(),
+                domains = loaded.limits.domains.len(),
+                "config loaded"
+            );
+            Ok(loaded)
+        }
+        Err(errors) if force_start => {
+            tracing::warn!(config = %path.display(), "no valid config yet; answering OK without limits until one loads:\n{errors}");
+            Ok(Loaded::default())
+        }
+        Err(errors) => Err(format!("config rejected:\n{errors}")),
+    }
+}
+
+/// How often the embedded store drops idle logs when no request touches them.
+const MEMORY_SWEEP_EVERY: Duration = Duration::from_secs(10);
+
+/// The embedded store, or Redis when `--redis` names one.
+async fn open_store(args: &ServeArgs, clock: Arc<SystemClock>) -> Result<Arc<dyn Store>, String> {
+    let Some(url) = &args.redis_url else {
+        return Ok(Arc::new(MemoryStore::with_sweeper(
+            MEMORY_SWEEP_EVERY,
+            move || clock.now_ms(),
+        )));
+    };
+    let options = RedisOptions {
+        url: url.clone(),
+        pool_size: args.redis_pool_size,
+        timeout: args.redis_timeout,
+        connect_timeout: args.redis_connect_timeout,
+        clock: match args.clock {
+            ClockArg::Server => ClockSource::Server,
+            ClockArg::Redis => ClockSource::Redis,
+        },
+    };
+    let store = RedisStore::connect(options)
+        .await
+        .map_err(|e| format!("cannot use Redis at {}: {e}", redact(url)))?;
+    tracing::info!(redis = %redact(url), store = store.name(), "connected to Redis");
+    Ok(Arc::new(store))
+}
+
+fn limiter_options(args: &ServeArgs) -> LimiterOptions {
+    LimiterOptions {
+        near_limit_ratio: args.near_limit_ratio,
+        failure_policy: match args.store_failure {
+            FailureArg::Error => FailurePolicy::Error,
+            FailureArg::Allow => FailurePolicy::Allow,
+            FailureArg::Deny => FailurePolicy::Deny,
+        },
+        global_shadow_mode: args.shadow_mode,
+        response_headers: args.response_headers,
+        dynamic_metadata: args.dynamic_metadata,
+        global_quota_mode: args.quota_mode,
+        limit_headers: args.limit_headers.then(|| {
+            let name = |n: usize, default: String| {
+                args.limit_header_names.get(n).cloned().unwrap_or(default)
+            };
+            let defaults = LimitHeaderNames::default();
+            LimitHeaderNames {
+                limit: name(0, defaults.limit),
+                remaining: name(1, defaults.remaining),
+                reset: name(2, defaults.reset),
+            }
+        }),
+    }
+}
+
+async fn bind(args: &ServeArgs) -> Result<Listeners, String> {
+    let grpc = tokio::net::TcpListener::bind(args.grpc_addr)
+        .await
+        .map_err(|e| format!("cannot listen on {} (gRPC): {e}", args.grpc_addr))?;
+    let http = tokio::net::TcpListener::bind(args.http_addr)
+        .await
+        .map_err(|e| format!("cannot listen on {} (HTTP): {e}", args.http_addr))?;
+    let metrics = match args.metrics_addr {
+        Some(addr) => Some(
+            tokio::net::TcpListener::bind(addr)
+                .await
+                .map_err(|e| format!("cannot listen on {addr} (metrics): {e}"))?,
+        ),
+        None => None,
+    };
+    Ok(Listeners {
+        grpc,
+        http,
+        metrics,
+    })
+}
+
+/// Completes on SIGTERM or Ctrl-C.
+async fn shutdown_signal() {
+    let ctrl_c = async {
+        if let Err(e) = tokio::signal::ctrl_c().await {
+            tracing::warn!("cannot listen for Ctrl-C: {e}");
+            std::future::pending::<()>().await;
+        }
+    };
+    #[cfg(unix)]
+    let term = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            Err(e) => {
+                tracing::warn!("cannot listen for SIGTERM: {e}");
+                std::future::pending::<()>().await;
+            }
+        }
+    };
+    #[cfg(not(unix))]
+    let term = std::future::pending::<()>();
+    tokio::select! {
+        _ = ctrl_c => {},
+        _ = term => {},
+    }
+}
