@@ -175,13 +175,17 @@ fn grpc_routes(
     app: &App,
     health_service: HealthServer<impl tonic_health::pb::health_server::Health>,
 ) -> Result<tonic::transport::server::Router, ServerError> {
+    // Each version also registers the other's descriptors, so both list the same four services
+    // whichever one a client (old or new grpcurl) asks.
     let reflection_v1 = tonic_reflection::server::Builder::configure()
         .register_encoded_file_descriptor_set(FILE_DESCRIPTOR_SET)
         .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
+        .register_encoded_file_descriptor_set(tonic_reflection::pb::v1alpha::FILE_DESCRIPTOR_SET)
         .build_v1()?;
     let reflection_v1alpha = tonic_reflection::server::Builder::configure()
         .register_encoded_file_descriptor_set(FILE_DESCRIPTOR_SET)
         .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
+        .register_encoded_file_descriptor_set(tonic_reflection::pb::v1::FILE_DESCRIPTOR_SET)
         .build_v1alpha()?;
     Ok(tonic::transport::Server::builder()
         .add_service(health_service)

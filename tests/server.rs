@@ -73,17 +73,57 @@ async fn reflection_lists_the_service() {
         };
         assert!(!files.file_descriptor_proto.is_empty());
     }
-    let names: Vec<String> = list.service.into_iter().map(|s| s.name).collect();
-    assert!(
-        names.contains(&"envoy.service.ratelimit.v3.RateLimitService".to_string()),
-        "{names:?}"
-    );
-    assert!(
-        names.contains(&"grpc.health.v1.Health".to_string()),
-        "{names:?}"
-    );
+    let mut names: Vec<String> = list.service.into_iter().map(|s| s.name).collect();
+    names.sort();
+    // Exactly what the README's `grpcurl list` shows.
+    assert_eq!(names, README_SERVICES, "v1");
+    // Older grpcurl asks v1alpha: the same list.
+    let mut alpha =
+        tonic_reflection::pb::v1alpha::server_reflection_client::ServerReflectionClient::new(
+            common::channel(s.grpc_addr).await,
+        );
+    let request = tonic_reflection::pb::v1alpha::ServerReflectionRequest {
+        host: String::new(),
+        message_request: Some(
+            tonic_reflection::pb::v1alpha::server_reflection_request::MessageRequest::ListServices(
+                String::new(),
+            ),
+        ),
+    };
+    let mut replies = alpha
+        .server_reflection_info(futures_util::stream::iter(vec![request]))
+        .await
+        .expect("v1alpha reflection")
+        .into_inner();
+    let reply = replies.message().await.expect("stream").expect("one reply");
+    let Some(
+        tonic_reflection::pb::v1alpha::server_reflection_response::MessageResponse::ListServicesResponse(list),
+    ) = reply.message_response
+    else {
+        panic!("unexpected reply {reply:?}");
+    };
+    let mut names: Vec<String> = list.service.into_iter().map(|s| s.name).collect();
+    names.sort();
+    assert_eq!(names, README_SERVICES, "v1alpha");
+    let readme =
+        std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/README.md")).expect("README");
+    let listed: Vec<&str> = readme
+        .lines()
+        .skip_while(|l| !l.starts_with("grpcurl -plaintext localhost:8081 list"))
+        .skip(1)
+        .take_while(|l| l.starts_with("# "))
+        .map(|l| l.trim_start_matches("# "))
+        .collect();
+    assert_eq!(listed, README_SERVICES, "the README's grpcurl list");
     s.stop().await;
 }
+
+const README_SERVICES: [&str; 4] = [
+    "envoy.service.ratelimit.v3.RateLimitService",
+    "grpc.health.v1.Health",
+    "grpc.reflection.v1.ServerReflection",
+    "grpc.reflection.v1alpha.ServerReflection",
+];
 
 #[tokio::test]
 async fn health_reports_serving() {

@@ -202,10 +202,10 @@ pub fn compile_sources_with(
     let mut limits = Limits::default();
     let mut domain_files: HashMap<String, String> = HashMap::new();
     for (file, text) in sources {
-        let raw = match parse(file, text) {
+        let raw = match parse_reporting_all(file, text) {
             Ok(raw) => raw,
-            Err(e) => {
-                errors.push(e);
+            Err(found) => {
+                errors.extend(found);
                 continue;
             }
         };
@@ -245,6 +245,74 @@ pub fn compile_sources_with(
     } else {
         Err(ConfigErrors(errors))
     }
+}
+
+/// How many field errors of one file are collected before giving up on the rest.
+const MAX_FIELD_ERRORS: usize = 50;
+
+/// Parses a file and, on a field error (a wrong type, an unknown key), reports it and parses
+/// again without that field, so one run names every such error of the file, not only the
+/// first. The field's lines are blanked, not removed, so later errors keep their line numbers.
+/// It stops at a syntax error, at a field that opens a list item (blanking it would change
+/// the structure), or when a retry finds something other than a field error (which could then
+/// be an artefact of the blanking, so it is not reported).
+fn parse_reporting_all(file: &str, text: &str) -> Result<RawFile, Vec<ConfigError>> {
+    let mut lines: Vec<&str> = text.lines().collect();
+    let mut errors: Vec<ConfigError> = Vec::new();
+    let mut current = std::borrow::Cow::Borrowed(text);
+    loop {
+        let error = match parse(file, &current) {
+            Ok(raw) if errors.is_empty() => return Ok(raw),
+            Ok(_) => return Err(errors),
+            Err(error) => error,
+        };
+        let field_error = is_field_error(&error.message);
+        if !errors.is_empty() && !field_error {
+            return Err(errors);
+        }
+        let line = error.line;
+        errors.push(error);
+        if !field_error || errors.len() >= MAX_FIELD_ERRORS || !blank_field(&mut lines, line) {
+            return Err(errors);
+        }
+        current = std::borrow::Cow::Owned(lines.join("\n"));
+    }
+}
+
+/// A serde error about one field's value or name, as opposed to the YAML's structure.
+fn is_field_error(message: &str) -> bool {
+    // serde's own messages, and the YAML parser's for scalars that do not read as the type
+    // (`invalid u32`, `invalid boolean`, ...).
+    ["unknown field", "duplicate field", "invalid "]
+        .iter()
+        .any(|start| message.starts_with(start))
+}
+
+/// Blanks the field at 1-based `line` and the lines nested under it; false when that is not a
+/// plain `key: value` line (a list item's first key, or no line at all).
+fn blank_field(lines: &mut [&str], line: u64) -> bool {
+    let Some(at) = usize::try_from(line).ok().and_then(|l| l.checked_sub(1)) else {
+        return false;
+    };
+    let Some(text) = lines.get(at) else {
+        return false;
+    };
+    let trimmed = text.trim_start();
+    if trimmed.is_empty() || trimmed.starts_with('-') || !trimmed.contains(':') {
+        return false;
+    }
+    let indent = text.len() - trimmed.len();
+    let nested = lines[at + 1..]
+        .iter()
+        .take_while(|l| {
+            let t = l.trim_start();
+            t.is_empty() || t.starts_with('#') || l.len() - t.len() > indent
+        })
+        .count();
+    for blanked in &mut lines[at..=at + nested] {
+        *blanked = "";
+    }
+    true
 }
 
 fn parse(file: &str, text: &str) -> Result<RawFile, ConfigError> {
@@ -966,6 +1034,32 @@ descriptors:
         assert_eq!(
             only_error("domain: d\nstore_failure: maybe\n"),
             "2: store_failure: unknown store_failure 'maybe': use error, allow or deny"
+        );
+    }
+
+    #[test]
+    fn every_field_error_of_a_file_is_reported() {
+        let yaml = "domain: d\ndescriptors:\n  - key: a\n    rate_limit: {unit: second, requests_per_unit: many}\n  - key: b\n    ratelimit:\n      unit: second\n  - key: c\n    rate_limit:\n      unit: minute\n      requests_per_unit: -3\n    shadow_mode: maybe\n";
+        let errors = compile(&[("f.yaml", yaml)]).expect_err("three bad fields");
+        let lines: Vec<(u64, String)> = errors.0.iter().map(|e| (e.line, e.path.clone())).collect();
+        assert_eq!(
+            lines,
+            [
+                (4, "descriptors[0].rate_limit.requests_per_unit".to_string()),
+                (6, "descriptors[1].ratelimit".to_string()),
+                (
+                    11,
+                    "descriptors[2].rate_limit.requests_per_unit".to_string()
+                ),
+                (12, "descriptors[2].shadow_mode".to_string()),
+            ],
+            "{errors}"
+        );
+        // A broken structure stops the search instead of guessing.
+        let broken = "domain: d\ndescriptors:\n  - key: a\n    rate_limit: {unit: second\n";
+        assert_eq!(
+            compile(&[("f.yaml", broken)]).expect_err("syntax").0.len(),
+            1
         );
     }
 
