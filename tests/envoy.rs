@@ -49,7 +49,14 @@ async fn start_upstream() -> u16 {
 
 struct Slidegate {
     grpc: u16,
+    http: u16,
     _child: KillOnDrop,
+}
+
+impl Slidegate {
+    fn http_addr(&self) -> std::net::SocketAddr {
+        std::net::SocketAddr::from(([127, 0, 0, 1], self.http))
+    }
 }
 
 fn start_slidegate(extra: &[&str]) -> Slidegate {
@@ -66,7 +73,12 @@ fn start_slidegate_with(config: &str, extra: &[&str]) -> Slidegate {
             "--http-addr",
             &format!("127.0.0.1:{http}"),
         ])
-        .args(["--redis-timeout", "2s"])
+        // A generous store deadline for a busy test machine, unless the test sets its own.
+        .args(if extra.contains(&"--redis-timeout") {
+            &[][..]
+        } else {
+            &["--redis-timeout", "2s"][..]
+        })
         .args(extra)
         .stdout(Stdio::null())
         .stderr(Stdio::null())
@@ -78,6 +90,7 @@ fn start_slidegate_with(config: &str, extra: &[&str]) -> Slidegate {
     });
     Slidegate {
         grpc,
+        http,
         _child: child,
     }
 }
@@ -117,6 +130,11 @@ fn start_envoy(upstream: u16, slidegate_grpc: u16, failure_mode_deny: bool) -> E
         );
         config = config.replace(from, &to);
     }
+    run_envoy(&config, listen, admin, readiness, &[])
+}
+
+/// Runs Envoy on `config` (ports already chosen) and waits until its admin says ready.
+fn run_envoy(config: &str, listen: u16, admin: u16, readiness: u16, extra: &[&str]) -> Envoy {
     let dir = common::temp_dir("envoy");
     let path = dir.0.join("envoy.yaml");
     std::fs::write(&path, config).expect("write envoy config");
@@ -130,6 +148,7 @@ fn start_envoy(upstream: u16, slidegate_grpc: u16, failure_mode_deny: bool) -> E
             "--log-level",
             "error",
         ])
+        .args(extra)
         .stdout(Stdio::null())
         .stderr(Stdio::null())
         .spawn()
@@ -156,14 +175,22 @@ struct Reply {
 }
 
 async fn get(port: u16, path: &str, user: Option<&str>) -> Reply {
+    let headers: Vec<(&str, &str)> = user.map(|u| ("x-user-id", u)).into_iter().collect();
+    send(port, "GET", path, &headers).await
+}
+
+/// One HTTP/1.1 request through Envoy.
+async fn send(port: u16, method: &str, path: &str, headers: &[(&str, &str)]) -> Reply {
     let mut stream = tokio::net::TcpStream::connect(("127.0.0.1", port))
         .await
         .expect("connect envoy");
-    let user_header = user
-        .map(|u| format!("x-user-id: {u}\r\n"))
-        .unwrap_or_default();
-    let request =
-        format!("GET {path} HTTP/1.1\r\nHost: app\r\n{user_header}Connection: close\r\n\r\n");
+    let extra: String = headers
+        .iter()
+        .map(|(k, v)| format!("{k}: {v}\r\n"))
+        .collect();
+    let request = format!(
+        "{method} {path} HTTP/1.1\r\nHost: app\r\n{extra}Content-Length: 0\r\nConnection: close\r\n\r\n"
+    );
     stream.write_all(request.as_bytes()).await.expect("send");
     let mut raw = Vec::new();
     tokio::time::timeout(Duration::from_secs(10), stream.read_to_end(&mut raw))
@@ -362,6 +389,53 @@ async fn failure_mode_when_slidegate_is_down() {
     );
 }
 
+/// The store failing behind a running slidegate: by default slidegate answers UNAVAILABLE and
+/// Envoy's `failure_mode_deny` decides (500, or let through); `--store-failure deny` answers
+/// OVER_LIMIT itself, so Envoy refuses with 429 whatever its failure mode.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn failure_mode_when_the_store_fails() {
+    let mut redis = common::redis::RedisProcess::start(&[]);
+    let url = redis.url();
+    // A store deadline well inside Envoy's 2 s filter timeout (as 15 ms is inside its 20 ms
+    // default), so slidegate's answer, not Envoy's timeout, decides.
+    let errors = start_slidegate(&["--redis", &url, "--redis-timeout", "300ms"]);
+    let denies = start_slidegate(&[
+        "--redis",
+        &url,
+        "--redis-timeout",
+        "300ms",
+        "--store-failure",
+        "deny",
+    ]);
+    let upstream = start_upstream().await;
+    let open = start_envoy(upstream, errors.grpc, false);
+    let closed = start_envoy(upstream, errors.grpc, true);
+    let strict = start_envoy(upstream, denies.grpc, false);
+    for envoy in [&open, &closed, &strict] {
+        assert_eq!(
+            get(envoy.port, "/api", Some("f")).await.status,
+            200,
+            "Redis up"
+        );
+    }
+    redis.stop();
+    assert_eq!(
+        get(open.port, "/api", Some("f")).await.status,
+        200,
+        "UNAVAILABLE + failure_mode_deny: false lets the request through"
+    );
+    assert_eq!(
+        get(closed.port, "/api", Some("f")).await.status,
+        500,
+        "UNAVAILABLE + failure_mode_deny: true answers 500"
+    );
+    assert_eq!(
+        get(strict.port, "/api", Some("f")).await.status,
+        429,
+        "--store-failure deny answers OVER_LIMIT itself"
+    );
+}
+
 /// Requests every 25 ms for 2.6 s, across fixed 2 s boundaries: never more than 5 admitted in any
 /// 2 s. Each admission happened at slidegate between sending the request and receiving the
 /// answer, so if request j was answered less than 2 s after request i was sent, the two were
@@ -423,4 +497,117 @@ fn deployed_envoy_config_validates() {
         String::from_utf8_lossy(&out.stderr)
     );
     assert!(String::from_utf8_lossy(&out.stdout).contains("OK"));
+}
+
+/// Every action type Envoy 1.40's route `rate_limits` can use, each on its own route
+/// (tests/fixtures/envoy-shapes.yaml), through a real Envoy to slidegate with
+/// tests/fixtures/shapes-limits.yaml: the descriptor each action builds is matched by the rule
+/// written for it, so the third request of each shape is refused; requests for which an action
+/// cannot build its descriptor are not limited; a per-rate-limit `hits_addend` counts as that
+/// many hits; `apply_on_stream_done` records after the response (its answer is ignored); and a
+/// gRPC call refused with `rate_limited_as_resource_exhausted` gets RESOURCE_EXHAUSTED.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_action_shape_is_limited() {
+    let slidegate = start_slidegate_with(
+        &format!("{MANIFEST}/tests/fixtures/shapes-limits.yaml"),
+        &[],
+    );
+    let upstream = start_upstream().await;
+    let (listen, admin) = (free_port(), free_port());
+    let config = std::fs::read_to_string(format!("{MANIFEST}/tests/fixtures/envoy-shapes.yaml"))
+        .expect("read envoy-shapes.yaml")
+        .replace("LISTEN_PORT", &listen.to_string())
+        .replace("UPSTREAM_PORT", &upstream.to_string())
+        .replace("SLIDEGATE_PORT", &slidegate.grpc.to_string())
+        .replace("ADMIN_PORT", &admin.to_string());
+    let envoy = run_envoy(
+        &config,
+        listen,
+        admin,
+        0,
+        &["--service-cluster", "edge-proxy"],
+    );
+    let port = envoy.port;
+
+    // (method, path, headers): two pass, the third is refused by slidegate through Envoy.
+    type Shape<'a> = (&'a str, &'a str, &'a [(&'a str, &'a str)]);
+    let shapes: [Shape<'_>; 11] = [
+        ("GET", "/generic", &[]),
+        ("GET", "/header", &[("x-tenant", "a")]),
+        ("POST", "/match", &[]),
+        ("GET", "/remote", &[]),
+        ("GET", "/masked", &[]),
+        ("GET", "/query?api_key=k1", &[]),
+        ("GET", "/qmatch?debug=1", &[]),
+        ("GET", "/dest", &[]),
+        ("GET", "/source", &[]),
+        ("GET", "/metadata", &[]),
+        ("GET", "/hits", &[]),
+    ];
+    for (method, path, headers) in shapes {
+        for n in 1..=2 {
+            let reply = send(port, method, path, headers).await;
+            assert_eq!(reply.status, 200, "{method} {path} request {n}");
+        }
+        let third = send(port, method, path, headers).await;
+        assert_eq!(
+            third.status, 429,
+            "{method} {path}: the third is over the limit"
+        );
+        assert_eq!(
+            third.headers.get("x-envoy-ratelimited").map(String::as_str),
+            Some("true")
+        );
+    }
+    // Where the action builds no descriptor, or another one, nothing limits the request.
+    for (method, path, headers) in [
+        ("GET", "/header", &[] as &[(&str, &str)]),
+        ("GET", "/header", &[("x-tenant", "b")]),
+        ("GET", "/match", &[]),
+        ("GET", "/query?api_key=k2", &[]),
+        ("GET", "/query", &[]),
+        ("GET", "/qmatch?debug=0", &[]),
+    ] {
+        assert_eq!(
+            send(port, method, path, headers).await.status,
+            200,
+            "{method} {path}"
+        );
+    }
+
+    // apply_on_stream_done: never refused (Envoy ignores that answer), but counted once the
+    // response is done: a check-only call (hits 0) sees the log fill up.
+    for n in 1..=3 {
+        assert_eq!(
+            send(port, "GET", "/done", &[]).await.status,
+            200,
+            "/done request {n}"
+        );
+    }
+    let check = r#"{"domain":"shapes","descriptors":[{"entries":[{"key":"generic_key","value":"d"}],"hitsAddend":"0"}]}"#;
+    let end = Instant::now() + Duration::from_secs(10);
+    loop {
+        let (_, body) = common::http(slidegate.http_addr(), "POST", "/json", check).await;
+        let reply: serde_json::Value = serde_json::from_str(&body).expect("JSON");
+        if reply["statuses"][0]["limitRemaining"].is_null() {
+            // 0 remaining is the proto3 default, left out: both counted.
+            break;
+        }
+        assert!(
+            Instant::now() < end,
+            "stream-done calls never recorded: {reply}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+
+    // A gRPC call refused with rate_limited_as_resource_exhausted: RESOURCE_EXHAUSTED.
+    let mut grpc = common::connect(std::net::SocketAddr::from(([127, 0, 0, 1], port))).await;
+    let status = grpc
+        .should_rate_limit(common::request(
+            "any",
+            vec![common::descriptor(&[("k", "v")])],
+        ))
+        .await
+        .expect_err("refused by Envoy's rate limit");
+    assert_eq!(status.code(), tonic::Code::ResourceExhausted, "{status:?}");
 }
