@@ -186,6 +186,7 @@ async fn redis_store(url: String) -> Arc<dyn Store> {
             timeout: Duration::from_millis(500),
             connect_timeout: Duration::from_secs(5),
             clock: ClockSource::Server,
+            tls: Default::default(),
         })
         .await
         .expect("connect to bench Redis"),

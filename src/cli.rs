@@ -65,6 +65,18 @@ pub struct ServeArgs {
     /// Redis URL; without it slidegate runs on its embedded in-process store.
     #[arg(long = "redis", env = "SLIDEGATE_REDIS_URL")]
     pub redis_url: Option<String>,
+    /// PEM CA certificates that sign Redis' certificate (rediss://), instead of the system's.
+    #[arg(long, env = "SLIDEGATE_REDIS_TLS_CA")]
+    pub redis_tls_ca: Option<PathBuf>,
+    /// PEM client certificate chain for Redis that requires one (with --redis-tls-key).
+    #[arg(long, env = "SLIDEGATE_REDIS_TLS_CERT")]
+    pub redis_tls_cert: Option<PathBuf>,
+    /// PEM private key of --redis-tls-cert.
+    #[arg(long, env = "SLIDEGATE_REDIS_TLS_KEY")]
+    pub redis_tls_key: Option<PathBuf>,
+    /// Accept a Redis certificate signed for another name (the chain is still verified).
+    #[arg(long, env = "SLIDEGATE_REDIS_TLS_SKIP_HOSTNAME_VERIFICATION", action = ArgAction::SetTrue, value_parser = BoolishValueParser::new())]
+    pub redis_tls_skip_hostname_verification: bool,
     /// Redis connections in the pool.
     #[arg(long, env = "SLIDEGATE_REDIS_POOL_SIZE", default_value_t = 4)]
     pub redis_pool_size: usize,

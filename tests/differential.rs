@@ -147,6 +147,7 @@ fn embedded_store_and_lua_script_answer_alike() {
                 timeout: Duration::from_secs(5),
                 connect_timeout: Duration::from_secs(5),
                 clock: ClockSource::Server,
+                tls: Default::default(),
             })
             .await
             .expect("connect to the test Redis"),

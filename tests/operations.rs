@@ -594,6 +594,7 @@ async fn health_follows_the_store() {
             timeout: Duration::from_millis(200),
             connect_timeout: Duration::from_secs(5),
             clock: slidegate::store::ClockSource::Server,
+            tls: Default::default(),
         })
         .await
         .expect("connect"),

@@ -31,6 +31,7 @@ fn options(url: String, timeout: Duration) -> RedisOptions {
         timeout,
         connect_timeout: Duration::from_secs(5),
         clock: ClockSource::Server,
+        tls: Default::default(),
     }
 }
 

@@ -403,3 +403,122 @@ fn refusals_and_usage() {
         );
     }
 }
+
+/// `REDIS_TLS` with the reference's CA, client certificate and hostname variables, against a
+/// real Redis that requires client certificates and presents a certificate for another name.
+/// Without the client certificate, or without skipping the hostname check, slidegate does not
+/// start (and says why).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reference_environment_with_redis_mutual_tls() {
+    let scratch = common::temp_dir("mtls");
+    let sh = |script: &str| {
+        let out = Command::new("sh")
+            .args(["-c", script])
+            .current_dir(&scratch.0)
+            .output()
+            .expect("run openssl");
+        assert!(
+            out.status.success(),
+            "{script}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    };
+    sh(
+        "openssl req -x509 -newkey rsa:2048 -nodes -keyout ca.key -out ca.crt -days 2 -subj /CN=test-ca 2>/dev/null",
+    );
+    for (name, san) in [
+        ("server", "DNS:redis.internal"),
+        ("client", "DNS:slidegate"),
+    ] {
+        sh(&format!(
+            "openssl req -newkey rsa:2048 -nodes -keyout {name}.key -out {name}.csr -subj /CN={name} 2>/dev/null && printf 'subjectAltName={san}\\n' > {name}.cnf && openssl x509 -req -in {name}.csr -CA ca.crt -CAkey ca.key -CAcreateserial -out {name}.crt -days 2 -extfile {name}.cnf 2>/dev/null"
+        ));
+    }
+    let file = |name: &str| scratch.0.join(name).display().to_string();
+    let (ca, cert, key) = (file("ca.crt"), file("server.crt"), file("server.key"));
+    let (client_cert, client_key) = (file("client.crt"), file("client.key"));
+    let ready = (ca.clone(), client_cert.clone(), client_key.clone());
+    let redis = RedisProcess::start_with(
+        |port| {
+            [
+                "--port",
+                "0",
+                "--tls-port",
+                &port.to_string(),
+                "--tls-cert-file",
+                &cert,
+                "--tls-key-file",
+                &key,
+                "--tls-ca-cert-file",
+                &ca,
+                "--tls-auth-clients",
+                "yes",
+            ]
+            .map(String::from)
+            .to_vec()
+        },
+        |port| {
+            Command::new("redis-cli")
+                .args([
+                    "--tls",
+                    "--insecure",
+                    "--cacert",
+                    &ready.0,
+                    "--cert",
+                    &ready.1,
+                ])
+                .args([
+                    "--key",
+                    &ready.2,
+                    "-h",
+                    "127.0.0.1",
+                    "-p",
+                    &port.to_string(),
+                    "PING",
+                ])
+                .output()
+                .is_ok_and(|o| String::from_utf8_lossy(&o.stdout).contains("PONG"))
+        },
+    );
+    let tls = |with_client: bool, skip: bool| {
+        let mut env = vec![
+            ("REDIS_SOCKET_TYPE", "tcp".to_string()),
+            ("REDIS_URL", format!("127.0.0.1:{}", redis.port)),
+            ("REDIS_TLS", "true".to_string()),
+            ("REDIS_TLS_CACERT", ca.clone()),
+            ("REDIS_TLS_SKIP_HOSTNAME_VERIFICATION", skip.to_string()),
+        ];
+        if with_client {
+            env.push(("REDIS_TLS_CLIENT_CERT", client_cert.clone()));
+            env.push(("REDIS_TLS_CLIENT_KEY", client_key.clone()));
+        }
+        env
+    };
+    std::fs::create_dir_all(scratch.0.join("config")).expect("config dir");
+    std::fs::write(scratch.0.join("config/limits.yaml"), limits("mtls", 1)).expect("limits");
+    for (env, why) in [
+        (tls(false, true), "no client certificate"),
+        (tls(true, false), "a certificate for another name"),
+    ] {
+        let mut full = env.clone();
+        full.push(("RUNTIME_ROOT", scratch.0.display().to_string()));
+        let log = scratch.0.join("refused.log");
+        let mut child = KillOnDrop(run_with_env(
+            Path::new(env!("CARGO_BIN_EXE_slidegate")),
+            &full,
+            log.clone(),
+        ));
+        let end = Instant::now() + Duration::from_secs(20);
+        let status = loop {
+            if let Some(status) = child.0.try_wait().expect("wait") {
+                break status;
+            }
+            assert!(Instant::now() < end, "{why}: slidegate should not start");
+            std::thread::sleep(Duration::from_millis(25));
+        };
+        let text = std::fs::read_to_string(&log).unwrap_or_default();
+        assert!(!status.success(), "{why}: {text}");
+        assert!(text.contains("cannot use Redis"), "{why}: {text}");
+    }
+    behaves_as_the_reference(Path::new(env!("CARGO_BIN_EXE_slidegate")), &tls(true, true)).await;
+}

@@ -318,18 +318,6 @@ fn refuse(var: Var<'_>) -> Result<(), String> {
             "BACKEND_TYPE={backend}: slidegate's stores are Redis and its embedded store"
         ));
     }
-    for name in [
-        "REDIS_TLS_CLIENT_CERT",
-        "REDIS_TLS_CLIENT_KEY",
-        "REDIS_TLS_CACERT",
-        "REDIS_TLS_SKIP_HOSTNAME_VERIFICATION",
-    ] {
-        if var(name).is_some() {
-            return Err(format!(
-                "{name}: client certificates and custom CAs for Redis are not supported yet; REDIS_TLS=true verifies the server against the system's CAs"
-            ));
-        }
-    }
     Ok(())
 }
 
@@ -451,6 +439,7 @@ fn redis(args: &mut ServeArgs, env: Env<'_>, notes: &mut Vec<String>) -> Result<
         return Err(format!("REDIS_SOCKET_TYPE={other:?}: use tcp"));
     }
     let tls = flag(var, "REDIS_TLS")?.unwrap_or(false);
+    redis_tls(args, env)?;
     let scheme = if tls { "rediss" } else { "redis" };
     let auth = var("REDIS_AUTH").map_or(String::new(), |auth| match auth.split_once(':') {
         Some((user, password)) => format!("{}:{}@", encode(user), encode(password)),
@@ -467,6 +456,37 @@ fn redis(args: &mut ServeArgs, env: Env<'_>, notes: &mut Vec<String>) -> Result<
             ));
         }
     });
+    Ok(())
+}
+
+/// `REDIS_TLS_CACERT`, `REDIS_TLS_CLIENT_CERT`, `REDIS_TLS_CLIENT_KEY`,
+/// `REDIS_TLS_SKIP_HOSTNAME_VERIFICATION`.
+fn redis_tls(args: &mut ServeArgs, Env { var, given, .. }: Env<'_>) -> Result<(), String> {
+    let files: [(&str, &str, &mut Option<PathBuf>); 3] = [
+        ("REDIS_TLS_CACERT", "redis_tls_ca", &mut args.redis_tls_ca),
+        (
+            "REDIS_TLS_CLIENT_CERT",
+            "redis_tls_cert",
+            &mut args.redis_tls_cert,
+        ),
+        (
+            "REDIS_TLS_CLIENT_KEY",
+            "redis_tls_key",
+            &mut args.redis_tls_key,
+        ),
+    ];
+    for (name, id, field) in files {
+        if let Some(path) = var(name)
+            && !given(id)
+        {
+            *field = Some(PathBuf::from(path));
+        }
+    }
+    if let Some(skip) = flag(var, "REDIS_TLS_SKIP_HOSTNAME_VERIFICATION")?
+        && !given("redis_tls_skip_hostname_verification")
+    {
+        args.redis_tls_skip_hostname_verification = skip;
+    }
     Ok(())
 }
 

@@ -11,7 +11,7 @@ use slidegate::limiter::{
 };
 use slidegate::metrics::{MetricNames, Metrics};
 use slidegate::server::{App, Listeners, ServerOptions};
-use slidegate::store::redis::redact;
+use slidegate::store::redis::{TlsFiles, redact};
 use slidegate::store::{ClockSource, MemoryStore, RedisOptions, RedisStore, Store};
 
 use super::{ClockArg, FailureArg, LogFormat, MetricNamesArg, ServeArgs};
@@ -168,6 +168,12 @@ async fn open_store(args: &ServeArgs, clock: Arc<SystemClock>) -> Result<Arc<dyn
         clock: match args.clock {
             ClockArg::Server => ClockSource::Server,
             ClockArg::Redis => ClockSource::Redis,
+        },
+        tls: TlsFiles {
+            ca: args.redis_tls_ca.clone(),
+            cert: args.redis_tls_cert.clone(),
+            key: args.redis_tls_key.clone(),
+            skip_hostname_verification: args.redis_tls_skip_hostname_verification,
         },
     };
     let store = RedisStore::connect(options)

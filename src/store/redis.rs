@@ -16,6 +16,9 @@ use fred::prelude::*;
 use fred::types::scripts::Script;
 use futures_util::future::join_all;
 
+mod tls;
+pub use tls::TlsFiles;
+
 use super::{
     Algorithm, CheckItem, CheckOutcome, ItemOutcome, Role, Store, StoreError, StoreFuture,
     WindowOutcome, admits,
@@ -46,6 +49,8 @@ pub struct RedisOptions {
     pub timeout: Duration,
     pub connect_timeout: Duration,
     pub clock: ClockSource,
+    /// CA, client certificate and hostname policy for `rediss://`; empty: system CAs.
+    pub tls: TlsFiles,
 }
 
 pub struct RedisStore {
@@ -153,6 +158,17 @@ impl RedisStore {
                 e.details()
             ))
         })?;
+        let mut config = config;
+        if !options.tls.is_empty() {
+            if config.tls.is_none() {
+                return Err(StoreError::unavailable(
+                    "Redis TLS files were given for a URL without TLS: use rediss:// (or REDIS_TLS=true)",
+                ));
+            }
+            config.tls = Some(
+                fred::types::config::TlsConnector::from(tls::client_config(&options.tls)?).into(),
+            );
+        }
         let cluster = config.server.is_clustered();
         let timeout = options.timeout;
         let pool = Builder::from_config(config)
