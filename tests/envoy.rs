@@ -109,35 +109,61 @@ struct Envoy {
 fn start_envoy(upstream: u16, slidegate_grpc: u16, failure_mode_deny: bool) -> Envoy {
     let template = std::fs::read_to_string(format!("{MANIFEST}/deploy/envoy/envoy.yaml"))
         .expect("read envoy.yaml");
-    let (listen, admin, readiness) = (free_port(), free_port(), free_port());
-    let mut config = template;
-    for (from, to) in [
-        ("port_value: 10000", format!("port_value: {listen}")),
-        ("port_value: 8000", format!("port_value: {upstream}")),
-        ("port_value: 8081", format!("port_value: {slidegate_grpc}")),
-        ("port_value: 9901", format!("port_value: {admin}")),
-        ("port_value: 9902", format!("port_value: {readiness}")),
-        ("address: 0.0.0.0", "address: 127.0.0.1".to_string()),
-        ("timeout: 0.05s", "timeout: 2s".to_string()),
-        (
-            "failure_mode_deny: false",
-            format!("failure_mode_deny: {failure_mode_deny}"),
-        ),
-    ] {
-        assert!(
-            config.contains(from),
-            "deploy/envoy/envoy.yaml no longer has `{from}`"
-        );
-        config = config.replace(from, &to);
-    }
-    run_envoy(&config, listen, admin, readiness, &[])
+    with_fresh_ports(|listen, admin, readiness| {
+        let mut config = template.clone();
+        for (from, to) in [
+            ("port_value: 10000", format!("port_value: {listen}")),
+            ("port_value: 8000", format!("port_value: {upstream}")),
+            ("port_value: 8081", format!("port_value: {slidegate_grpc}")),
+            ("port_value: 9901", format!("port_value: {admin}")),
+            ("port_value: 9902", format!("port_value: {readiness}")),
+            ("address: 0.0.0.0", "address: 127.0.0.1".to_string()),
+            ("timeout: 0.05s", "timeout: 2s".to_string()),
+            (
+                "failure_mode_deny: false",
+                format!("failure_mode_deny: {failure_mode_deny}"),
+            ),
+        ] {
+            assert!(
+                config.contains(from),
+                "deploy/envoy/envoy.yaml no longer has `{from}`"
+            );
+            config = config.replace(from, &to);
+        }
+        (config, Vec::new())
+    })
 }
 
-/// Runs Envoy on `config` (ports already chosen) and waits until its admin says ready.
-fn run_envoy(config: &str, listen: u16, admin: u16, readiness: u16, extra: &[&str]) -> Envoy {
+/// Starts Envoy on the config `make` writes for three free ports (listener, admin, readiness),
+/// with its extra arguments. A port can be taken between choosing and binding it: when Envoy
+/// exits before it is ready, it is started again on other ports (three tries), and the last
+/// failure's log is shown.
+fn with_fresh_ports(make: impl Fn(u16, u16, u16) -> (String, Vec<String>)) -> Envoy {
+    let mut last_log = String::new();
+    for _ in 0..3 {
+        let (listen, admin, readiness) = (free_port(), free_port(), free_port());
+        let (config, extra) = make(listen, admin, readiness);
+        match run_envoy(&config, listen, admin, readiness, &extra) {
+            Ok(envoy) => return envoy,
+            Err(log) => last_log = log,
+        }
+    }
+    panic!("envoy did not start:\n{last_log}");
+}
+
+/// Runs Envoy on `config` (ports already chosen) and waits until its admin says ready; `Err`
+/// with its log when it exits first.
+fn run_envoy(
+    config: &str,
+    listen: u16,
+    admin: u16,
+    readiness: u16,
+    extra: &[String],
+) -> Result<Envoy, String> {
     let dir = common::temp_dir("envoy");
     let path = dir.0.join("envoy.yaml");
     std::fs::write(&path, config).expect("write envoy config");
+    let log = dir.0.join("envoy.log");
     let child = Command::new(envoy_binary())
         .arg("-c")
         .arg(&path)
@@ -150,23 +176,31 @@ fn run_envoy(config: &str, listen: u16, admin: u16, readiness: u16, extra: &[&st
         ])
         .args(extra)
         .stdout(Stdio::null())
-        .stderr(Stdio::null())
+        .stderr(std::fs::File::create(&log).expect("envoy log"))
         .spawn()
         .expect("start envoy");
-    let child = KillOnDrop(child);
-    wait_until("envoy ready", Duration::from_secs(30), || {
-        common::redis::command(
+    let mut child = KillOnDrop(child);
+    let end = Instant::now() + Duration::from_secs(30);
+    loop {
+        let ready = common::redis::command(
             admin,
             "GET /ready HTTP/1.1\r\nHost: admin\r\nConnection: close\r\n",
         )
-        .is_ok_and(|r| r.contains(" 200 "))
-    });
-    Envoy {
+        .is_ok_and(|r| r.contains(" 200 "));
+        if ready {
+            break;
+        }
+        if child.0.try_wait().ok().flatten().is_some() || Instant::now() > end {
+            return Err(std::fs::read_to_string(&log).unwrap_or_default());
+        }
+        std::thread::sleep(Duration::from_millis(25));
+    }
+    Ok(Envoy {
         port: listen,
         readiness,
         _child: child,
         _dir: dir,
-    }
+    })
 }
 
 struct Reply {
@@ -513,20 +547,19 @@ async fn every_action_shape_is_limited() {
         &[],
     );
     let upstream = start_upstream().await;
-    let (listen, admin) = (free_port(), free_port());
-    let config = std::fs::read_to_string(format!("{MANIFEST}/tests/fixtures/envoy-shapes.yaml"))
-        .expect("read envoy-shapes.yaml")
-        .replace("LISTEN_PORT", &listen.to_string())
-        .replace("UPSTREAM_PORT", &upstream.to_string())
-        .replace("SLIDEGATE_PORT", &slidegate.grpc.to_string())
-        .replace("ADMIN_PORT", &admin.to_string());
-    let envoy = run_envoy(
-        &config,
-        listen,
-        admin,
-        0,
-        &["--service-cluster", "edge-proxy"],
-    );
+    let template = std::fs::read_to_string(format!("{MANIFEST}/tests/fixtures/envoy-shapes.yaml"))
+        .expect("read envoy-shapes.yaml");
+    let envoy = with_fresh_ports(|listen, admin, _| {
+        let config = template
+            .replace("LISTEN_PORT", &listen.to_string())
+            .replace("UPSTREAM_PORT", &upstream.to_string())
+            .replace("SLIDEGATE_PORT", &slidegate.grpc.to_string())
+            .replace("ADMIN_PORT", &admin.to_string());
+        (
+            config,
+            vec!["--service-cluster".into(), "edge-proxy".into()],
+        )
+    });
     let port = envoy.port;
 
     // (method, path, headers): two pass, the third is refused by slidegate through Envoy.

@@ -522,3 +522,75 @@ async fn reference_environment_with_redis_mutual_tls() {
     }
     behaves_as_the_reference(Path::new(env!("CARGO_BIN_EXE_slidegate")), &tls(true, true)).await;
 }
+
+/// `FORCE_START_WITHOUT_INITIAL_CONFIG` with a broken config: slidegate serves, answering OK
+/// without a limit, and `HEALTHY_WITH_AT_LEAST_ONE_CONFIG_LOADED` keeps `/healthcheck` at 500;
+/// once a valid config is published it applies, and the health check turns 200.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn forced_start_without_a_valid_config() {
+    let scratch = common::temp_dir("force");
+    let domain = unique_domain("forced");
+    let mut config = ConfigMap::create(scratch.0.join("config"), "domain: [not, a, string]\n");
+    let (grpc, http) = (free_port(), free_port());
+    let env = [
+        ("RUNTIME_ROOT", scratch.0.display().to_string()),
+        ("HOST", "127.0.0.1".to_string()),
+        ("PORT", http.to_string()),
+        ("GRPC_HOST", "127.0.0.1".to_string()),
+        ("GRPC_PORT", grpc.to_string()),
+        ("FORCE_START_WITHOUT_INITIAL_CONFIG", "true".to_string()),
+        (
+            "HEALTHY_WITH_AT_LEAST_ONE_CONFIG_LOADED",
+            "true".to_string(),
+        ),
+    ];
+    let log = scratch.0.join("force.log");
+    let _child = KillOnDrop(run_with_env(
+        Path::new(env!("CARGO_BIN_EXE_slidegate")),
+        &env,
+        log.clone(),
+    ));
+    let health = || {
+        common::redis::command(http, "GET /healthcheck HTTP/1.0\r\n")
+            .ok()
+            .and_then(|r| r.split_whitespace().nth(1).map(str::to_string))
+    };
+    let end = Instant::now() + Duration::from_secs(20);
+    while health().as_deref() != Some("500") {
+        assert!(
+            Instant::now() < end,
+            "not serving: {}",
+            std::fs::read_to_string(&log).unwrap_or_default()
+        );
+        std::thread::sleep(Duration::from_millis(25));
+    }
+    let client = connect(SocketAddr::from(([127, 0, 0, 1], grpc))).await;
+    let call = || {
+        let mut client = client.clone();
+        let req = request(&domain, vec![descriptor(&[("user", "u")])]);
+        async move {
+            client
+                .should_rate_limit(req)
+                .await
+                .expect("call")
+                .into_inner()
+        }
+    };
+    for _ in 0..3 {
+        let r = call().await;
+        assert_eq!(r.overall_code, ok(), "no config yet: no limit");
+        assert_eq!(r.statuses[0].current_limit, None);
+    }
+    config.publish(&limits(&domain, 1));
+    let end = Instant::now() + Duration::from_secs(10);
+    while health().as_deref() != Some("200") {
+        assert!(Instant::now() < end, "the valid config never loaded");
+        std::thread::sleep(Duration::from_millis(25));
+    }
+    assert_eq!(call().await.overall_code, ok());
+    assert_eq!(
+        call().await.overall_code,
+        over(),
+        "the published limit applies"
+    );
+}

@@ -235,6 +235,14 @@ fn check_command_validates_configs() {
         "{stderr}"
     );
     assert!(stderr.contains("2 error(s)"), "{stderr}");
+    // The directory as a plain argument works the same.
+    let positional = std::process::Command::new(bin)
+        .arg("check")
+        .arg(&dir)
+        .output()
+        .expect("run check DIR");
+    assert!(!positional.status.success());
+    assert_eq!(String::from_utf8_lossy(&positional.stderr), stderr);
     let _ = std::fs::remove_dir_all(&dir);
 }
 

@@ -669,3 +669,152 @@ fn prometheus(args: &mut ServeArgs, Env { var, given, .. }: Env<'_>) -> Result<(
     }
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use std::collections::HashMap;
+
+    use clap::parser::ValueSource;
+    use clap::{CommandFactory, FromArgMatches};
+
+    use super::*;
+    use crate::cli::Cli;
+
+    /// Parses `argv` and applies `env` as `main` does, returning the arguments and the notes.
+    fn run(argv: &[&str], env: &[(&str, &str)]) -> Result<(ServeArgs, Vec<String>), String> {
+        let env: HashMap<String, String> = env
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        let var = |name: &str| env.get(name).cloned().filter(|v| !v.is_empty());
+        let mut all = vec!["slidegate"];
+        all.extend_from_slice(argv);
+        let matches = Cli::command()
+            .try_get_matches_from(all)
+            .map_err(|e| e.to_string())?;
+        let mut args = Cli::from_arg_matches(&matches)
+            .map_err(|e| e.to_string())?
+            .serve;
+        let given = |id: &str| {
+            matches!(
+                matches.value_source(id),
+                Some(ValueSource::CommandLine | ValueSource::EnvVariable)
+            )
+        };
+        let notes = apply(&mut args, &given, &var, false)?;
+        Ok((args, notes))
+    }
+
+    #[test]
+    fn listeners_runtime_and_redis_map_onto_the_flags() {
+        let (args, notes) = run(
+            &[],
+            &[
+                ("PORT", "9000"),
+                ("GRPC_HOST", "127.0.0.1"),
+                ("RUNTIME_ROOT", "/data"),
+                ("RUNTIME_SUBDIRECTORY", "ratelimit"),
+                ("REDIS_SOCKET_TYPE", "tcp"),
+                ("REDIS_URL", "redis:6379"),
+                ("REDIS_AUTH", "user:p@ss"),
+                ("REDIS_TLS", "1"),
+                ("USE_PROMETHEUS", "true"),
+                ("MERGE_DOMAIN_CONFIG", "yes"),
+                ("REDIS_PERSECOND", "true"),
+            ],
+        )
+        .expect("accepted");
+        assert_eq!(args.http_addr.to_string(), "0.0.0.0:9000");
+        assert_eq!(args.grpc_addr.to_string(), "127.0.0.1:8081");
+        assert_eq!(args.config, Some(PathBuf::from("/data/ratelimit/config")));
+        assert_eq!(
+            args.redis_url.as_deref(),
+            Some("rediss://user:p%40ss@redis:6379")
+        );
+        assert_eq!(args.metric_names, MetricNamesArg::Reference);
+        assert_eq!(
+            args.metrics_addr.map(|a| a.to_string()),
+            Some("0.0.0.0:9090".into())
+        );
+        assert!(args.merge_domain_config);
+        assert_eq!(notes.len(), 1, "{notes:?}");
+        assert!(notes[0].starts_with("REDIS_PERSECOND is set"), "{notes:?}");
+    }
+
+    #[test]
+    fn cluster_and_sentinel_lists() {
+        let url = |kind: &str, list: &str| {
+            run(
+                &[],
+                &[
+                    ("REDIS_TYPE", kind),
+                    ("REDIS_URL", list),
+                    ("REDIS_SENTINEL_AUTH", "sp"),
+                ],
+            )
+            .map(|(args, _)| args.redis_url)
+        };
+        assert_eq!(
+            url("cluster", "a:1,b:2"),
+            Ok(Some("redis-cluster://a:1,b:2".to_string()))
+        );
+        assert_eq!(
+            url("SENTINEL", "mymaster,s1:26379,s2:26379"),
+            Ok(Some(
+                "redis-sentinel://s1:26379?sentinelServiceName=mymaster&node=s2:26379&sentinelPassword=sp"
+                    .to_string()
+            ))
+        );
+        assert!(url("sentinel", "mymaster").is_err(), "no sentinel listed");
+        assert!(url("ring", "a:1").is_err());
+    }
+
+    #[test]
+    fn flags_and_slidegate_variables_win() {
+        let (args, _) = run(
+            &[
+                "--http-addr",
+                "127.0.0.1:1",
+                "--redis",
+                "redis://flag:1",
+                "--config",
+                "/etc/x",
+            ],
+            &[
+                ("PORT", "9000"),
+                ("REDIS_URL", "env:2"),
+                ("RUNTIME_ROOT", "/data"),
+            ],
+        )
+        .expect("accepted");
+        assert_eq!(args.http_addr.to_string(), "127.0.0.1:1");
+        assert_eq!(args.redis_url.as_deref(), Some("redis://flag:1"));
+        assert_eq!(args.config, Some(PathBuf::from("/etc/x")));
+    }
+
+    #[test]
+    fn what_would_be_wrong_if_ignored_is_refused() {
+        for (env, expected) in [
+            (
+                vec![("REDIS_URL", "/var/run/r.sock")],
+                "REDIS_SOCKET_TYPE=unix",
+            ),
+            (
+                vec![("REDIS_SOCKET_TYPE", "unix"), ("REDIS_URL", "r:1")],
+                "REDIS_SOCKET_TYPE=unix",
+            ),
+            (vec![("BACKEND_TYPE", "memcache")], "BACKEND_TYPE=memcache"),
+            (
+                vec![("CONFIG_TYPE", "GRPC_XDS_SOTW")],
+                "CONFIG_TYPE=GRPC_XDS_SOTW",
+            ),
+            (vec![("GRPC_UDS", "/tmp/s")], "GRPC_UDS"),
+            (vec![("PORT", "http")], "PORT=\"http\""),
+            (vec![("LOG_LEVEL", "loud")], "LOG_LEVEL=\"loud\""),
+            (vec![("NEAR_LIMIT_RATIO", "2")], "NEAR_LIMIT_RATIO"),
+        ] {
+            let error = run(&[], &env).expect_err("refused");
+            assert!(error.contains(expected), "{env:?}: {error}");
+        }
+    }
+}

@@ -11,7 +11,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use arc_swap::ArcSwap;
 
 use super::clock::Stopwatch;
-use super::headers;
+use super::headers::{self, LimitHeaderNames};
 use super::key::{self, Variant};
 use super::observe::{CallResult, DescriptorReport, NoObserver, Observer};
 pub use super::rules::FailurePolicy;
@@ -38,24 +38,6 @@ pub struct LimiterOptions {
     pub global_quota_mode: bool,
     /// The reference's three headers (`LIMIT_RESPONSE_HEADERS_ENABLED`), under these names.
     pub limit_headers: Option<LimitHeaderNames>,
-}
-
-/// Names of the reference server's response headers: limit, remaining, reset (seconds).
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct LimitHeaderNames {
-    pub limit: String,
-    pub remaining: String,
-    pub reset: String,
-}
-
-impl Default for LimitHeaderNames {
-    fn default() -> Self {
-        LimitHeaderNames {
-            limit: "RateLimit-Limit".into(),
-            remaining: "RateLimit-Remaining".into(),
-            reset: "RateLimit-Reset".into(),
-        }
-    }
 }
 
 impl Default for LimiterOptions {

@@ -2,7 +2,6 @@
 //! (draft-ietf-httpapi-ratelimit-headers, structured-field form) and `Retry-After` when the
 //! request is rejected. Envoy adds them to the downstream response via `response_headers_to_add`.
 
-use super::engine::LimitHeaderNames;
 use super::rules::Window;
 use super::{Code, Status};
 
@@ -68,6 +67,24 @@ pub fn build<'w>(
         headers.push(("Retry-After".to_string(), reset_s.max(1).to_string()));
     }
     headers
+}
+
+/// Names of the reference server's response headers: limit, remaining, reset (seconds).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct LimitHeaderNames {
+    pub limit: String,
+    pub remaining: String,
+    pub reset: String,
+}
+
+impl Default for LimitHeaderNames {
+    fn default() -> Self {
+        LimitHeaderNames {
+            limit: "RateLimit-Limit".into(),
+            remaining: "RateLimit-Remaining".into(),
+            reset: "RateLimit-Reset".into(),
+        }
+    }
 }
 
 /// The reference server's headers (`LIMIT_RESPONSE_HEADERS_ENABLED`): the limit, remaining and

@@ -12,7 +12,8 @@ pub mod rules;
 pub mod unit;
 
 pub use clock::{Clock, ManualClock, SystemClock};
-pub use engine::{FailurePolicy, LimitHeaderNames, Limiter, LimiterOptions};
+pub use engine::{FailurePolicy, Limiter, LimiterOptions};
+pub use headers::LimitHeaderNames;
 pub use observe::{CallResult, DescriptorReport, NoObserver, Observer};
 pub use unit::Unit;
 
