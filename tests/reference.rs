@@ -177,6 +177,21 @@ fn sample(
         .map(|(_, _, _, v)| *v)
 }
 
+/// One call for `[user=u]` in `domain`.
+async fn call_user(
+    client: &slidegate::proto::rate_limit_service_client::RateLimitServiceClient<
+        tonic::transport::Channel,
+    >,
+    domain: &str,
+) -> RateLimitResponse {
+    client
+        .clone()
+        .should_rate_limit(request(domain, vec![descriptor(&[("user", "u")])]))
+        .await
+        .expect("call")
+        .into_inner()
+}
+
 /// The whole check for one Redis set-up.
 async fn behaves_as_the_reference(binary: &Path, redis: &[(&str, String)]) {
     let scratch = common::temp_dir("reference");
@@ -184,17 +199,7 @@ async fn behaves_as_the_reference(binary: &Path, redis: &[(&str, String)]) {
     let mut config = ConfigMap::create(scratch.0.join("ratelimit/config"), &limits(&domain, 3));
     let s = start(binary, &scratch.0, redis);
     let client = connect(s.grpc).await;
-    let call = || {
-        let mut client = client.clone();
-        let req = request(&domain, vec![descriptor(&[("user", "u")])]);
-        async move {
-            client
-                .should_rate_limit(req)
-                .await
-                .expect("call")
-                .into_inner()
-        }
-    };
+    let call = || call_user(&client, &domain);
     for remaining in [2, 1, 0] {
         let r = call().await;
         assert_eq!(r.overall_code, ok());
@@ -565,17 +570,7 @@ async fn forced_start_without_a_valid_config() {
         std::thread::sleep(Duration::from_millis(25));
     }
     let client = connect(SocketAddr::from(([127, 0, 0, 1], grpc))).await;
-    let call = || {
-        let mut client = client.clone();
-        let req = request(&domain, vec![descriptor(&[("user", "u")])]);
-        async move {
-            client
-                .should_rate_limit(req)
-                .await
-                .expect("call")
-                .into_inner()
-        }
-    };
+    let call = || call_user(&client, &domain);
     for _ in 0..3 {
         let r = call().await;
         assert_eq!(r.overall_code, ok(), "no config yet: no limit");
