@@ -6,32 +6,43 @@
 -- any Redis Cluster master.
 --
 -- KEYS, three per descriptor i = 1..n:
---   KEYS[3i-2]  the log (sliding_log): a sorted set, score = time in ms, one member per hit
+--   KEYS[3i-2]  the log (sliding_log): a sorted set, score = time in ms, one member per call
+--               that recorded, "<cum>:<weight>:<prefix>:<i>", where weight is the call's hits
+--               and cum (20 digits, zero-padded) the running total of hits up to and including
+--               this entry; the hits in a window are last cum - (cum - weight of the window's
+--               first entry), whatever the number of entries
 --   KEYS[3i-1]  the ban: a string holding the ban's end (ms since the epoch), with a TTL
 --   KEYS[3i]    the counters (sliding_counter): a hash, field "<bucket_ms>:<bucket>" = hits
 -- ARGV:
 --   ARGV[1]  now, in ms since the epoch; "" reads Redis TIME instead (one clock for all replicas)
---   ARGV[2]  member prefix, unique per call; members are "<now>:<prefix>:<i>:<j>", unique even
---            within one millisecond
+--   ARGV[2]  member prefix, unique per call, so members are unique even within one millisecond
 --   ARGV[3]  mode: 1 = final: admit iff every enforcing descriptor fits and, if there are quota
 --                  descriptors, at least one of them fits; record only if admitted
 --            0 = tentative (a request spread over several slots): record if every enforcing
 --                descriptor of this call fits; the caller combines the slots' answers and
---                removes the members again if the request is rejected
+--                removes the entries again if the request is rejected
 --   ARGV[4]  n, the number of descriptors
 --   then per descriptor: hits, role (0 enforce, 1 shadow, 2 quota), ban_ms (0: no ban),
---   buckets (0: sliding_log; else sliding_counter with that many buckets per window), m (>= 1),
---   then m pairs: limit, window_ms
--- Reply: { now, recorded (0/1), then per descriptor: fits (0/1), ban_remaining_ms,
---          ban_set (1 if this call set the ban), m', then m' pairs: count, reset_ms }
---          (m' = 0 while banned)
+--   buckets (0: sliding_log; else sliding_counter with that many buckets per window),
+--   debit (1: usage already spent, see below), m (>= 1), then m pairs: limit, window_ms
+-- Reply: { now, recorded (0/1, anything), then per descriptor: fits (0/1), ban_remaining_ms,
+--          ban_set (1 if this call set the ban), recorded (0/1), cum (of the log entry it
+--          recorded; 0 if none), m', then m' pairs: count, reset_ms }   (m' = 0 while banned)
 --   count    hits in the window after this call
 --   reset_ms fitting descriptor: until the oldest counted hit leaves the window (0 if empty);
 --            otherwise: until this request's hits would fit (0 if this window has room, the
 --            window's length if the hits exceed its limit)
 -- sliding_log: an entry with time t is inside a window W at now iff t > now - W.
 -- sliding_counter: a window of length W has buckets of floor(W / buckets) ms; every bucket that
--- overlaps (now - W, now] counts in full, so the count is never below the log's.
+-- overlaps (now - W, now] counts in full, so the count is never below the log's. Windows with
+-- the same bucket length share their buckets (a hit is added once).
+-- debit: a call with hits records them even when they cross the limit, as long as every window
+-- still had room for one more hit before it (usage that already happened is charged; once the
+-- budget is spent nothing more is charged, so the total never exceeds the limit by more than
+-- the call that crossed it). It fits (is answered OK) iff count + max(hits, 1) <= limit in every
+-- window, so a check (hits 0) fails once the budget is spent.
+-- Logs written by the previous format (one member "<time>:<prefix>:<i>:<j>" per hit) are
+-- rewritten in this format, weight 1 each, the first time this script reads them.
 -- Bad arguments get an error reply whose code is SLIDEGATE, never a Lua runtime error.
 
 local function fail(message)
@@ -80,11 +91,12 @@ local items = {}
 local a = 5
 for i = 1, n do
   local hits, role, ban_ms = whole(ARGV[a]), whole(ARGV[a + 1]), whole(ARGV[a + 2])
-  local buckets, m = whole(ARGV[a + 3]), whole(ARGV[a + 4])
-  if hits == nil or role == nil or role > 2 or ban_ms == nil or buckets == nil or m == nil or m < 1 then
-    return fail('descriptor ' .. i .. ': hits, role (0-2), ban_ms, buckets and window count (>= 1) are required')
+  local buckets, debit, m = whole(ARGV[a + 3]), whole(ARGV[a + 4]), whole(ARGV[a + 5])
+  if hits == nil or role == nil or role > 2 or ban_ms == nil or buckets == nil or debit == nil
+      or debit > 1 or m == nil or m < 1 then
+    return fail('descriptor ' .. i .. ': hits, role (0-2), ban_ms, buckets, debit (0-1) and window count (>= 1) are required')
   end
-  a = a + 5
+  a = a + 6
   local windows, longest = {}, 0
   for w = 1, m do
     local limit, length = whole(ARGV[a]), whole(ARGV[a + 1])
@@ -102,13 +114,100 @@ for i = 1, n do
     a = a + 2
   end
   items[i] = { log = KEYS[3 * i - 2], ban = KEYS[3 * i - 1], cnt = KEYS[3 * i], hits = hits, role = role,
-               ban_ms = ban_ms, buckets = buckets, windows = windows, longest = longest, counts = {} }
+               ban_ms = ban_ms, buckets = buckets, debit = debit == 1, windows = windows,
+               longest = longest, counts = {}, firsts = {}, cum = 0 }
 end
 if ARGV[a] ~= nil then
   return fail('unexpected argument ARGV[' .. a .. ']')
 end
 
--- sliding_counter: the buckets stored for a descriptor, as { size, index, hits, field }.
+-- === sliding_log: a log of weighted entries with running totals ===
+
+-- cum and weight of a member, or nil for a member of the previous format.
+local function parse_member(member)
+  local cum, weight = string.match(member, '^(%d%d%d%d%d%d%d%d%d%d%d%d%d%d%d%d%d%d%d%d):(%d+):')
+  if cum == nil then
+    return nil
+  end
+  return tonumber(cum), tonumber(weight)
+end
+
+local function member(cum, weight, i)
+  return string.format('%020d', cum) .. ':' .. ms(weight) .. ':' .. prefix .. ':' .. i
+end
+
+-- Rewrites a log that holds members of the previous format: every entry keeps its time, an
+-- old member weighs 1, and running totals are recomputed in time order.
+local function migrate(log)
+  local all = redis.call('ZRANGE', log, 0, -1, 'WITHSCORES')
+  redis.call('DEL', log)
+  local cum, args = 0, {}
+  for e = 1, #all, 2 do
+    local _, weight = parse_member(all[e])
+    weight = weight or 1
+    cum = cum + weight
+    args[#args + 1] = all[e + 1]
+    args[#args + 1] = string.format('%020d', cum) .. ':' .. ms(weight) .. ':m:' .. ms((e + 1) / 2)
+    if #args >= 2000 then
+      redis.call('ZADD', log, unpack(args))
+      args = {}
+    end
+  end
+  if #args > 0 then
+    redis.call('ZADD', log, unpack(args))
+  end
+end
+
+-- The log's newest entry: { cum, time } ({ 0, 0 } when empty). Migrates an old log first.
+local function last_entry(log)
+  local last = redis.call('ZRANGE', log, -1, -1, 'WITHSCORES')
+  if last[1] == nil then
+    return { cum = 0, time = 0 }
+  end
+  local cum = parse_member(last[1])
+  if cum == nil then
+    migrate(log)
+    last = redis.call('ZRANGE', log, -1, -1, 'WITHSCORES')
+    cum = parse_member(last[1])
+  end
+  return { cum = cum, time = tonumber(last[2]) }
+end
+
+-- The first entry inside a window: { before = cum before it, time } or nil when none.
+local function first_inside(log, win)
+  local first = redis.call('ZRANGEBYSCORE', log, '(' .. ms(now - win.length), '+inf', 'WITHSCORES', 'LIMIT', 0, 1)
+  if first[1] == nil then
+    return nil
+  end
+  local cum, weight = parse_member(first[1])
+  return { before = cum - weight, time = tonumber(first[2]) }
+end
+
+-- The time of the first entry of the window whose running total reaches `total` (a binary
+-- search by rank: totals grow with time), or nil.
+local function time_reaching(log, win, total)
+  local low = redis.call('ZCOUNT', log, '-inf', ms(now - win.length))
+  local high = redis.call('ZCARD', log) - 1
+  local found = nil
+  while low <= high do
+    local mid = math.floor((low + high) / 2)
+    local entry = redis.call('ZRANGE', log, mid, mid, 'WITHSCORES')
+    if entry[1] == nil then
+      break
+    end
+    if parse_member(entry[1]) >= total then
+      found = tonumber(entry[2])
+      high = mid - 1
+    else
+      low = mid + 1
+    end
+  end
+  return found
+end
+
+-- === sliding_counter: buckets in a hash ===
+
+-- The buckets stored for a descriptor, as { size, index, hits, field }.
 local function read_buckets(it)
   local raw = redis.call('HGETALL', it.cnt)
   local found = {}
@@ -134,62 +233,82 @@ local function counted(buckets, win)
   return list
 end
 
--- The hits of a window (either algorithm), after trimming.
-local function count(it, win)
-  if it.buckets == 0 then
-    return redis.call('ZCOUNT', it.log, '(' .. ms(now - win.length), '+inf')
+local function drop_stale_buckets(it)
+  it.state = read_buckets(it)
+  local stale = {}
+  for _, b in ipairs(it.state) do
+    local keep = false
+    for _, win in ipairs(it.windows) do
+      keep = keep or (b.size == win.size and b.index >= win.oldest)
+    end
+    if not keep then
+      stale[#stale + 1] = b.field
+    end
   end
-  local c = 0
-  for _, b in ipairs(counted(it.state, win)) do
-    c = c + b.hits
+  if #stale > 0 then
+    redis.call('HDEL', it.cnt, unpack(stale))
   end
-  return c
 end
 
--- 1. Does each descriptor fit? Hits of earlier fitting descriptors on the same keys count as
---    pending, so two descriptors sharing a log cannot overshoot together.
-local fits, banned, ban_set, pending = {}, {}, {}, {}
+-- 1. Count every window, then decide whether each descriptor fits (and, for a debit, whether it
+--    records). Hits of earlier recording descriptors on the same log count as pending, so two
+--    descriptors sharing a log cannot overshoot together.
+local last = {}
+local fits, records, banned, ban_set, pending = {}, {}, {}, {}, {}
 for i, it in ipairs(items) do
   banned[i] = 0
   ban_set[i] = 0
-  local ban_end = tonumber(redis.call('GET', it.ban) or '0') or 0
+  local ban_end = 0
+  if it.ban_ms > 0 then
+    ban_end = tonumber(redis.call('GET', it.ban) or '0') or 0
+  end
   if ban_end > now then
     banned[i] = ban_end - now
     fits[i] = false
+    records[i] = false
   else
     if it.buckets == 0 then
       redis.call('ZREMRANGEBYSCORE', it.log, '-inf', ms(now - it.longest))
-    else
-      it.state = read_buckets(it)
-      local stale = {}
-      for _, b in ipairs(it.state) do
-        local keep = false
-        for _, win in ipairs(it.windows) do
-          keep = keep or (b.size == win.size and b.index >= win.oldest)
-        end
-        if not keep then
-          stale[#stale + 1] = b.field
-        end
+      last[it.log] = last[it.log] or last_entry(it.log)
+      for w, win in ipairs(it.windows) do
+        local first = first_inside(it.log, win)
+        it.firsts[w] = first
+        it.counts[w] = first and (last[it.log].cum - first.before) or 0
       end
-      if #stale > 0 then
-        redis.call('HDEL', it.cnt, unpack(stale))
+    else
+      drop_stale_buckets(it)
+      for w, win in ipairs(it.windows) do
+        local c = 0
+        for _, b in ipairs(counted(it.state, win)) do
+          c = c + b.hits
+        end
+        it.counts[w] = c
       end
     end
     local p = pending[it.log] or 0
-    local ok = true
+    local size = it.hits
+    if it.debit and size == 0 then
+      size = 1
+    end
+    local ok, has_room = true, true
     for w, win in ipairs(it.windows) do
-      it.counts[w] = count(it, win)
-      if it.counts[w] + p + it.hits > win.limit then
+      if it.counts[w] + p + size > win.limit then
         ok = false
+      end
+      if it.counts[w] + p >= win.limit then
+        has_room = false
       end
     end
     fits[i] = ok
-    if ok then
-      pending[it.log] = p + it.hits
-    elseif it.ban_ms > 0 then
+    records[i] = it.hits > 0 and (ok or (it.debit and has_room))
+    if not ok and it.ban_ms > 0 then
       redis.call('SET', it.ban, ms(now + it.ban_ms), 'PX', ms(it.ban_ms))
       banned[i] = it.ban_ms
       ban_set[i] = 1
+      records[i] = false
+    end
+    if records[i] then
+      pending[it.log] = p + it.hits
     end
   end
 end
@@ -204,36 +323,38 @@ for i, it in ipairs(items) do
     quota_fit = quota_fit or fits[i]
   end
 end
-local record = enforced_fit
+local admitted = enforced_fit
 if mode == 1 then
-  record = enforced_fit and (quota_fit or not quota_seen)
+  admitted = enforced_fit and (quota_fit or not quota_seen)
 end
 
--- 3. Record. sliding_log: one member per hit, in batches under Lua's argument limit.
---    sliding_counter: add the hits to the current bucket of every window.
-local stamp = ms(now)
-if record then
-  for i, it in ipairs(items) do
-    if fits[i] and it.hits > 0 then
-      if it.buckets == 0 then
-        local args = {}
-        for j = 1, it.hits do
-          args[#args + 1] = stamp
-          args[#args + 1] = stamp .. ':' .. prefix .. ':' .. i .. ':' .. j
-          if #args >= 2000 then
-            redis.call('ZADD', it.log, unpack(args))
-            args = {}
-          end
-        end
-        if #args > 0 then
-          redis.call('ZADD', it.log, unpack(args))
-        end
-      else
-        for _, win in ipairs(it.windows) do
+-- 3. Record: every fitting descriptor of an admitted call, and every debit that records
+--    whatever the decision. sliding_log: one weighted entry, stamped no earlier than the log's
+--    newest entry (so totals grow with time even if clocks step back: stricter, never looser).
+--    sliding_counter: the hits go into the current bucket of every distinct bucket length.
+local recorded = false
+local recorded_hits = {}
+for i, it in ipairs(items) do
+  if records[i] and (admitted or it.debit) then
+    recorded = true
+    recorded_hits[it.log] = (recorded_hits[it.log] or 0) + it.hits
+    if it.buckets == 0 then
+      local newest = last[it.log]
+      it.cum = newest.cum + it.hits
+      local stamp = math.max(now, newest.time)
+      redis.call('ZADD', it.log, ms(stamp), member(it.cum, it.hits, i))
+      last[it.log] = { cum = it.cum, time = stamp }
+    else
+      local done = {}
+      for _, win in ipairs(it.windows) do
+        if not done[win.size] then
+          done[win.size] = true
           redis.call('HINCRBY', it.cnt, ms(win.size) .. ':' .. ms(math.floor(now / win.size)), it.hits)
         end
       end
     end
+  else
+    records[i] = false
   end
 end
 
@@ -248,52 +369,87 @@ for _, it in ipairs(items) do
   end
 end
 
--- 5. Report.
-local reply = { now, record and 1 or 0 }
+-- The size a descriptor's fit was judged by: its hits, or 1 for a debit rule's check.
+local function size_of(it)
+  if it.debit and it.hits == 0 then
+    return 1
+  end
+  return it.hits
+end
+
+-- The reset of one window of a sliding_log descriptor, from its count after the call.
+local function log_reset(it, i, w, win, count)
+  local first = it.firsts[w]
+  if first == nil and (recorded_hits[it.log] or 0) > 0 then
+    first = first_inside(it.log, win)
+  end
+  if fits[i] then
+    return first and (first.time + win.length - now) or 0
+  end
+  local size = size_of(it)
+  local need = count + size - win.limit
+  if need <= 0 then
+    return 0
+  end
+  if size > win.limit then
+    return win.length
+  end
+  local at = time_reaching(it.log, win, (first and first.before or 0) + need)
+  return at and (at + win.length - now) or win.length
+end
+
+-- The reset of one window of a sliding_counter descriptor, from its count after the call.
+local function counter_reset(it, i, win, count)
+  local wanted = 1
+  if not fits[i] then
+    local size = size_of(it)
+    wanted = count + size - win.limit
+    if wanted <= 0 then
+      return 0
+    end
+    if size > win.limit then
+      return win.length
+    end
+  end
+  for _, bucket in ipairs(counted(it.state, win)) do
+    wanted = wanted - bucket.hits
+    if bucket.hits > 0 and wanted <= 0 then
+      return (bucket.index + 1) * win.size + win.length - now
+    end
+  end
+  return fits[i] and 0 or win.length
+end
+
+-- 5. Report: each window's count after the call (with every hit this call recorded on the same
+--    key) and its reset.
+local reply = { now, recorded and 1 or 0 }
 for i, it in ipairs(items) do
   reply[#reply + 1] = fits[i] and 1 or 0
   reply[#reply + 1] = banned[i]
   reply[#reply + 1] = ban_set[i]
+  reply[#reply + 1] = records[i] and 1 or 0
+  reply[#reply + 1] = it.cum
   if banned[i] > 0 then
     reply[#reply + 1] = 0
   else
-    if record and it.buckets > 0 then
+    local added = recorded_hits[it.log] or 0
+    if it.buckets > 0 and added > 0 then
       it.state = read_buckets(it)
     end
     reply[#reply + 1] = #it.windows
     for w, win in ipairs(it.windows) do
-      local c = it.counts[w]
-      if record then
-        c = count(it, win)
-      end
-      local reset = 0
-      local need = c + it.hits - win.limit
-      if not fits[i] and need > 0 and it.hits > win.limit then
-        reset = win.length
-      elseif fits[i] or need > 0 then
-        -- Fitting: wait for the oldest counted hit to leave (the next capacity freed).
-        -- Not fitting: wait until `need` hits have left.
-        local wanted = fits[i] and 1 or need
-        reset = fits[i] and 0 or win.length
-        if it.buckets == 0 then
-          local nth = redis.call('ZRANGEBYSCORE', it.log, '(' .. ms(now - win.length), '+inf',
-                                 'WITHSCORES', 'LIMIT', wanted - 1, 1)
-          if nth[2] then
-            reset = tonumber(nth[2]) + win.length - now
-          end
-        else
-          local freed = 0
-          for _, bucket in ipairs(counted(it.state, win)) do
-            freed = freed + bucket.hits
-            if bucket.hits > 0 and freed >= wanted then
-              reset = (bucket.index + 1) * win.size + win.length - now
-              break
-            end
-          end
+      local c = it.counts[w] + added
+      if it.buckets > 0 then
+        c = 0
+        for _, b in ipairs(counted(it.state, win)) do
+          c = c + b.hits
         end
+        reply[#reply + 1] = c
+        reply[#reply + 1] = counter_reset(it, i, win, c)
+      else
+        reply[#reply + 1] = c
+        reply[#reply + 1] = log_reset(it, i, w, win, c)
       end
-      reply[#reply + 1] = c
-      reply[#reply + 1] = reset
     end
   end
 end

@@ -139,6 +139,10 @@ pub struct ServeArgs {
         default_value = "RateLimit-Limit,RateLimit-Remaining,RateLimit-Reset"
     )]
     pub limit_header_names: Vec<String>,
+    /// Domains whose rules all take debits (usage recorded even when it crosses the limit),
+    /// for configs that cannot say `debit: true` themselves (e.g. from xDS); `*` for all.
+    #[arg(long, env = "SLIDEGATE_DEBIT_DOMAINS", value_delimiter = ',')]
+    pub debit_domains: Vec<String>,
     /// Fill the response's dynamic_metadata with the request and matched rules' metadata.
     #[arg(long, env = "SLIDEGATE_DYNAMIC_METADATA", action = ArgAction::SetTrue, value_parser = BoolishValueParser::new())]
     pub dynamic_metadata: bool,

@@ -1,8 +1,9 @@
 //! Differential test: the embedded store and the Lua script on a real standalone Redis are given
 //! the same random request sequences under the same injected clock, and must give the same
 //! answer, field by field (overall code, every status, response headers, dynamic metadata).
-//! Windows, several windows per rule, bans, sliding counters, shadow and quota rules, overrides,
-//! per-descriptor hits and repeated descriptors in one request are all in the mix.
+//! Windows, several windows per rule, bans, sliding counters (two windows sharing a bucket
+//! length), shadow and quota rules, debits (token budgets), overrides, weighted per-descriptor
+//! hits and repeated descriptors in one request are all in the mix.
 // Tests and benchmarks may panic on a broken set-up, read the wall clock and run long.
 #![allow(
     clippy::unwrap_used,
@@ -34,9 +35,21 @@ descriptors:
     rate_limit: {requests_per_unit: 2, window: 1s}
     ban: 2s
   - key: big
-    rate_limit: {requests_per_unit: 4, window: 2s}
+    rate_limits:
+      - {requests_per_unit: 4, window: 2s}
+      - {requests_per_unit: 6, window: 2000ms}
     algorithm: sliding_counter
     buckets: 4
+  - key: budget
+    rate_limits:
+      - {requests_per_unit: 10, window: 2s}
+      - {requests_per_unit: 14, window: 3s}
+    debit: true
+  - key: meter
+    rate_limit: {requests_per_unit: 6, window: 2s}
+    algorithm: sliding_counter
+    buckets: 4
+    debit: true
   - key: shadow
     rate_limit: {requests_per_unit: 1, window: 1s}
     shadow_mode: true
@@ -47,7 +60,9 @@ descriptors:
     rate_limit: {unlimited: true}
 "#;
 
-const KEYS: [&str; 7] = ["user", "login", "big", "shadow", "quota", "free", "none"];
+const KEYS: [&str; 9] = [
+    "user", "login", "big", "shadow", "quota", "free", "none", "budget", "meter",
+];
 
 /// One generated descriptor: which key, which value, its own hits, an override.
 #[derive(Clone, Debug)]
@@ -70,7 +85,7 @@ fn descriptor() -> impl Strategy<Value = Gen> {
     (
         0..KEYS.len(),
         any::<bool>(),
-        prop::option::weighted(0.3, 0u64..4),
+        prop::option::weighted(0.4, 0u64..8),
         prop::option::weighted(0.1, 0u32..4),
     )
         .prop_map(|(key, value, hits, limit)| Gen {

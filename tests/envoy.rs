@@ -151,6 +151,22 @@ fn with_fresh_ports(make: impl Fn(u16, u16, u16) -> (String, Vec<String>)) -> En
     panic!("envoy did not start:\n{last_log}");
 }
 
+/// Envoy on a config of tests/fixtures, whose ports are the placeholders LISTEN_PORT,
+/// UPSTREAM_PORT, SLIDEGATE_PORT and ADMIN_PORT.
+fn start_fixture_envoy(name: &str, upstream: u16, slidegate_grpc: u16, extra: &[&str]) -> Envoy {
+    let template = std::fs::read_to_string(format!("{MANIFEST}/tests/fixtures/{name}"))
+        .unwrap_or_else(|e| panic!("read {name}: {e}"));
+    let extra: Vec<String> = extra.iter().map(|a| a.to_string()).collect();
+    with_fresh_ports(|listen, admin, _| {
+        let config = template
+            .replace("LISTEN_PORT", &listen.to_string())
+            .replace("UPSTREAM_PORT", &upstream.to_string())
+            .replace("SLIDEGATE_PORT", &slidegate_grpc.to_string())
+            .replace("ADMIN_PORT", &admin.to_string());
+        (config, extra.clone())
+    })
+}
+
 /// Runs Envoy on `config` (ports already chosen) and waits until its admin says ready; `Err`
 /// with its log when it exits first.
 fn run_envoy(
@@ -547,19 +563,12 @@ async fn every_action_shape_is_limited() {
         &[],
     );
     let upstream = start_upstream().await;
-    let template = std::fs::read_to_string(format!("{MANIFEST}/tests/fixtures/envoy-shapes.yaml"))
-        .expect("read envoy-shapes.yaml");
-    let envoy = with_fresh_ports(|listen, admin, _| {
-        let config = template
-            .replace("LISTEN_PORT", &listen.to_string())
-            .replace("UPSTREAM_PORT", &upstream.to_string())
-            .replace("SLIDEGATE_PORT", &slidegate.grpc.to_string())
-            .replace("ADMIN_PORT", &admin.to_string());
-        (
-            config,
-            vec!["--service-cluster".into(), "edge-proxy".into()],
-        )
-    });
+    let envoy = start_fixture_envoy(
+        "envoy-shapes.yaml",
+        upstream,
+        slidegate.grpc,
+        &["--service-cluster", "edge-proxy"],
+    );
     let port = envoy.port;
 
     // (method, path, headers): two pass, the third is refused by slidegate through Envoy.
@@ -643,4 +652,70 @@ async fn every_action_shape_is_limited() {
         .await
         .expect_err("refused by Envoy's rate limit");
     assert_eq!(status.code(), tonic::Code::ResourceExhausted, "{status:?}");
+}
+
+/// The upstream of a chat API: answers 200 and reports the tokens the answer used.
+async fn start_token_upstream(tokens: u64) -> u16 {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind upstream");
+    let port = listener.local_addr().expect("addr").port();
+    let app = axum::Router::new()
+        .fallback(move || async move { ([("x-tokens-used", tokens.to_string())], "an answer") });
+    tokio::spawn(async move {
+        let _ = axum::serve(listener, app).await;
+    });
+    port
+}
+
+/// A token budget through a real Envoy (tests/fixtures/envoy-tokens.yaml): each request is
+/// checked first (hits 0), and when its response is done Envoy debits the tokens the upstream
+/// reported (`apply_on_stream_done`, `hits_addend` from the `x-tokens-used` response header).
+/// With 1,000 tokens a minute and 400 per answer, three requests pass (the third crosses the
+/// budget and is still charged) and the fourth gets 429.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn token_budget_through_envoy() {
+    let slidegate = start_slidegate_with(
+        &format!("{MANIFEST}/tests/fixtures/tokens-limits.yaml"),
+        &[],
+    );
+    let upstream = start_token_upstream(400).await;
+    let envoy = start_fixture_envoy("envoy-tokens.yaml", upstream, slidegate.grpc, &[]);
+    let user = common::unique_domain("chat-user");
+    // What the budget holds now, by a check-only call to slidegate itself.
+    let check = format!(
+        r#"{{"domain":"tokens","descriptors":[{{"entries":[{{"key":"user","value":"{user}"}}],"hitsAddend":"0"}}]}}"#
+    );
+    let spent_reaches = |expected: &'static str| {
+        let check = check.clone();
+        let http = slidegate.http_addr();
+        async move {
+            let end = Instant::now() + Duration::from_secs(10);
+            loop {
+                let (code, body) = common::http(http, "POST", "/json", &check).await;
+                let reply: serde_json::Value = serde_json::from_str(&body).expect("JSON");
+                let state = match code {
+                    429 => "spent".to_string(),
+                    _ => reply["statuses"][0]["limitRemaining"].to_string(),
+                };
+                if state == expected {
+                    return;
+                }
+                assert!(
+                    Instant::now() < end,
+                    "budget never reached {expected}: {body}"
+                );
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        }
+    };
+    let headers = [("x-user-id", user.as_str())];
+    for (n, after) in [(1, "600"), (2, "200"), (3, "spent")] {
+        let reply = send(envoy.port, "GET", "/chat", &headers).await;
+        assert_eq!(reply.status, 200, "request {n} passes its check");
+        // The debit lands after the response: wait for it before the next check.
+        spent_reaches(after).await;
+    }
+    let fourth = send(envoy.port, "GET", "/chat", &headers).await;
+    assert_eq!(fourth.status, 429, "the budget is spent");
 }

@@ -512,8 +512,8 @@ fn malformed_script_arguments_get_an_error_reply() {
     let sha = cli(&["SCRIPT", "LOAD", slidegate::store::redis::SCRIPT]);
     assert_eq!(sha.len(), 40, "SCRIPT LOAD: {sha}");
     // Three keys per descriptor (log, ban, counters); per descriptor: hits, role, ban_ms,
-    // buckets, window count, then limit and window_ms pairs.
-    let cases: [&[&str]; 7] = [
+    // buckets, debit, window count, then limit and window_ms pairs.
+    let cases: [&[&str]; 8] = [
         &["0"],
         &["1", "k", "x", "1"],
         &["3", "k", "b", "c", "abc", "p", "1", "1"],
@@ -529,6 +529,9 @@ fn malformed_script_arguments_get_an_error_reply() {
         &[
             "3", "k", "b", "c", "1", "p", "1", "1", "1", "0", "0", "0", "1", "10", "1000", "extra",
         ],
+        &[
+            "3", "k", "b", "c", "1", "p", "1", "1", "1", "0", "0", "0", "2", "1", "10", "1000",
+        ],
     ];
     for args in cases {
         let mut full = vec!["EVALSHA", sha.as_str()];
@@ -539,25 +542,30 @@ fn malformed_script_arguments_get_an_error_reply() {
             "EVALSHA {args:?} -> {reply}"
         );
     }
-    // And a well-formed call answers the documented layout: now, recorded, fits, ban, ban set,
-    // m, count, reset.
+    // And a well-formed call answers the documented layout: now, recorded, then fits, ban,
+    // ban set, recorded, entry, m, count, reset.
     let call = |keys: [&str; 3], buckets: &str| {
         let mut full = vec!["EVALSHA", sha.as_str(), "3"];
         full.extend_from_slice(&keys);
         full.extend_from_slice(&[
-            "1000", "p", "1", "1", "1", "0", "0", buckets, "1", "10", "1000",
+            "1000", "p", "1", "1", "1", "0", "0", buckets, "0", "1", "10", "1000",
         ]);
         cli(&full).lines().map(str::to_string).collect::<Vec<_>>()
     };
     assert_eq!(
         call(["t:log", "t:ban", "t:cnt"], "0"),
-        vec!["1000", "1", "1", "0", "0", "1", "1", "1000"]
+        vec!["1000", "1", "1", "0", "0", "1", "1", "1", "1", "1000"]
+    );
+    assert_eq!(
+        cli(&["ZRANGE", "t:log", "0", "-1"]),
+        "00000000000000000001:1:p:1",
+        "one weighted entry: running total, weight, call prefix, position"
     );
     // sliding_counter with 10 buckets of 100 ms: the hit sits in bucket 10 (1,000..1,100), which
     // stops counting at 1,100 + 1,000.
     assert_eq!(
         call(["u:log", "u:ban", "u:cnt"], "10"),
-        vec!["1000", "1", "1", "0", "0", "1", "1", "1100"]
+        vec!["1000", "1", "1", "0", "0", "1", "0", "1", "1", "1100"]
     );
     assert_eq!(
         cli(&["HGETALL", "u:cnt"]).lines().collect::<Vec<_>>(),
@@ -694,4 +702,113 @@ async fn tls_and_password_from_the_url() {
     assert_eq!(codes, vec![ok(), over()]);
     drop(redis);
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+fn budget_item(
+    key: &slidegate::store::StoreKey,
+    hits: u64,
+    limit: u32,
+) -> slidegate::store::CheckItem<'static> {
+    slidegate::store::CheckItem {
+        key: key.clone(),
+        windows: std::borrow::Cow::Owned(vec![slidegate::store::Window {
+            limit,
+            length_ms: 3_600_000,
+        }]),
+        algorithm: slidegate::store::Algorithm::SlidingLog,
+        ban_ms: None,
+        hits,
+        role: slidegate::store::Role::Enforce,
+        debit: true,
+    }
+}
+
+/// A log written by the previous version (one member `<time>:<prefix>:<i>:<j>` per hit) keeps
+/// counting: the first call rewrites it as weighted entries, weight 1 each, times kept.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn old_format_logs_are_migrated_on_first_touch() {
+    let redis = shared_standalone();
+    let key = slidegate::store::StoreKey::new(&unique_domain("old"), "");
+    let log = key.log();
+    for (at, member) in [
+        (T0 - 9_000, "1:1"),
+        (T0 - 5_000, "1:2"),
+        (T0 - 5_000, "1:3"),
+    ] {
+        let reply = redis.cmd(&format!("ZADD {log} {at} {at}:oldcall:{member}"));
+        assert!(reply.starts_with(":1"), "{reply}");
+    }
+    let store = connect(redis.url(), TEST_TIMEOUT).await;
+    let outcome = store
+        .check(&[budget_item(&key, 2, 10)], T0)
+        .await
+        .expect("decided");
+    assert_eq!(outcome.items[0].windows[0].count, 5, "3 old hits + 2");
+    let members = redis.cmd(&format!("ZRANGE {log} 0 -1"));
+    let members: Vec<&str> = members
+        .lines()
+        .filter(|l| !l.starts_with('*') && !l.starts_with('$'))
+        .collect();
+    assert_eq!(members.len(), 4, "{members:?}");
+    let totals: Vec<&str> = members.iter().map(|m| &m[..20]).collect();
+    assert_eq!(
+        totals,
+        [
+            "00000000000000000001",
+            "00000000000000000002",
+            "00000000000000000003",
+            "00000000000000000005"
+        ]
+    );
+    // The oldest hit still leaves when it did: 9 s ago in a 1 h window.
+    let check = store
+        .check(&[budget_item(&key, 0, 10)], T0)
+        .await
+        .expect("check");
+    assert_eq!(check.items[0].windows[0].reset_ms, 3_600_000 - 9_000);
+}
+
+/// Memory per call, not per hit: 10,000 debits of 5,000 tokens are 10,000 log entries (the
+/// previous format would have held 50,000,000 members).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn weighted_log_memory_is_per_call() {
+    let redis = shared_standalone();
+    let store = connect(redis.url(), TEST_TIMEOUT).await;
+    let key = slidegate::store::StoreKey::new(&unique_domain("tokens"), "");
+    for n in 0..10_000u64 {
+        let outcome = store
+            .check(&[budget_item(&key, 5_000, u32::MAX)], T0 + n)
+            .await
+            .expect("debit");
+        assert!(outcome.items[0].recorded);
+    }
+    let log = key.log();
+    let entries: u64 = redis
+        .cmd(&format!("ZCARD {log}"))
+        .trim_start_matches(':')
+        .trim()
+        .parse()
+        .expect("ZCARD");
+    assert_eq!(entries, 10_000);
+    let bytes: u64 = redis
+        .cmd(&format!("MEMORY USAGE {log}"))
+        .trim_start_matches(':')
+        .trim()
+        .parse()
+        .expect("MEMORY USAGE");
+    eprintln!(
+        "10,000 weighted entries: {bytes} bytes, {} bytes per entry",
+        bytes / 10_000
+    );
+    // About 160 bytes an entry (a sorted-set member of ~50 characters and its score); the
+    // previous format took about 145 bytes per hit, 50,000,000 of them here.
+    assert!(
+        bytes < 10_000 * 200,
+        "{bytes} bytes for 10,000 entries: more than 200 bytes each"
+    );
+    let last = store
+        .check(&[budget_item(&key, 0, u32::MAX)], T0 + 10_000)
+        .await
+        .expect("check");
+    assert_eq!(last.items[0].windows[0].count, 50_000_000);
 }

@@ -195,6 +195,7 @@ fn limiter_options(args: &ServeArgs) -> LimiterOptions {
         response_headers: args.response_headers,
         dynamic_metadata: args.dynamic_metadata,
         global_quota_mode: args.quota_mode,
+        debit_domains: args.debit_domains.clone(),
         limit_headers: args.limit_headers.then(|| {
             let name = |n: usize, default: String| {
                 args.limit_header_names.get(n).cloned().unwrap_or(default)

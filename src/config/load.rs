@@ -403,6 +403,7 @@ impl Compiler<'_> {
                 _ => {}
             }
         }
+        into.debit |= raw.debit;
         self.descriptors(
             &raw.descriptors,
             "descriptors",
@@ -594,6 +595,7 @@ impl Compiler<'_> {
                         "algorithm and buckets",
                     ),
                     (raw.tag_by.is_some(), "tag_by", "tag_by"),
+                    (raw.debit, "debit", "debit"),
                 ];
                 for (set, field, what) in needs_limit {
                     if set {
@@ -768,6 +770,7 @@ impl Compiler<'_> {
             replaces,
             shadow_mode: raw.shadow_mode,
             quota_mode: raw.quota_mode,
+            debit: raw.debit,
             detailed_metric: raw.detailed_metric,
             metadata: raw.metadata.clone(),
             tag_by: raw.tag_by.clone(),
@@ -922,7 +925,7 @@ descriptors:
             ),
             (
                 "domain: d\ndescriptors:\n  - key: a\n    ratelimit: {unit: second}\n",
-                "4: descriptors[0].ratelimit: unknown field `ratelimit`, expected one of key, value, rate_limit, rate_limits, ban, algorithm, buckets, tag_by, descriptors, shadow_mode, quota_mode, detailed_metric, value_to_metric, share_threshold, metadata",
+                "4: descriptors[0].ratelimit: unknown field `ratelimit`, expected one of key, value, rate_limit, rate_limits, ban, algorithm, buckets, tag_by, descriptors, shadow_mode, quota_mode, debit, detailed_metric, value_to_metric, share_threshold, metadata",
             ),
         ];
         for (yaml, expected) in cases {
@@ -948,6 +951,10 @@ descriptors:
             (
                 "domain: d\ndescriptors:\n  - key: a\n    ban: 5m\n",
                 "3: descriptors[0].ban: ban needs a rate_limit on the same descriptor",
+            ),
+            (
+                "domain: d\ndescriptors:\n  - key: a\n    debit: true\n",
+                "3: descriptors[0].debit: debit needs a rate_limit on the same descriptor",
             ),
             (
                 "domain: d\ndescriptors:\n  - key: a\n    rate_limit: {unit: second, requests_per_unit: 1}\n    ban: soon\n",

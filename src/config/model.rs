@@ -16,6 +16,9 @@ pub struct RawFile {
     /// overriding `--store-failure`.
     #[serde(default)]
     pub store_failure: Option<Spanned<String>>,
+    /// Extension: every rule of the domain records usage already spent (token budgets).
+    #[serde(default)]
+    pub debit: bool,
 }
 
 #[derive(Debug, Deserialize)]
@@ -48,6 +51,10 @@ pub struct RawDescriptor {
     pub shadow_mode: bool,
     #[serde(default)]
     pub quota_mode: bool,
+    /// Extension: calls record usage already spent, even when it crosses the limit, while any
+    /// budget was left; checks (hits 0) fail once it is spent (token budgets).
+    #[serde(default)]
+    pub debit: bool,
     #[serde(default)]
     pub detailed_metric: bool,
     #[serde(default)]

@@ -38,6 +38,9 @@ pub struct LimiterOptions {
     pub global_quota_mode: bool,
     /// The reference's three headers (`LIMIT_RESPONSE_HEADERS_ENABLED`), under these names.
     pub limit_headers: Option<LimitHeaderNames>,
+    /// Domains whose rules all take debits (usage recorded even when it crosses the limit),
+    /// for configs that cannot say so themselves; `*` is every domain.
+    pub debit_domains: Vec<String>,
 }
 
 impl Default for LimiterOptions {
@@ -50,6 +53,7 @@ impl Default for LimiterOptions {
             dynamic_metadata: false,
             global_quota_mode: false,
             limit_headers: None,
+            debit_domains: Vec::new(),
         }
     }
 }
@@ -189,7 +193,17 @@ impl Limiter {
             let statuses = vec![Status::unlimited_by_config(); request.descriptors.len()];
             return Ok(self.finish(statuses, Code::Ok, Vec::new(), &[]));
         };
-        let planned = plan(request, &domain.root, self.options.global_quota_mode);
+        let debit = domain.debit
+            || self
+                .options
+                .debit_domains
+                .iter()
+                .any(|d| d == "*" || *d == request.domain);
+        let modes = Modes {
+            quota_all: self.options.global_quota_mode,
+            debit,
+        };
+        let planned = plan(request, &domain.root, modes);
         let outcome = if planned.items.is_empty() {
             CheckOutcome {
                 admitted: true,
@@ -381,7 +395,16 @@ fn status_of_plan(plan: &Plan<'_>, outcome: &CheckOutcome) -> Status {
 }
 
 /// Matches every descriptor and turns the ones that need the store into check items.
-fn plan<'a>(request: &'a Request, root: &'a Node, quota_all: bool) -> Planned<'a> {
+/// Switches that apply to every rule a request matches.
+#[derive(Clone, Copy)]
+struct Modes {
+    /// Every rule is a quota rule.
+    quota_all: bool,
+    /// Every rule takes debits.
+    debit: bool,
+}
+
+fn plan<'a>(request: &'a Request, root: &'a Node, modes: Modes) -> Planned<'a> {
     // First every descriptor's rule, so that `replaces` can see all of them.
     let found: Vec<Found<'_>> = request
         .descriptors
@@ -399,10 +422,10 @@ fn plan<'a>(request: &'a Request, root: &'a Node, quota_all: bool) -> Planned<'a
         let plan = match found {
             Found::Nothing => Plan::NoLimit,
             Found::Override(window) => {
-                planned.push_override(&request.domain, descriptor, window, hits)
+                planned.push_override(&request.domain, descriptor, window, hits, modes)
             }
             Found::Rule(m) if replaced.iter().any(|name| m.rule.is_named(name)) => Plan::NoLimit,
-            Found::Rule(m) => planned.push_rule(&request.domain, m, hits, quota_all),
+            Found::Rule(m) => planned.push_rule(&request.domain, m, hits, modes),
         };
         planned.plans.push(plan);
     }
@@ -441,6 +464,7 @@ impl<'a> Planned<'a> {
         descriptor: &'a Descriptor,
         window: Window,
         hits: u64,
+        modes: Modes,
     ) -> Plan<'a> {
         let segments = value_segments(descriptor);
         let variant = Variant::Override {
@@ -453,6 +477,7 @@ impl<'a> Planned<'a> {
             ban_ms: None,
             hits,
             role: Role::Enforce,
+            debit: modes.debit,
         });
         Plan::Check {
             item: self.items.len() - 1,
@@ -462,7 +487,7 @@ impl<'a> Planned<'a> {
         }
     }
 
-    fn push_rule(&mut self, domain: &str, m: Match<'a>, hits: u64, quota_all: bool) -> Plan<'a> {
+    fn push_rule(&mut self, domain: &str, m: Match<'a>, hits: u64, modes: Modes) -> Plan<'a> {
         let rule = m.rule;
         let Limit::Windows {
             windows,
@@ -486,11 +511,12 @@ impl<'a> Planned<'a> {
             hits,
             role: if rule.shadow_mode {
                 Role::Shadow
-            } else if rule.quota_mode || quota_all {
+            } else if rule.quota_mode || modes.quota_all {
                 Role::Quota
             } else {
                 Role::Enforce
             },
+            debit: rule.debit || modes.debit,
         });
         Plan::Check {
             item: self.items.len() - 1,
@@ -540,7 +566,8 @@ fn report<'a>(
     }
     // The binding window: least room after this request. Hits not recorded (the request was
     // rejected by another descriptor) are counted where they would have landed.
-    let recorded = admitted && hits > 0;
+    let recorded = outcome.recorded;
+    let _ = admitted;
     let after = |count: u64| if recorded { count } else { count + hits };
     let binding = item
         .windows
@@ -613,9 +640,11 @@ fn clamp_u32(n: u64) -> u32 {
     u32::try_from(n).unwrap_or(u32::MAX)
 }
 
-/// The most hits one descriptor may add in one request. The log keeps one entry per hit, so a
-/// single request adding millions would stall Redis while the script writes them.
-pub const MAX_HITS_PER_DESCRIPTOR: u64 = 100_000;
+/// The most hits one descriptor may add in one request. A log keeps one entry per call whatever
+/// its hits, so the bound is not about memory: running totals are summed exactly in the Lua
+/// script's numbers (doubles, exact to 2^53), and at a billion hits a call a log takes millions
+/// of calls before that could matter; a log that empties starts its totals again at 0.
+pub const MAX_HITS_PER_DESCRIPTOR: u64 = 1_000_000_000;
 
 /// Rejects malformed requests before anything is read or recorded.
 fn validate(request: &Request) -> Result<(), LimiterError> {
@@ -918,6 +947,42 @@ mod tests {
             Status::unlimited_by_config(),
             "unlimited descriptors never reach the store"
         );
+    }
+
+    /// Debits come from the rule, the domain's file, or `--debit-domains`: each makes a call
+    /// that crosses the budget count, so the next check fails.
+    #[test]
+    fn debits_by_rule_domain_or_option() {
+        let budget = "domain: d\ndescriptors:\n  - key: ip\n    rate_limit: {requests_per_unit: 3, window: 90s}\n";
+        let crossing = |yaml: &str, options: LimiterOptions| {
+            let (l, _) = limiter(yaml, options);
+            let mut r = req(&[&[("ip", "x")]]);
+            r.descriptors[0].hits_addend = Some(5);
+            decide(&l, &r);
+            r.descriptors[0].hits_addend = Some(0);
+            decide(&l, &r).overall
+        };
+        assert_eq!(
+            crossing(budget, LimiterOptions::default()),
+            Code::Ok,
+            "no debit: not charged"
+        );
+        let rule = budget.replace("    rate_limit:", "    debit: true\n    rate_limit:");
+        assert_eq!(crossing(&rule, LimiterOptions::default()), Code::OverLimit);
+        let file = budget.replace("domain: d\n", "domain: d\ndebit: true\n");
+        assert_eq!(crossing(&file, LimiterOptions::default()), Code::OverLimit);
+        for domains in [vec!["d".to_string()], vec!["*".to_string()]] {
+            let options = LimiterOptions {
+                debit_domains: domains,
+                ..LimiterOptions::default()
+            };
+            assert_eq!(crossing(budget, options), Code::OverLimit);
+        }
+        let other = LimiterOptions {
+            debit_domains: vec!["e".to_string()],
+            ..LimiterOptions::default()
+        };
+        assert_eq!(crossing(budget, other), Code::Ok);
     }
 
     #[test]

@@ -90,6 +90,8 @@ pub struct Rule {
     pub replaces: Vec<Arc<str>>,
     pub shadow_mode: bool,
     pub quota_mode: bool,
+    /// Calls record usage already spent, even when it crosses the limit (token budgets).
+    pub debit: bool,
     pub detailed_metric: bool,
     /// Free-form `metadata`, returned in `dynamic_metadata` when that is switched on.
     pub metadata: Option<serde_json::Value>,
@@ -198,6 +200,8 @@ pub struct Domain {
     pub root: Node,
     /// Overrides the server's store failure policy for this domain.
     pub store_failure: Option<FailurePolicy>,
+    /// Every rule of the domain takes debits.
+    pub debit: bool,
 }
 
 /// How one level of a matched descriptor enters the log's identity.
@@ -317,6 +321,9 @@ impl Rule {
         }
         if self.quota_mode {
             flags.push("quota");
+        }
+        if self.debit {
+            flags.push("debit");
         }
         let flags = if flags.is_empty() {
             String::new()

@@ -83,6 +83,8 @@ struct Locked<'s> {
 #[derive(Clone, Copy, Default)]
 struct Fit {
     fits: bool,
+    /// Records its hits if the batch is admitted (a debit: whatever the decision).
+    records: bool,
     ban_remaining_ms: u64,
     ban_set: bool,
 }
@@ -150,16 +152,14 @@ impl MemoryStore {
         }
         let fits = fit_all(&mut locked, items, &shard_of, now_ms);
         let admitted = admits(items.iter().zip(&fits).map(|(i, f)| (i.role, f.fits)));
-        if admitted {
-            record_all(&mut locked, items, &shard_of, &fits, now_ms);
-        }
+        record_all(&mut locked, items, &shard_of, &fits, admitted, now_ms);
         let outcomes = items
             .iter()
             .zip(&fits)
             .zip(&shard_of)
             .map(|((item, fit), &shard)| {
                 let slot = locked.shard(shard).slots.get(item.key.as_str());
-                item_outcome(slot, item, *fit, now_ms)
+                item_outcome(slot, item, *fit, admitted, now_ms)
             })
             .collect();
         CheckOutcome {
@@ -237,7 +237,7 @@ fn fit_all(
         let pending: u64 = items[..n]
             .iter()
             .zip(&fits)
-            .filter(|(other, fit)| fit.fits && other.key == item.key)
+            .filter(|(other, fit)| fit.records && other.key == item.key)
             .map(|(other, _)| other.hits)
             .sum();
         fits.push(fit_one(locked.shard(shard_of[n]), item, pending, now_ms));
@@ -257,10 +257,20 @@ fn fit_one(shard: &mut Shard, item: &CheckItem<'_>, pending: u64, now_ms: u64) -
         s.trim(item.algorithm, now_ms, &item.windows);
         &*s
     });
-    let fits = item.windows.iter().all(|w| {
-        let count = slot.map_or(0, |s| s.count(item.algorithm, w, now_ms));
-        count + pending + item.hits <= u64::from(w.limit)
-    });
+    let counts: Vec<u64> = item
+        .windows
+        .iter()
+        .map(|w| slot.map_or(0, |s| s.count(item.algorithm, w, now_ms)) + pending)
+        .collect();
+    let size = item.size();
+    let fits = counts
+        .iter()
+        .zip(item.windows.iter())
+        .all(|(count, w)| count + size <= u64::from(w.limit));
+    let has_room = counts
+        .iter()
+        .zip(item.windows.iter())
+        .all(|(count, w)| *count < u64::from(w.limit));
     match item.ban_ms.filter(|_| !fits) {
         Some(ban_ms) => {
             let slot = shard.slots.entry(item.key.as_str().to_owned()).or_default();
@@ -268,27 +278,31 @@ fn fit_one(shard: &mut Shard, item: &CheckItem<'_>, pending: u64, now_ms: u64) -
             slot.keep_until_ms = slot.keep_until_ms.max(slot.ban_until_ms);
             Fit {
                 fits: false,
+                records: false,
                 ban_remaining_ms: ban_ms,
                 ban_set: true,
             }
         }
         None => Fit {
             fits,
+            records: item.hits > 0 && (fits || (item.debit && has_room)),
             ..Fit::default()
         },
     }
 }
 
-/// Phase 2 (admitted batches only): record the hits of every item that fits.
+/// Phase 2: record the hits of every item that fits in an admitted batch, and of every debit
+/// that still had room, whatever the decision.
 fn record_all(
     locked: &mut Locked<'_>,
     items: &[CheckItem<'_>],
     shard_of: &[usize],
     fits: &[Fit],
+    admitted: bool,
     now_ms: u64,
 ) {
     for ((item, fit), &shard) in items.iter().zip(fits).zip(shard_of) {
-        if fit.fits && item.hits > 0 {
+        if fit.records && (admitted || item.debit) {
             let slot = locked
                 .shard(shard)
                 .slots
@@ -300,9 +314,16 @@ fn record_all(
 }
 
 /// Phase 3: each window's state after the decision.
-fn item_outcome(slot: Option<&Slot>, item: &CheckItem<'_>, fit: Fit, now_ms: u64) -> ItemOutcome {
+fn item_outcome(
+    slot: Option<&Slot>,
+    item: &CheckItem<'_>,
+    fit: Fit,
+    admitted: bool,
+    now_ms: u64,
+) -> ItemOutcome {
     if fit.ban_remaining_ms > 0 {
         return ItemOutcome {
+            recorded: false,
             ban_remaining_ms: fit.ban_remaining_ms,
             ban_set: fit.ban_set,
             fits: false,
@@ -313,10 +334,10 @@ fn item_outcome(slot: Option<&Slot>, item: &CheckItem<'_>, fit: Fit, now_ms: u64
         .windows
         .iter()
         .map(|w| match slot {
-            Some(slot) => slot.outcome(item.algorithm, w, now_ms, fit.fits, item.hits),
+            Some(slot) => slot.outcome(item.algorithm, w, now_ms, fit.fits, item.size()),
             None => WindowOutcome {
                 count: 0,
-                reset_ms: if fit.fits || item.hits <= u64::from(w.limit) {
+                reset_ms: if fit.fits || item.size() <= u64::from(w.limit) {
                     0
                 } else {
                     w.length_ms
@@ -325,6 +346,7 @@ fn item_outcome(slot: Option<&Slot>, item: &CheckItem<'_>, fit: Fit, now_ms: u64
         })
         .collect();
     ItemOutcome {
+        recorded: fit.records && (admitted || item.debit),
         ban_remaining_ms: 0,
         ban_set: false,
         fits: fit.fits,
@@ -398,8 +420,16 @@ impl Slot {
         match algorithm {
             Algorithm::SlidingLog => self.log_record(now_ms, hits, longest_ms(windows)),
             Algorithm::SlidingCounter { buckets } => {
+                let mut sizes_done: Vec<u64> = Vec::with_capacity(windows.len());
                 for w in windows {
                     let (size, _) = w.bucket_span(buckets, now_ms);
+                    let keep = (now_ms / size + 1) * size + w.length_ms;
+                    self.keep_until_ms = self.keep_until_ms.max(keep);
+                    // Windows with the same bucket length share their buckets: add once.
+                    if sizes_done.contains(&size) {
+                        continue;
+                    }
+                    sizes_done.push(size);
                     let index = now_ms / size;
                     match self
                         .buckets
@@ -413,8 +443,6 @@ impl Slot {
                             hits,
                         }),
                     }
-                    let keep = (index + 1) * size + w.length_ms;
-                    self.keep_until_ms = self.keep_until_ms.max(keep);
                 }
             }
         }
@@ -544,6 +572,7 @@ mod tests {
             ban_ms: None,
             hits,
             role: Role::Enforce,
+            debit: false,
         }
     }
 

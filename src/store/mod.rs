@@ -127,11 +127,28 @@ pub struct CheckItem<'a> {
     /// Hits to record if admitted; 0 checks without recording.
     pub hits: u64,
     pub role: Role,
+    /// Usage already spent (a token debit): the hits are recorded even when they cross the
+    /// limit, as long as every window had room for one more hit before; a check (0 hits) fits
+    /// only while every window has room for one more.
+    pub debit: bool,
+}
+
+impl CheckItem<'_> {
+    /// What the item must fit: its hits, or 1 for a debit rule's check.
+    pub fn size(&self) -> u64 {
+        if self.debit && self.hits == 0 {
+            1
+        } else {
+            self.hits
+        }
+    }
 }
 
 /// What the store found and did for one descriptor.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct ItemOutcome {
+    /// This descriptor's hits were recorded.
+    pub recorded: bool,
     /// Time left on a ban (0: not banned). A request that just triggered a ban sees the full ban.
     pub ban_remaining_ms: u64,
     /// This request went over and set the ban.
@@ -194,9 +211,10 @@ pub type ReadyFuture<'a> = Pin<Box<dyn Future<Output = bool> + Send + 'a>>;
 /// The one interface the limiter needs from a store.
 pub trait Store: Send + Sync + 'static {
     /// Decides a batch at time `now_ms` (milliseconds since the Unix epoch): an item fits if it
-    /// is not banned and every window has room for its hits; the batch is admitted per
-    /// [`admits`]; if admitted, hits are recorded in every item that fits, otherwise nowhere.
-    /// Items that do not fit and have a ban get banned.
+    /// is not banned and every window has room for its [`CheckItem::size`]; the batch is
+    /// admitted per [`admits`]; if admitted, hits are recorded in every item that fits,
+    /// otherwise nowhere, except a debit's, which is recorded whatever the decision while every
+    /// window had room for one more hit. Items that do not fit and have a ban get banned.
     fn check<'a>(&'a self, items: &'a [CheckItem<'a>], now_ms: u64) -> StoreFuture<'a>;
 
     /// A short name for logs and metrics.

@@ -247,6 +247,7 @@ impl RedisStore {
                 Algorithm::SlidingLog => "0".to_string(),
                 Algorithm::SlidingCounter { buckets } => buckets.to_string(),
             });
+            args.push(if item.debit { "1" } else { "0" }.to_string());
             args.push(item.windows.len().to_string());
             for w in item.windows.iter() {
                 args.push(w.limit.to_string());
@@ -280,13 +281,13 @@ impl RedisStore {
         )
         .await;
         let mut outcomes = vec![ItemOutcome::default(); items.len()];
-        let mut recorded_groups = Vec::new();
+        let mut recorded_groups: Vec<(&Vec<usize>, u64, Vec<u64>)> = Vec::new();
         let mut first_error = None;
         for (group, reply) in groups.iter().zip(replies) {
             match reply {
                 Ok(reply) => {
                     if reply.recorded {
-                        recorded_groups.push((group, reply.now_ms));
+                        recorded_groups.push((group, reply.now_ms, reply.entries));
                     }
                     for (&i, outcome) in group.iter().zip(reply.items) {
                         outcomes[i] = outcome;
@@ -312,44 +313,53 @@ impl RedisStore {
         }
     }
 
-    /// Removes the members a rejected request recorded in the slots that admitted it.
+    /// Removes the entries a rejected request recorded in the slots that admitted it (debits
+    /// stay: that usage happened). A removed log entry leaves the running totals of later
+    /// entries as they were, so windows that still hold an earlier entry count its hits until
+    /// that entry ages out: stricter for a while, never looser.
     async fn undo(
         &self,
         items: &[CheckItem<'_>],
-        groups: &[(&Vec<usize>, u64)],
+        groups: &[(&Vec<usize>, u64, Vec<u64>)],
         prefix: &str,
         outcomes: &mut [ItemOutcome],
     ) {
         let mut removals = Vec::new();
-        for (group, now_ms) in groups {
-            for (position, &i) in group.iter().enumerate() {
+        for (group, now_ms, entries) in groups {
+            for (position, (&i, &cum)) in group.iter().zip(entries).enumerate() {
                 let item = &items[i];
-                if !outcomes[i].fits || item.hits == 0 {
+                if !outcomes[i].recorded || item.debit {
                     continue;
                 }
+                outcomes[i].recorded = false;
                 for w in outcomes[i].windows.iter_mut() {
                     w.count = w.count.saturating_sub(item.hits);
                 }
                 let client = self.pool.next();
                 match item.algorithm {
                     Algorithm::SlidingLog => {
-                        // Members as the script wrote them: "<now>:<prefix>:<i>:<j>", i 1-based
-                        // per call.
-                        let members: Vec<String> = (1..=item.hits)
-                            .map(|j| format!("{now_ms}:{prefix}:{}:{j}", position + 1))
-                            .collect();
+                        // The member as the script wrote it: "<cum>:<weight>:<prefix>:<i>", i
+                        // 1-based per call.
+                        let member = format!("{cum:020}:{}:{prefix}:{}", item.hits, position + 1);
                         removals.push(Box::pin(async move {
                             client
-                                .zrem::<i64, _, _>(item.key.log(), members)
+                                .zrem::<i64, _, _>(item.key.log(), member)
                                 .await
                                 .map(|_| ())
                         }) as UndoFuture<'_>);
                     }
                     Algorithm::SlidingCounter { buckets } => {
-                        // The script added the hits to the current bucket of every window.
+                        // The script added the hits once to the current bucket of every
+                        // distinct bucket length.
                         let hits = i64::try_from(item.hits).unwrap_or(i64::MAX);
-                        for w in item.windows.iter() {
-                            let (size, _) = w.bucket_span(buckets, *now_ms);
+                        let mut sizes: Vec<u64> = item
+                            .windows
+                            .iter()
+                            .map(|w| w.bucket_span(buckets, *now_ms).0)
+                            .collect();
+                        sizes.sort_unstable();
+                        sizes.dedup();
+                        for size in sizes {
                             let field = format!("{size}:{}", now_ms / size);
                             removals.push(Box::pin(async move {
                                 client
@@ -391,6 +401,8 @@ struct GroupReply {
     now_ms: u64,
     recorded: bool,
     items: Vec<ItemOutcome>,
+    /// Per item, the running total of the log entry it recorded (0: none), which names it.
+    entries: Vec<u64>,
 }
 
 /// Reads the script's reply (layout in `lua/slidegate.lua`); anything else is a protocol error.
@@ -410,10 +422,13 @@ fn parse_reply(
     let now_ms = next("now")?;
     let recorded = next("recorded")? == 1;
     let mut outcomes = Vec::with_capacity(group.len());
+    let mut entries = Vec::with_capacity(group.len());
     for &i in group {
         let fits = next("fits")? == 1;
         let ban_remaining_ms = next("ban")?;
         let ban_set = next("ban set")? == 1;
+        let recorded = next("recorded")? == 1;
+        entries.push(next("entry")?);
         // Checked against the request before anything is reserved: a banned item has none.
         let expected = if ban_remaining_ms == 0 {
             items[i].windows.len()
@@ -432,6 +447,7 @@ fn parse_reply(
             });
         }
         outcomes.push(ItemOutcome {
+            recorded,
             ban_remaining_ms,
             ban_set,
             fits,
@@ -445,6 +461,7 @@ fn parse_reply(
         now_ms,
         recorded,
         items: outcomes,
+        entries,
     })
 }
 
@@ -517,18 +534,20 @@ mod tests {
             ban_ms: None,
             hits: 1,
             role: Role::Enforce,
+            debit: false,
         }];
-        // now, recorded, fits, ban, ban set, m = 2^62 (never reserved), ...
-        let huge = [1_000, 1, 1, 0, 0, 1 << 62, 1, 0];
+        // now, recorded, fits, ban, ban set, recorded, entry, m = 2^62 (never reserved), ...
+        let huge = [1_000, 1, 1, 0, 0, 1, 1, 1 << 62, 1, 0];
         assert!(matches!(
             parse_reply(&huge, &items, &[0]),
             Err(StoreError::Protocol(m)) if m.contains("window count")
         ));
-        let good = [1_000, 1, 1, 0, 0, 1, 1, 999];
+        let good = [1_000, 1, 1, 0, 0, 1, 1, 1, 1, 999];
         let reply = parse_reply(&good, &items, &[0]).expect("well-formed");
         assert_eq!(reply.items[0].windows[0].count, 1);
+        assert_eq!(reply.entries, [1]);
         assert!(matches!(
-            parse_reply(&good[..7], &items, &[0]),
+            parse_reply(&good[..9], &items, &[0]),
             Err(StoreError::Protocol(_))
         ));
     }

@@ -232,19 +232,20 @@ pub async fn invalid_requests_are_rejected_and_record_nothing(b: &dyn Backend) {
         "{}",
         st.message()
     );
-    // More hits than one request may add (the log keeps an entry per hit).
+    // More hits than one descriptor may add in one request.
     let st = s
         .call_err(request(
             &d,
             vec![
                 descriptor(&[("key1", "a")]),
-                with_hits(descriptor(&[("key2", "b")]), 100_001),
+                with_hits(descriptor(&[("key2", "b")]), 1_000_000_001),
             ],
         ))
         .await;
     assert_eq!(st.code(), tonic::Code::InvalidArgument);
     assert!(
-        st.message().contains("descriptors[1] asks for 100001 hits"),
+        st.message()
+            .contains("descriptors[1] asks for 1000000001 hits"),
         "{}",
         st.message()
     );
@@ -1022,6 +1023,211 @@ pub async fn sliding_counter_exact_under_concurrency(b: &dyn Backend) {
     s.stop().await;
 }
 
+/// Two windows whose buckets have the same length (4 a minute and 100 in 60 s, 10 buckets each)
+/// share their buckets: a hit counts once, so all four requests of the minute pass.
+pub async fn sliding_counter_windows_sharing_a_bucket_count_once(b: &dyn Backend) {
+    let config = r#"
+domain: DOMAIN
+descriptors:
+  - key: twin
+    rate_limits:
+      - {unit: minute, requests_per_unit: 4}
+      - {window: 60s, requests_per_unit: 100}
+    algorithm: sliding_counter
+"#;
+    let (s, d) = start(b, "twinbuckets", config).await;
+    for n in 1..=4 {
+        let r = s
+            .call(request(&d, vec![descriptor(&[("twin", "t")])]))
+            .await;
+        assert_eq!(r.overall_code, ok(), "request {n}");
+    }
+    let r = s
+        .call(request(&d, vec![descriptor(&[("twin", "t")])]))
+        .await;
+    assert_eq!(r.overall_code, over(), "the fifth is over 4 a minute");
+    s.stop().await;
+}
+
+const TOKENS: &str = r#"
+domain: DOMAIN
+descriptors:
+  - key: tokens
+    rate_limit: {unit: hour, requests_per_unit: 10000}
+    debit: true
+  - key: weighted
+    rate_limit: {unit: hour, requests_per_unit: 10000}
+"#;
+
+/// A descriptor's hits are tokens: one log entry per call, counted by weight, with an exact
+/// remaining and an exact reset (until enough weight leaves for a request of that size).
+pub async fn weighted_hits_count_as_tokens(b: &dyn Backend) {
+    let (s, d) = start(b, "weighted", TOKENS).await;
+    let call = |hits: u64| request(&d, vec![with_hits(descriptor(&[("weighted", "w")]), hits)]);
+    let r = s.call(call(9_000)).await;
+    assert_eq!(
+        (r.overall_code, r.statuses[0].limit_remaining),
+        (ok(), 1_000)
+    );
+    s.clock.advance(600_000);
+    let r = s.call(call(2_000)).await;
+    assert_eq!(r.overall_code, over(), "9,000 + 2,000 > 10,000");
+    // 1,000 tokens must leave: the 9,000 entry, at T0 + 1 h, 50 minutes from now.
+    assert_eq!(reset_ms(&r.statuses[0]), Some(3_000_000));
+    let r = s.call(call(1_000)).await;
+    assert_eq!((r.overall_code, r.statuses[0].limit_remaining), (ok(), 0));
+    // 10,001 can never fit: the whole window.
+    let r = s.call(call(10_001)).await;
+    assert_eq!(reset_ms(&r.statuses[0]), Some(3_600_000));
+    s.stop().await;
+}
+
+/// A debit rule charges usage that already happened: a call that crosses the budget is still
+/// recorded, a check (hits 0) fails once the budget is spent, and once spent nothing more is
+/// charged until enough weight ages out.
+pub async fn debits_charge_usage_that_happened(b: &dyn Backend) {
+    let (s, d) = start(b, "debits", TOKENS).await;
+    let call = |hits: u64| request(&d, vec![with_hits(descriptor(&[("tokens", "u")]), hits)]);
+    let r = s.call(call(6_000)).await;
+    assert_eq!(
+        (r.overall_code, r.statuses[0].limit_remaining),
+        (ok(), 4_000)
+    );
+    let r = s.call(call(0)).await;
+    assert_eq!(
+        (r.overall_code, r.statuses[0].limit_remaining),
+        (ok(), 4_000),
+        "a check"
+    );
+    s.clock.advance(600_000);
+    let r = s.call(call(5_000)).await;
+    assert_eq!(r.overall_code, over(), "the debit crosses the budget");
+    let r = s.call(call(0)).await;
+    assert_eq!(
+        r.overall_code,
+        over(),
+        "11,000 recorded: the budget is spent"
+    );
+    // Room for one token again once 1,001 have left: the 6,000 entry, at T0 + 1 h.
+    assert_eq!(reset_ms(&r.statuses[0]), Some(3_000_000));
+    let r = s.call(call(1)).await;
+    assert_eq!(r.overall_code, over(), "nothing more is charged once spent");
+    s.clock.advance(3_000_000);
+    let r = s.call(call(0)).await;
+    assert_eq!(
+        (r.overall_code, r.statuses[0].limit_remaining),
+        (ok(), 5_000),
+        "only the crossing 5,000 remain; the refused debit of 1 was not charged"
+    );
+    s.stop().await;
+}
+
+/// 16 clients at once, each checking (hits 0) and, when admitted, debiting 1..=50,000 tokens on
+/// a budget of 10,000 an hour, straight against the store. Every answer must fit one
+/// sequential history (the brute-force model): recorded debits form a chain of running totals
+/// each starting below the budget; refused debits and checks see a total of that chain; a check
+/// fits exactly while the total is below the budget; the total exceeds the budget by less than
+/// the debit that crossed it.
+pub async fn debits_under_concurrency_match_a_sequential_model(b: &dyn Backend) {
+    use slidegate::store::{Algorithm, CheckItem, Role, StoreKey, Window};
+    const LIMIT: u64 = 10_000;
+    let store = b.store().await;
+    let key = StoreKey::new(&unique_domain("budget"), "");
+    let item = move |hits: u64| CheckItem {
+        key: key.clone(),
+        windows: std::borrow::Cow::Owned(vec![Window {
+            limit: 10_000,
+            length_ms: 3_600_000,
+        }]),
+        algorithm: Algorithm::SlidingLog,
+        ban_ms: None,
+        hits,
+        role: Role::Enforce,
+        debit: true,
+    };
+    let mut tasks = Vec::new();
+    for client in 0..16u64 {
+        let (store, item) = (store.clone(), item.clone());
+        tasks.push(tokio::spawn(async move {
+            let mut seen = Vec::new();
+            let mut state = 0x9E37_79B9_7F4A_7C15u64 ^ (client + 1);
+            for _ in 0..6 {
+                let check = [item(0)];
+                let outcome = store.check(&check, T0).await.expect("check");
+                let fits = outcome.items[0].fits;
+                seen.push((0, outcome.items[0].clone()));
+                if fits {
+                    state ^= state << 13;
+                    state ^= state >> 7;
+                    state ^= state << 17;
+                    let hits = 1 + state % 50_000;
+                    let debit = [item(hits)];
+                    let outcome = store.check(&debit, T0).await.expect("debit");
+                    seen.push((hits, outcome.items[0].clone()));
+                }
+            }
+            seen
+        }));
+    }
+    let mut calls = Vec::new();
+    for task in tasks {
+        calls.extend(task.await.expect("client"));
+    }
+    let count = |o: &slidegate::store::ItemOutcome| o.windows[0].count;
+    // The chain of recorded debits, in the order their totals grew.
+    let mut recorded: Vec<(u64, u64)> = calls
+        .iter()
+        .filter(|(_, o)| o.recorded)
+        .map(|(hits, o)| (*hits, count(o)))
+        .collect();
+    recorded.sort_by_key(|(_, total)| *total);
+    let mut totals = vec![0u64];
+    for (hits, total) in &recorded {
+        let before = *totals.last().expect("a total");
+        assert!(
+            before < LIMIT,
+            "a debit was charged with the budget already spent: {recorded:?}"
+        );
+        assert_eq!(*total, before + hits, "totals form one chain: {recorded:?}");
+        totals.push(*total);
+    }
+    let last = *totals.last().expect("a total");
+    for (hits, o) in &calls {
+        assert!(
+            totals.contains(&count(o)),
+            "{hits} saw a total outside the chain: {o:?}"
+        );
+        if *hits == 0 {
+            assert_eq!(
+                o.fits,
+                count(o) < LIMIT,
+                "a check fits exactly while below the budget"
+            );
+        } else if !o.recorded {
+            assert!(
+                count(o) >= LIMIT,
+                "a refused debit came after the budget was spent"
+            );
+        } else {
+            assert_eq!(
+                o.fits,
+                count(o) <= LIMIT,
+                "a debit is OK iff it stays within"
+            );
+        }
+    }
+    if last >= LIMIT {
+        let crossing = recorded.last().map_or(0, |(hits, _)| *hits);
+        assert!(
+            last < LIMIT + crossing,
+            "over by less than the crossing debit: {last}"
+        );
+    }
+    let final_check = store.check(&[item(0)], T0).await.expect("check");
+    assert_eq!(final_check.items[0].fits, last < LIMIT);
+    assert!(!recorded.is_empty(), "some debits were charged");
+}
+
 /// Generates one test per scenario for a backend expression.
 #[macro_export]
 macro_rules! conformance_suite {
@@ -1036,7 +1242,9 @@ macro_rules! conformance_suite {
             three_windows_on_one_descriptor, arbitrary_window, ban_blocks_then_expires,
             rolling_window_has_no_boundary_burst, same_millisecond_burst_is_all_counted, response_headers,
             exact_under_concurrency, sliding_counter_is_bounded_by_one_bucket,
-            sliding_counter_takes_large_hits, sliding_counter_exact_under_concurrency);
+            sliding_counter_takes_large_hits, sliding_counter_exact_under_concurrency,
+            sliding_counter_windows_sharing_a_bucket_count_once, weighted_hits_count_as_tokens,
+            debits_charge_usage_that_happened, debits_under_concurrency_match_a_sequential_model);
     };
     (@tests $backend:expr; $($name:ident),* $(,)?) => {
         $(
