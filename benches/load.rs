@@ -1,6 +1,6 @@
 //! Load benchmark: throughput and latency of `ShouldRateLimit` over gRPC on loopback, for the
 //! embedded store, standalone Redis and a 3-master Redis Cluster (each started here, on free
-//! ports), plus Redis memory per logged hit and per idle key.
+//! ports), plus Redis memory per log entry (one per call, whatever its hits) and per idle key.
 //!
 //!     cargo bench --bench load                      # defaults: 64 callers, 5 s per scenario
 //!     SLIDEGATE_BENCH_SECS=10 SLIDEGATE_BENCH_CALLERS=128 cargo bench --bench load
@@ -208,38 +208,32 @@ fn memory_usage(redis: &redis_proc::RedisProcess) {
         "\nRedis memory (MEMORY USAGE, redis-server 7, default zset-max-listpack-entries 128):"
     );
     // One call: KEYS log, ban, counters; ARGV now, prefix, mode, n, then hits, role, ban_ms,
-    // buckets, window count, limit, window_ms.
-    let call = |base: &str, now: u64, hits: u64, buckets: &str| {
-        let (log, ban, cnt) = (
-            format!("{base}:log"),
-            format!("{base}:ban"),
-            format!("{base}:cnt"),
-        );
-        let reply = cli(&[
-            "EVALSHA",
-            &sha,
-            "3",
-            &log,
-            &ban,
-            &cnt,
-            &now.to_string(),
-            "memprobe0000-123456",
-            "1",
-            "1",
-            &hits.to_string(),
-            "0",
-            "0",
-            buckets,
-            "1",
-            "100000",
-            "3600000",
-        ]);
-        assert!(!reply.starts_with("ERR"), "{reply}");
+    // buckets, debit, window count, limit, window_ms.
+    let line = |base: &str, now: u64, hits: u64, buckets: &str| {
+        format!(
+            "EVALSHA {sha} 3 {base}:log {base}:ban {base}:cnt {now} memprobe0000-123456 1 1 {hits} 0 0 {buckets} 0 1 100000 3600000\n"
+        )
+    };
+    let run = |lines: String| {
+        use std::io::Write;
+        let mut child = std::process::Command::new("redis-cli")
+            .args(["-p", &redis.port.to_string()])
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::piped())
+            .spawn()
+            .expect("redis-cli");
+        // Written from another thread: the replies fill the output pipe while commands go in.
+        let mut stdin = child.stdin.take().expect("stdin");
+        let writer = std::thread::spawn(move || stdin.write_all(lines.as_bytes()));
+        let out = child.wait_with_output().expect("redis-cli");
+        writer.join().expect("writer").expect("commands");
+        let text = String::from_utf8_lossy(&out.stdout).to_string();
+        assert!(!text.contains("SLIDEGATE"), "{text}");
     };
     for entries in [10u64, 100, 128, 129, 1000, 10_000] {
         let base = format!("rl:{{bench:m{entries}}}");
-        // One call with `entries` hits records `entries` members, as that many requests would.
-        call(&base, now, entries, "0");
+        // One entry per call, whatever its hits: `entries` calls of 5 hits each.
+        run((0..entries).map(|n| line(&base, now + n, 5, "0")).collect());
         let bytes: f64 = cli(&["MEMORY", "USAGE", &format!("{base}:log"), "SAMPLES", "0"])
             .parse()
             .unwrap_or(0.0);
@@ -251,9 +245,9 @@ fn memory_usage(redis: &redis_proc::RedisProcess) {
     // sliding_counter, 10 buckets per hour: a call in each of 12 consecutive buckets (old ones
     // are trimmed), whatever the hits.
     let base = "rl:{bench:counter}";
-    for bucket in 0..12u64 {
-        call(base, now + bucket * 360_000, 5_000, "10");
-    }
+    run((0..12u64)
+        .map(|bucket| line(base, now + bucket * 360_000, 5_000, "10"))
+        .collect());
     println!(
         "  sliding_counter, 10 buckets: {} bytes, whatever the limit and the hits",
         cli(&["MEMORY", "USAGE", &format!("{base}:cnt"), "SAMPLES", "0"])

@@ -183,11 +183,17 @@ local function first_inside(log, win)
   return { before = cum - weight, time = tonumber(first[2]) }
 end
 
--- The time of the first entry of the window whose running total reaches `total` (a binary
--- search by rank: totals grow with time), or nil.
-local function time_reaching(log, win, total)
+-- The time of the first entry of the window whose running total reaches `total`, `need` hits
+-- past the total before the window, or nil. Totals grow by at least 1 an entry, so it is at
+-- most need - 1 ranks past the window's first entry; when every entry weighs 1 (requests) the
+-- first probe there finds it. Otherwise a binary search by rank.
+local function time_reaching(log, win, total, need)
   local low = redis.call('ZCOUNT', log, '-inf', ms(now - win.length))
-  local high = redis.call('ZCARD', log) - 1
+  local high = math.min(redis.call('ZCARD', log) - 1, low + need - 1)
+  local probe = redis.call('ZRANGE', log, high, high, 'WITHSCORES')
+  if probe[1] ~= nil and parse_member(probe[1]) == total then
+    return tonumber(probe[2])
+  end
   local found = nil
   while low <= high do
     local mid = math.floor((low + high) / 2)
@@ -394,7 +400,7 @@ local function log_reset(it, i, w, win, count)
   if size > win.limit then
     return win.length
   end
-  local at = time_reaching(it.log, win, (first and first.before or 0) + need)
+  local at = time_reaching(it.log, win, (first and first.before or 0) + need, need)
   return at and (at + win.length - now) or win.length
 end
 
