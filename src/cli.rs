@@ -14,6 +14,7 @@ use clap::parser::ValueSource;
 use clap::{ArgAction, CommandFactory, FromArgMatches, Parser, Subcommand, ValueEnum};
 
 use slidegate::config;
+use slidegate::limiter::RequestBounds;
 
 mod reference;
 mod serve;
@@ -143,6 +144,24 @@ pub struct ServeArgs {
     /// for configs that cannot say `debit: true` themselves (e.g. from xDS); `*` for all.
     #[arg(long, env = "SLIDEGATE_DEBIT_DOMAINS", value_delimiter = ',')]
     pub debit_domains: Vec<String>,
+    /// Most descriptors in one request.
+    #[arg(long, env = "SLIDEGATE_MAX_DESCRIPTORS", default_value_t = RequestBounds::default().descriptors)]
+    pub max_descriptors: usize,
+    /// Most entries in one descriptor.
+    #[arg(long, env = "SLIDEGATE_MAX_ENTRIES", default_value_t = RequestBounds::default().entries)]
+    pub max_entries: usize,
+    /// Most bytes in an entry key.
+    #[arg(long, env = "SLIDEGATE_MAX_KEY_BYTES", default_value_t = RequestBounds::default().key_bytes)]
+    pub max_key_bytes: usize,
+    /// Most bytes in an entry value.
+    #[arg(long, env = "SLIDEGATE_MAX_VALUE_BYTES", default_value_t = RequestBounds::default().value_bytes)]
+    pub max_value_bytes: usize,
+    /// Most hits of one descriptor, and of one request's descriptors together.
+    #[arg(long, env = "SLIDEGATE_MAX_HITS", default_value_t = RequestBounds::default().hits)]
+    pub max_hits: u64,
+    /// Longest window a request's limit override may ask for.
+    #[arg(long, env = "SLIDEGATE_MAX_OVERRIDE_WINDOW", default_value = "365d", value_parser = duration_arg)]
+    pub max_override_window: Duration,
     /// Fill the response's dynamic_metadata with the request and matched rules' metadata.
     #[arg(long, env = "SLIDEGATE_DYNAMIC_METADATA", action = ArgAction::SetTrue, value_parser = BoolishValueParser::new())]
     pub dynamic_metadata: bool,

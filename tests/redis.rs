@@ -812,3 +812,52 @@ async fn weighted_log_memory_is_per_call() {
         .expect("check");
     assert_eq!(last.items[0].windows[0].count, 50_000_000);
 }
+
+/// Requests past a bound are refused before the store: many descriptors, huge values, and
+/// hits that only add up past the bound over several descriptors leave Redis untouched.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn requests_past_a_bound_never_reach_redis() {
+    let redis = RedisProcess::start(&[]);
+    let server = TestServer::start(
+        "domain: DOMAIN\ndescriptors:\n  - key: k\n    rate_limit: {unit: minute, requests_per_unit: 5}\n",
+        connect(redis.url(), TEST_TIMEOUT).await,
+        LimiterOptions::default(),
+    )
+    .await;
+    let big = "v".repeat(2 * 1024 * 1024);
+    let cases = [
+        (
+            request(
+                "DOMAIN",
+                (0..100).map(|_| descriptor(&[("k", "v")])).collect(),
+            ),
+            "--max-descriptors",
+        ),
+        (
+            request("DOMAIN", vec![descriptor(&[("k", &big)])]),
+            "--max-value-bytes",
+        ),
+        (
+            request(
+                "DOMAIN",
+                (0..10)
+                    .map(|_| with_hits(descriptor(&[("k", "v")]), 500_000_000))
+                    .collect(),
+            ),
+            "--max-hits",
+        ),
+    ];
+    for (call, bound) in cases {
+        let status = server.call_err(call).await;
+        assert_eq!(status.code(), tonic::Code::InvalidArgument);
+        assert!(status.message().contains(bound), "{}", status.message());
+    }
+    assert_eq!(redis.cmd("DBSIZE").trim(), ":0", "nothing reached Redis");
+    // Within the bounds, the same shapes are decided and recorded.
+    let decided = server
+        .call(request("DOMAIN", vec![descriptor(&[("k", "v")])]))
+        .await;
+    assert_eq!(decided.overall_code, ok());
+    assert_eq!(redis.cmd("DBSIZE").trim(), ":1");
+    server.stop().await;
+}

@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use slidegate::config::{self, LoadOptions, Loaded};
 use slidegate::limiter::{
-    Clock, FailurePolicy, LimitHeaderNames, Limiter, LimiterOptions, SystemClock,
+    Clock, FailurePolicy, LimitHeaderNames, Limiter, LimiterOptions, RequestBounds, SystemClock,
 };
 use slidegate::metrics::{MetricNames, Metrics};
 use slidegate::server::{App, Listeners, ServerOptions};
@@ -196,6 +196,15 @@ fn limiter_options(args: &ServeArgs) -> LimiterOptions {
         dynamic_metadata: args.dynamic_metadata,
         global_quota_mode: args.quota_mode,
         debit_domains: args.debit_domains.clone(),
+        bounds: RequestBounds {
+            descriptors: args.max_descriptors,
+            entries: args.max_entries,
+            key_bytes: args.max_key_bytes,
+            value_bytes: args.max_value_bytes,
+            hits: args.max_hits,
+            override_window_ms: u64::try_from(args.max_override_window.as_millis())
+                .unwrap_or(u64::MAX),
+        },
         limit_headers: args.limit_headers.then(|| {
             let name = |n: usize, default: String| {
                 args.limit_header_names.get(n).cloned().unwrap_or(default)

@@ -10,6 +10,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use arc_swap::ArcSwap;
 
+use super::bounds::RequestBounds;
 use super::clock::Stopwatch;
 use super::headers::{self, LimitHeaderNames};
 use super::key::{self, Variant};
@@ -41,6 +42,8 @@ pub struct LimiterOptions {
     /// Domains whose rules all take debits (usage recorded even when it crosses the limit),
     /// for configs that cannot say so themselves; `*` is every domain.
     pub debit_domains: Vec<String>,
+    /// What one request may ask for.
+    pub bounds: RequestBounds,
 }
 
 impl Default for LimiterOptions {
@@ -54,6 +57,7 @@ impl Default for LimiterOptions {
             global_quota_mode: false,
             limit_headers: None,
             debit_domains: Vec::new(),
+            bounds: RequestBounds::default(),
         }
     }
 }
@@ -185,7 +189,7 @@ impl Limiter {
     }
 
     async fn decide(&self, request: &Request) -> Result<Decision, LimiterError> {
-        validate(request)?;
+        self.options.bounds.validate(request)?;
         let limits = self.limits.load_full();
         let now_ms = self.clock.now_ms();
         let Some(domain) = limits.domain(&request.domain) else {
@@ -638,53 +642,6 @@ fn status_of(windows: &[Window], outcome: &ItemOutcome, shadow: bool) -> Status 
 
 fn clamp_u32(n: u64) -> u32 {
     u32::try_from(n).unwrap_or(u32::MAX)
-}
-
-/// The most hits one descriptor may add in one request. A log keeps one entry per call whatever
-/// its hits, so the bound is not about memory: running totals are summed exactly in the Lua
-/// script's numbers (doubles, exact to 2^53), and at a billion hits a call a log takes millions
-/// of calls before that could matter; a log that empties starts its totals again at 0.
-pub const MAX_HITS_PER_DESCRIPTOR: u64 = 1_000_000_000;
-
-/// Rejects malformed requests before anything is read or recorded.
-fn validate(request: &Request) -> Result<(), LimiterError> {
-    let invalid = |m: String| Err(LimiterError::InvalidRequest(m));
-    if request.domain.is_empty() {
-        return invalid("rate limit domain must not be empty".into());
-    }
-    if request.descriptors.is_empty() {
-        return invalid("rate limit descriptor list must not be empty".into());
-    }
-    for (n, descriptor) in request.descriptors.iter().enumerate() {
-        // A descriptor without entries is what Envoy sends when every action of a rate limit
-        // was skipped (`skip_if_absent`); it matches nothing and is answered OK without a limit,
-        // as the reference does, while the request's other descriptors are decided as usual.
-        if let Some(e) = descriptor
-            .entries
-            .iter()
-            .position(|(key, _)| key.is_empty())
-        {
-            return invalid(format!("descriptors[{n}].entries[{e}] has an empty key"));
-        }
-        let hits = descriptor
-            .hits_addend
-            .unwrap_or(u64::from(request.hits_addend));
-        if hits > MAX_HITS_PER_DESCRIPTOR {
-            return invalid(format!(
-                "descriptors[{n}] asks for {hits} hits; at most {MAX_HITS_PER_DESCRIPTOR} per descriptor and request"
-            ));
-        }
-        if let Some(over) = descriptor
-            .limit
-            .filter(|o| Unit::from_proto(o.unit).is_none())
-        {
-            return invalid(format!(
-                "descriptors[{n}].limit.unit must be one of SECOND, MINUTE, HOUR, DAY, WEEK, MONTH, YEAR (got {})",
-                over.unit
-            ));
-        }
-    }
-    Ok(())
 }
 
 /// The matched rules' `metadata`, merged (first value wins), for `dynamic_metadata`.

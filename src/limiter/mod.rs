@@ -3,6 +3,7 @@
 //! [`Request`] and [`Decision`] back, and the limiter asks a [`crate::store::Store`] (the
 //! contract below it) to decide its batch.
 
+pub mod bounds;
 pub mod clock;
 pub mod engine;
 pub mod headers;
@@ -11,6 +12,7 @@ pub mod observe;
 pub mod rules;
 pub mod unit;
 
+pub use bounds::RequestBounds;
 pub use clock::{Clock, ManualClock, SystemClock};
 pub use engine::{FailurePolicy, Limiter, LimiterOptions};
 pub use headers::LimitHeaderNames;
