@@ -1,4 +1,10 @@
+#!lua
 -- slidegate: decide one batch of descriptors atomically, on sliding windows.
+--
+-- The first line (a Redis 7 shebang, no flags) declares this a script that may write, so Redis
+-- refuses to start it when used memory is over `maxmemory` (with `noeviction`) instead of
+-- letting it write past the limit (without the declaration its first write is a deletion,
+-- which a full Redis allows, and after that nothing inside a script is checked).
 --
 -- Redis runs a script without interleaving other commands, so trimming, counting, deciding and
 -- recording cannot race (three separate commands can: "100 per minute, 130 got through").

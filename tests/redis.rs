@@ -861,3 +861,65 @@ async fn requests_past_a_bound_never_reach_redis() {
     assert_eq!(redis.cmd("DBSIZE").trim(), ":1");
     server.stop().await;
 }
+
+/// A Redis at its `maxmemory` (with `noeviction`) refuses the script before it runs (the script
+/// declares itself a writer), so nothing is written past the limit and the answer follows the
+/// store-failure policy: UNAVAILABLE by default, OVER_LIMIT with `deny`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_full_redis_refuses_the_script_and_the_policy_answers() {
+    let redis = RedisProcess::start(&["--maxmemory-policy", "noeviction"]);
+    let config = "domain: DOMAIN\ndescriptors:\n  - key: k\n    rate_limit: {unit: minute, requests_per_unit: 1000}\n";
+    let errors = TestServer::start(
+        config,
+        connect(redis.url(), TEST_TIMEOUT).await,
+        LimiterOptions::default(),
+    )
+    .await;
+    let denies = TestServer::start(
+        config,
+        connect(redis.url(), TEST_TIMEOUT).await,
+        LimiterOptions {
+            failure_policy: FailurePolicy::Deny,
+            ..LimiterOptions::default()
+        },
+    )
+    .await;
+    let call = |n: u32| request("DOMAIN", vec![descriptor(&[("k", &n.to_string())])]);
+    assert_eq!(
+        errors.call(call(0)).await.overall_code,
+        ok(),
+        "room at first"
+    );
+    // Fill it: a 3 MB value, then a 2 MB limit.
+    let filler = "x".repeat(3 * 1024 * 1024);
+    let mut set = std::process::Command::new("redis-cli")
+        .args(["-p", &redis.port.to_string(), "-x", "SET", "filler"])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::null())
+        .spawn()
+        .expect("redis-cli");
+    std::io::Write::write_all(&mut set.stdin.take().expect("stdin"), filler.as_bytes())
+        .expect("value");
+    assert!(set.wait().expect("redis-cli").success());
+    assert!(redis.cmd("CONFIG SET maxmemory 2mb").starts_with("+OK"));
+    let keys_before = redis.cmd("DBSIZE");
+    for n in 1..=20 {
+        let status = errors.call_err(call(n)).await;
+        assert_eq!(
+            status.code(),
+            tonic::Code::Unavailable,
+            "{}",
+            status.message()
+        );
+        assert!(status.message().contains("OOM"), "{}", status.message());
+        let denied = denies.call(call(n)).await;
+        assert_eq!(
+            denied.overall_code,
+            over(),
+            "--store-failure deny answers OVER_LIMIT"
+        );
+    }
+    assert_eq!(redis.cmd("DBSIZE"), keys_before, "no new log was written");
+    errors.stop().await;
+    denies.stop().await;
+}
