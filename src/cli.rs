@@ -106,6 +106,10 @@ pub struct ServeArgs {
     /// Several files may define one domain; their descriptors are merged.
     #[arg(long, env = "SLIDEGATE_MERGE_DOMAIN_CONFIG", action = ArgAction::SetTrue, value_parser = BoolishValueParser::new())]
     pub merge_domain_config: bool,
+    /// Accept a reload that leaves no domain at all (refused by default while domains are
+    /// loaded: a directory emptied by mistake would remove every limit).
+    #[arg(long, env = "SLIDEGATE_ALLOW_EMPTY_CONFIG", action = ArgAction::SetTrue, value_parser = BoolishValueParser::new())]
+    pub allow_empty_config: bool,
     /// Start even when the config is missing or invalid: answer OK without limits until a valid
     /// config arrives.
     #[arg(long, env = "SLIDEGATE_FORCE_START", action = ArgAction::SetTrue, value_parser = BoolishValueParser::new())]
@@ -303,6 +307,7 @@ fn check_boolean_variables(var: &dyn Fn(&str) -> Option<String>) -> Result<(), S
 fn check(path: &std::path::Path, args: &ServeArgs) -> ExitCode {
     let options = config::LoadOptions {
         merge_domains: args.merge_domain_config,
+        allow_no_domains: true,
     };
     match config::load_path_with(path, options) {
         Ok(loaded) => {

@@ -334,6 +334,70 @@ async fn reload_on_configmap_symlink_swap() {
     s.stop().await;
 }
 
+/// A config that breaks or empties never fails open: a dangling link or a link loop is a load
+/// error (the old rules keep serving, `check` fails), an emptied directory is refused, and a
+/// directory replaced as a whole is watched again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn broken_or_emptied_configs_keep_the_old_rules() {
+    let parent = temp_dir("broken");
+    let dir = parent.0.join("limits");
+    std::fs::create_dir_all(&dir).expect("mkdir");
+    std::fs::write(dir.join("limits.yaml"), limits("b1", "b2")).expect("write");
+    let (s, _watch) = watched(&dir).await;
+    assert_eq!(names(&s).await, ("b1".into(), "b2".into()));
+    let errors_before = config_errors(&s);
+    let wait_for_errors = |n: f64| {
+        let end = Instant::now() + Duration::from_secs(10);
+        let s = &s;
+        async move {
+            while config_errors(s) < n {
+                assert!(Instant::now() < end, "the broken config was not rejected");
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        }
+    };
+
+    // A dangling link, then a loop: rejected, the old rules stay.
+    std::os::unix::fs::symlink(dir.join("gone.yaml"), dir.join("extra.yaml")).expect("link");
+    wait_for_errors(errors_before + 1.0).await;
+    assert_eq!(names(&s).await, ("b1".into(), "b2".into()));
+    let check = Command::new(env!("CARGO_BIN_EXE_slidegate"))
+        .arg("check")
+        .arg(&dir)
+        .output()
+        .expect("check");
+    assert!(!check.status.success(), "check fails on a dangling link");
+    assert!(String::from_utf8_lossy(&check.stderr).contains("extra.yaml: cannot read"));
+    std::fs::remove_file(dir.join("extra.yaml")).expect("unlink");
+    std::os::unix::fs::symlink(dir.join("loop.yaml"), dir.join("loop.yaml")).expect("loop");
+    wait_for_errors(errors_before + 2.0).await;
+    std::fs::remove_file(dir.join("loop.yaml")).expect("unlink");
+
+    // Emptied by mistake: refused, every limit stays.
+    std::fs::remove_file(dir.join("limits.yaml")).expect("empty the directory");
+    wait_for_errors(errors_before + 3.0).await;
+    assert_eq!(names(&s).await, ("b1".into(), "b2".into()));
+
+    // The directory replaced as a whole (a new one renamed over it): watched again.
+    let fresh = parent.0.join("fresh");
+    std::fs::create_dir_all(&fresh).expect("mkdir");
+    std::fs::write(fresh.join("limits.yaml"), limits("n1", "n2")).expect("write");
+    std::fs::remove_dir(&dir).expect("remove the emptied directory");
+    std::fs::rename(&fresh, &dir).expect("replace the directory");
+    wait_for_names(&s, ("n1", "n2")).await;
+    std::fs::write(dir.join("limits.yaml"), limits("m1", "m2")).expect("edit in the new one");
+    wait_for_names(&s, ("m1", "m2")).await;
+    s.stop().await;
+}
+
+fn config_errors(s: &TestServer) -> f64 {
+    sample(
+        &s.metrics.render().1,
+        "ratelimit_service_config_load_error_total",
+    )
+    .unwrap_or(0.0)
+}
+
 /// 50 reloads while callers keep asking with two descriptors: every answer comes from one
 /// config, never half of each, and never from no config.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

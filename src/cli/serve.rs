@@ -66,6 +66,7 @@ async fn serve_async(args: ServeArgs) -> Result<(), String> {
     };
     let load_options = LoadOptions {
         merge_domains: args.merge_domain_config,
+        allow_no_domains: args.allow_empty_config,
     };
     let loaded = initial_config(
         config_path,

@@ -170,9 +170,11 @@ fn config_files(path: &Path) -> Result<Vec<PathBuf>, String> {
         let name = entry.file_name();
         let name = name.to_string_lossy();
         let yaml = name.ends_with(".yaml") || name.ends_with(".yml");
-        // metadata() follows symlinks, so ConfigMap links to files count as files.
-        let is_file = std::fs::metadata(entry.path()).is_ok_and(|m| m.is_file());
-        if yaml && !name.starts_with('.') && is_file {
+        // metadata() follows symlinks, so ConfigMap links to files count as files. An entry
+        // that cannot be followed (a dangling link, a loop, no permission) is kept: reading it
+        // fails, and a config file that cannot be read is an error, never silently skipped.
+        let is_dir = std::fs::metadata(entry.path()).is_ok_and(|m| m.is_dir());
+        if yaml && !name.starts_with('.') && !is_dir {
             files.push(entry.path());
         }
     }
@@ -186,6 +188,9 @@ pub struct LoadOptions {
     /// Several files may name one domain; their descriptors are merged (the reference's
     /// `MERGE_DOMAIN_CONFIG`). A descriptor defined twice is still an error.
     pub merge_domains: bool,
+    /// A reload may leave no domain at all. Off, such a reload is refused while domains are
+    /// loaded: a directory emptied by mistake must not remove every limit.
+    pub allow_no_domains: bool,
 }
 
 /// Compiles `(file name, YAML text)` pairs, one domain per file.
@@ -1071,6 +1076,35 @@ descriptors:
     }
 
     #[test]
+    fn unreadable_entries_are_errors_not_skipped() {
+        let dir = std::env::temp_dir().join(format!("slidegate-unreadable-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("mkdir");
+        std::fs::write(dir.join("good.yaml"), "domain: good\n").expect("write");
+        std::os::unix::fs::symlink(dir.join("gone.yaml"), dir.join("dangling.yaml")).expect("link");
+        std::os::unix::fs::symlink(dir.join("loop-b.yaml"), dir.join("loop-a.yaml")).expect("link");
+        std::os::unix::fs::symlink(dir.join("loop-a.yaml"), dir.join("loop-b.yaml")).expect("link");
+        let errors = load_path(&dir).expect_err("broken entries");
+        let named: Vec<&str> = errors
+            .0
+            .iter()
+            .filter_map(|e| Path::new(&e.file).file_name()?.to_str())
+            .collect();
+        assert_eq!(
+            named,
+            ["dangling.yaml", "loop-a.yaml", "loop-b.yaml"],
+            "{errors}"
+        );
+        assert!(
+            errors
+                .0
+                .iter()
+                .all(|e| e.message.starts_with("cannot read")),
+            "{errors}"
+        );
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
     fn domains_merge_across_files_when_asked() {
         let sources = [
             (
@@ -1091,6 +1125,7 @@ descriptors:
             &owned,
             LoadOptions {
                 merge_domains: true,
+                ..LoadOptions::default()
             },
         )
         .expect("merged");
@@ -1110,6 +1145,7 @@ descriptors:
             &twice,
             LoadOptions {
                 merge_domains: true,
+                ..LoadOptions::default()
             },
         )
         .expect_err("the same descriptor twice");

@@ -18,9 +18,8 @@ use super::load::{LoadOptions, load_path_with};
 use crate::limiter::Limiter;
 use crate::metrics::Metrics;
 
-/// Keeps the watch alive; dropping it stops reloading.
+/// Keeps the watch alive (the watcher lives in the task); dropping it stops reloading.
 pub struct ConfigWatch {
-    _watcher: Option<notify::RecommendedWatcher>,
     task: tokio::task::JoinHandle<()>,
 }
 
@@ -56,6 +55,15 @@ pub async fn reload(
     };
     match loaded {
         Ok(loaded) if loaded.fingerprint == *current => Reload::Unchanged,
+        Ok(loaded)
+            if loaded.limits.domains.is_empty()
+                && !options.allow_no_domains
+                && !limiter.limits().domains.is_empty() =>
+        {
+            metrics.config_loaded(false);
+            tracing::error!(config = %path.display(), "config rejected, the previous config keeps serving: it has no domain, which would remove every limit (--allow-empty-config allows it)");
+            Reload::Rejected
+        }
         Ok(loaded) => {
             *current = loaded.fingerprint;
             for warning in &loaded.warnings {
@@ -87,31 +95,22 @@ pub fn spawn(
     watch_files: bool,
 ) -> Result<ConfigWatch, notify::Error> {
     let (tx, mut rx) = mpsc::channel::<()>(1);
-    let watcher = if watch_files {
-        let events = tx.clone();
-        let mut watcher =
-            notify::recommended_watcher(move |event: notify::Result<notify::Event>| {
-                if event.is_ok_and(|e| !e.kind.is_access()) {
-                    // A full channel already has a reload pending.
-                    let _ = events.try_send(());
-                }
-            })?;
-        let dir = if path.is_dir() {
-            path.clone()
-        } else {
-            path.parent()
-                .filter(|p| !p.as_os_str().is_empty())
-                .map_or_else(|| PathBuf::from("."), Path::to_path_buf)
-        };
-        watcher.watch(&dir, RecursiveMode::NonRecursive)?;
-        Some(watcher)
+    let dir = if path.is_dir() {
+        path.clone()
+    } else {
+        path.parent()
+            .filter(|p| !p.as_os_str().is_empty())
+            .map_or_else(|| PathBuf::from("."), Path::to_path_buf)
+    };
+    let mut watcher = if watch_files {
+        Some(watch_dir(&dir, tx.clone())?)
     } else {
         None
     };
 
     let task = tokio::spawn(async move {
         // Holding a sender keeps `recv` pending (not closed) when no file watcher holds one.
-        let _keep_open = tx;
+        let _keep_open = tx.clone();
         let mut current = fingerprint;
         let mut hangup = sighup();
         loop {
@@ -124,14 +123,38 @@ pub fn spawn(
                     tracing::info!("SIGHUP: reloading config");
                 }
             }
+            if let Some(watching) = watcher.as_mut() {
+                // The directory may have been replaced (deleted and made again, or renamed
+                // over): watch whatever is at its path now.
+                let _ = watching.watch(&dir, RecursiveMode::NonRecursive);
+            }
             reload(&path, options, &limiter, &metrics, &mut current).await;
         }
     });
-    Ok(ConfigWatch {
-        _watcher: watcher,
-        task,
-    })
+    Ok(ConfigWatch { task })
 }
+
+/// Watches `dir` and, for the day it is replaced, its parent (events about `dir` itself only):
+/// any change sends on `events`.
+fn watch_dir(dir: &Path, events: mpsc::Sender<()>) -> Result<ConfigWatcher, notify::Error> {
+    let inside = dir.to_path_buf();
+    let mut watcher = notify::recommended_watcher(move |event: notify::Result<notify::Event>| {
+        let Ok(event) = event else { return };
+        let about_dir = event.paths.iter().any(|p| p.starts_with(&inside));
+        if about_dir && !event.kind.is_access() {
+            // A full channel already has a reload pending.
+            let _ = events.try_send(());
+        }
+    })?;
+    watcher.watch(dir, RecursiveMode::NonRecursive)?;
+    if let Some(parent) = dir.parent().filter(|p| !p.as_os_str().is_empty()) {
+        // Best effort: a parent that cannot be watched only loses the replaced-directory case.
+        let _ = watcher.watch(parent, RecursiveMode::NonRecursive);
+    }
+    Ok(watcher)
+}
+
+type ConfigWatcher = notify::RecommendedWatcher;
 
 #[cfg(unix)]
 type Hangup = Option<tokio::signal::unix::Signal>;
