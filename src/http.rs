@@ -56,10 +56,27 @@ pub fn metrics_router(metrics: Arc<Metrics>, path: &str) -> Router {
 async fn is_ready(state: &HttpState) -> bool {
     let serving = || state.ready.load(Ordering::SeqCst);
     let configured = !state.ready_needs_config || !state.limiter.limits().domains.is_empty();
-    // Asked again after the store answers: a drain that began during a slow ping is reported
-    // at once, not after it.
-    serving() && configured && state.limiter.store_ready().await && serving()
+    if !serving() || !configured {
+        return false;
+    }
+    // A drain that begins while a slow store is being pinged is reported at once, not when the
+    // ping returns: load balancers must stop sending without waiting on the store.
+    let ping = state.limiter.store_ready();
+    tokio::pin!(ping);
+    loop {
+        tokio::select! {
+            answers = &mut ping => return answers && serving(),
+            () = tokio::time::sleep(DRAIN_CHECK) => {
+                if !serving() {
+                    return false;
+                }
+            }
+        }
+    }
 }
+
+/// How often a readiness probe waiting on the store looks whether draining began.
+const DRAIN_CHECK: std::time::Duration = std::time::Duration::from_millis(20);
 
 async fn readyz(State(state): State<HttpState>) -> Response {
     if is_ready(&state).await {

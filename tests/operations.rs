@@ -398,6 +398,68 @@ fn config_errors(s: &TestServer) -> f64 {
     .unwrap_or(0.0)
 }
 
+/// Started before its Redis: slidegate serves (alive, not ready, calls answered by the failure
+/// policy) and connects once Redis appears, without a restart.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn starts_before_redis_and_connects_when_it_appears() {
+    let dir = temp_dir("before-redis");
+    std::fs::write(dir.0.join("limits.yaml"), limits("e1", "e2")).expect("write");
+    let redis_port = free_port();
+    let (grpc, http) = (free_port(), free_port());
+    let _child = KillOnDrop(
+        Command::new(env!("CARGO_BIN_EXE_slidegate"))
+            .arg("--config")
+            .arg(&dir.0)
+            .args(["--redis", &format!("redis://127.0.0.1:{redis_port}")])
+            .args([
+                "--redis-connect-timeout",
+                "300ms",
+                "--redis-timeout",
+                "200ms",
+            ])
+            .args(["--grpc-addr", &format!("127.0.0.1:{grpc}")])
+            .args(["--http-addr", &format!("127.0.0.1:{http}")])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("start slidegate"),
+    );
+    wait_until("alive", Duration::from_secs(20), || {
+        command(http, "GET /healthz HTTP/1.0\r\n").is_ok_and(|r| r.contains("200 OK"))
+    });
+    assert!(
+        command(http, "GET /readyz HTTP/1.0\r\n").is_ok_and(|r| r.contains(" 503 ")),
+        "not ready without Redis"
+    );
+    let client = connect(std::net::SocketAddr::from(([127, 0, 0, 1], grpc))).await;
+    let call = || {
+        let mut client = client.clone();
+        async move {
+            client
+                .should_rate_limit(request("r", vec![descriptor(&[("k1", "x")])]))
+                .await
+        }
+    };
+    let status = call().await.expect_err("no store yet");
+    assert_eq!(status.code(), tonic::Code::Unavailable);
+
+    let _redis = RedisProcess::start_on(redis_port);
+    let appeared = Instant::now();
+    wait_until("ready once Redis is up", Duration::from_secs(10), || {
+        command(http, "GET /readyz HTTP/1.0\r\n").is_ok_and(|r| r.contains("200 OK"))
+    });
+    let end = Instant::now() + Duration::from_secs(10);
+    loop {
+        if let Ok(reply) = call().await {
+            assert_eq!(reply.into_inner().overall_code, ok());
+            break;
+        }
+        assert!(Instant::now() < end, "calls never resumed");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    eprintln!("resumed {:?} after Redis appeared", appeared.elapsed());
+}
+
 /// 50 reloads while callers keep asking with two descriptors: every answer comes from one
 /// config, never half of each, and never from no config.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -518,7 +518,11 @@ async fn reference_environment_with_redis_mutual_tls() {
             if let Some(status) = child.0.try_wait().expect("wait") {
                 break status;
             }
-            assert!(Instant::now() < end, "{why}: slidegate should not start");
+            assert!(
+                Instant::now() < end,
+                "{why}: slidegate should not start: {}",
+                std::fs::read_to_string(&log).unwrap_or_default()
+            );
             std::thread::sleep(Duration::from_millis(25));
         };
         let text = std::fs::read_to_string(&log).unwrap_or_default();

@@ -180,7 +180,7 @@ async fn open_store(args: &ServeArgs, clock: Arc<SystemClock>) -> Result<Arc<dyn
     let store = RedisStore::connect(options)
         .await
         .map_err(|e| format!("cannot use Redis at {}: {e}", redact(url)))?;
-    tracing::info!(redis = %redact(url), store = store.name(), "connected to Redis");
+    tracing::info!(redis = %redact(url), store = store.name(), "using Redis");
     Ok(Arc::new(store))
 }
 

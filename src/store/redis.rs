@@ -147,8 +147,49 @@ fn call_failed(e: &Error) -> StoreError {
     }
 }
 
+/// Tries one connection with `config`: `Ok(true)` when Redis answers, `Ok(false)` when it cannot
+/// be reached yet (refused, timed out, a cluster not ready), and an error for what waiting will
+/// not fix (a wrong password, a bad TLS set-up, a bad URL).
+async fn probe(config: &Config, deadline: Duration) -> Result<bool, StoreError> {
+    let client = Builder::from_config(config.clone())
+        .with_connection_config(|c| c.connection_timeout = deadline)
+        .build()
+        .map_err(|e| unavailable(&e))?;
+    let outcome = tokio::time::timeout(deadline, client.init()).await;
+    match outcome {
+        Ok(Ok(_)) => {
+            let _ = client.quit().await;
+            Ok(true)
+        }
+        Ok(Err(e)) if !transient(&e) => Err(unavailable(&e)),
+        Ok(Err(e)) => {
+            tracing::warn!(error = %unavailable(&e), "Redis is not reachable yet; serving by the store-failure policy until it is");
+            Ok(false)
+        }
+        Err(_) => {
+            tracing::warn!(
+                "Redis did not answer within {deadline:?}; serving by the store-failure policy until it does"
+            );
+            Ok(false)
+        }
+    }
+}
+
+/// Errors that go away by themselves: Redis not up yet, a network blip, a cluster forming. A
+/// TLS handshake refused (an alert, a certificate for another name) arrives as an I/O error of
+/// kind `InvalidData`, and waiting will not fix it.
+fn transient(e: &Error) -> bool {
+    match e.kind() {
+        ErrorKind::IO => !e.details().contains("InvalidData"),
+        ErrorKind::Timeout | ErrorKind::Canceled | ErrorKind::Cluster => true,
+        _ => false,
+    }
+}
+
 impl RedisStore {
-    /// Connects and loads the script. Fails if the first connection fails.
+    /// Connects and loads the script. A Redis that is not reachable yet is connected to in the
+    /// background (calls answer by the failure policy and readiness is off until then); one that
+    /// refuses the credentials or the TLS set-up fails here.
     pub async fn connect(options: RedisOptions) -> Result<RedisStore, StoreError> {
         let url = client_url(&options.url);
         let config = Config::from_url(&url).map_err(|e| {
@@ -171,24 +212,39 @@ impl RedisStore {
         }
         let cluster = config.server.is_clustered();
         let timeout = options.timeout;
+        let reachable = probe(&config, options.connect_timeout).await?;
+        // Not reachable yet (not started, a cluster still forming): the pool keeps trying, as it
+        // does after losing a connection, and calls answer by the failure policy meanwhile.
+        config.fail_fast = false;
         let pool = Builder::from_config(config)
             .with_connection_config(|c| {
                 c.connection_timeout = options.connect_timeout;
                 c.max_command_attempts = 2;
             })
             .with_performance_config(|p| p.default_command_timeout = timeout)
-            .set_policy(ReconnectPolicy::new_exponential(0, 50, 2_000, 2))
+            // Retries at most every half second, so calls resume soon after Redis returns.
+            .set_policy(ReconnectPolicy::new_exponential(0, 50, 500, 2))
             .build_pool(options.pool_size.max(1))
             .map_err(|e| unavailable(&e))?;
-        tokio::time::timeout(options.connect_timeout, pool.init())
-            .await
-            .map_err(|_| StoreError::Timeout(options.connect_timeout))?
-            .map_err(|e| unavailable(&e))?;
         let script = Script::from_lua(SCRIPT);
-        script
-            .load(pool.next())
-            .await
-            .map_err(|e| unavailable(&e))?;
+        if reachable {
+            tokio::time::timeout(options.connect_timeout, pool.init())
+                .await
+                .map_err(|_| StoreError::Timeout(options.connect_timeout))?
+                .map_err(|e| unavailable(&e))?;
+            script
+                .load(pool.next())
+                .await
+                .map_err(|e| unavailable(&e))?;
+        } else {
+            let connecting = pool.clone();
+            tokio::spawn(async move {
+                match connecting.init().await {
+                    Ok(_) => tracing::info!("connected to Redis"),
+                    Err(e) => tracing::error!(error = %unavailable(&e), "cannot connect to Redis"),
+                }
+            });
+        }
         Ok(RedisStore {
             pool,
             script,

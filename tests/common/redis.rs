@@ -139,6 +139,20 @@ impl RedisProcess {
         process
     }
 
+    /// Starts a plain server on `port` (a port slidegate was pointed at before Redis existed).
+    pub fn start_on(port: u16) -> RedisProcess {
+        let dir = scratch_dir(port);
+        let child = spawn(port, &dir, &[]);
+        let process = RedisProcess {
+            port,
+            child,
+            dir,
+            extra: Vec::new(),
+        };
+        process.wait_ready();
+        process
+    }
+
     fn wait_ready(&self) {
         let port = self.port;
         wait_until(
