@@ -63,6 +63,10 @@ pub struct ServeArgs {
     /// Metric names and format: slidegate's (OpenMetrics) or the reference server's.
     #[arg(long, env = "SLIDEGATE_METRIC_NAMES", value_enum, default_value_t = MetricNamesArg::Slidegate)]
     pub metric_names: MetricNamesArg,
+    /// The embedded store's bound: descriptors holding state at once (about 300 bytes each).
+    /// A request that would add one more is a store failure, answered by the failure policy.
+    #[arg(long, env = "SLIDEGATE_MEMORY_MAX_KEYS", default_value_t = slidegate::store::memory::DEFAULT_MAX_KEYS)]
+    pub memory_max_keys: usize,
     /// Redis URL; without it slidegate runs on its embedded in-process store.
     #[arg(long = "redis", env = "SLIDEGATE_REDIS_URL")]
     pub redis_url: Option<String>,

@@ -42,12 +42,12 @@ pub fn router(state: HttpState) -> Router {
 
 /// `/metrics` alone at `path`, for a separate metrics listener (the reference's
 /// `PROMETHEUS_ADDR` and `PROMETHEUS_PATH`).
-pub fn metrics_router(metrics: Arc<Metrics>, path: &str) -> Router {
+pub fn metrics_router(limiter: Arc<Limiter>, metrics: Arc<Metrics>, path: &str) -> Router {
     Router::new().route(
         path,
         get(move || {
-            let metrics = metrics.clone();
-            async move { exposition(&metrics) }
+            let (limiter, metrics) = (limiter.clone(), metrics.clone());
+            async move { exposition(&limiter, &metrics) }
         }),
     )
 }
@@ -97,10 +97,13 @@ async fn healthcheck(State(state): State<HttpState>) -> Response {
 }
 
 async fn metrics(State(state): State<HttpState>) -> Response {
-    exposition(&state.metrics)
+    exposition(&state.limiter, &state.metrics)
 }
 
-fn exposition(metrics: &Metrics) -> Response {
+fn exposition(limiter: &Limiter, metrics: &Metrics) -> Response {
+    if let Some(keys) = limiter.store_keys() {
+        metrics.set_store_keys(keys);
+    }
     let (content_type, body) = metrics.render();
     ([(axum::http::header::CONTENT_TYPE, content_type)], body).into_response()
 }

@@ -96,6 +96,7 @@ pub struct Metrics {
     config_success: Counter,
     config_error: Counter,
     config_age: Gauge<f64, AtomicU64>,
+    store_keys: Gauge,
     /// When the current config was loaded, in ms since the epoch (0: never).
     config_loaded_ms: AtomicU64,
     unknown_domain: Counter,
@@ -143,6 +144,7 @@ impl Metrics {
             config_success: Counter::default(),
             config_error: Counter::default(),
             config_age: Gauge::default(),
+            store_keys: Gauge::default(),
             config_loaded_ms: AtomicU64::new(0),
             unknown_domain: Counter::default(),
             global_shadow: Counter::default(),
@@ -234,6 +236,11 @@ impl Metrics {
             registry.register(name, help, counter.clone());
         }
         registry.register(
+            "slidegate_store_keys",
+            "Descriptors holding state in the embedded store (bounded by --memory-max-keys)",
+            self.store_keys.clone(),
+        );
+        registry.register(
             "slidegate_config_age_seconds",
             "Seconds since the serving config was loaded",
             self.config_age.clone(),
@@ -282,6 +289,11 @@ impl Metrics {
                 ("text/plain; version=0.0.4; charset=utf-8", text)
             }
         }
+    }
+
+    /// The embedded store's size, read when the metrics are scraped.
+    pub fn set_store_keys(&self, keys: u64) {
+        self.store_keys.set(i64::try_from(keys).unwrap_or(i64::MAX));
     }
 
     pub fn config_loaded(&self, ok: bool) {

@@ -139,7 +139,11 @@ pub async fn run(
     let http_server = axum::serve(listeners.http, http::router(http_state))
         .with_graceful_shutdown(wait_for(stop.clone()));
     if let Some(listener) = listeners.metrics {
-        let router = http::metrics_router(app.metrics.clone(), &app.options.metrics_path);
+        let router = http::metrics_router(
+            app.limiter.clone(),
+            app.metrics.clone(),
+            &app.options.metrics_path,
+        );
         let serve = axum::serve(listener, router).with_graceful_shutdown(wait_for(stop.clone()));
         tokio::spawn(async move {
             if let Err(e) = serve.await {

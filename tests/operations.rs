@@ -460,6 +460,25 @@ async fn starts_before_redis_and_connects_when_it_appears() {
     eprintln!("resumed {:?} after Redis appeared", appeared.elapsed());
 }
 
+/// The embedded store's size is a metric: three descriptors with state, three keys.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_embedded_store_size_is_scraped() {
+    let s = TestServer::start(
+        &limits("s1", "s2"),
+        Arc::new(MemoryStore::new()),
+        LimiterOptions::default(),
+    )
+    .await;
+    for value in ["a", "b", "c"] {
+        s.call(request("r", vec![descriptor(&[("k1", value)])]))
+            .await;
+    }
+    let (code, text) = http(s.http_addr, "GET", "/metrics", "").await;
+    assert_eq!(code, 200);
+    assert_eq!(sample(&text, "slidegate_store_keys"), Some(3.0), "{text}");
+    s.stop().await;
+}
+
 /// 50 reloads while callers keep asking with two descriptors: every answer comes from one
 /// config, never half of each, and never from no config.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -156,10 +156,10 @@ const MEMORY_SWEEP_EVERY: Duration = Duration::from_secs(10);
 /// The embedded store, or Redis when `--redis` names one.
 async fn open_store(args: &ServeArgs, clock: Arc<SystemClock>) -> Result<Arc<dyn Store>, String> {
     let Some(url) = &args.redis_url else {
-        return Ok(Arc::new(MemoryStore::with_sweeper(
-            MEMORY_SWEEP_EVERY,
-            move || clock.now_ms(),
-        )));
+        return Ok(Arc::new(
+            MemoryStore::bounded(args.memory_max_keys)
+                .with_sweeper(MEMORY_SWEEP_EVERY, move || clock.now_ms()),
+        ));
     };
     let options = RedisOptions {
         url: url.clone(),

@@ -144,6 +144,11 @@ impl Limiter {
         self.store.name()
     }
 
+    /// Descriptors holding state in the store, where it counts them (the embedded store).
+    pub fn store_keys(&self) -> Option<u64> {
+        self.store.live_keys()
+    }
+
     /// Whether the store answers now.
     pub async fn store_ready(&self) -> bool {
         self.store.ready().await

@@ -15,13 +15,16 @@ use std::sync::{Arc, Mutex, MutexGuard, Weak};
 use std::time::Duration;
 
 use super::{
-    Algorithm, CheckItem, CheckOutcome, ItemOutcome, Store, StoreFuture, Window, WindowOutcome,
-    admits, longest_ms,
+    Algorithm, CheckItem, CheckOutcome, ItemOutcome, Store, StoreError, StoreFuture, Window,
+    WindowOutcome, admits, longest_ms,
 };
 
 const SHARDS: usize = 64;
 /// How often a shard drops idle logs, at the latest (checked on access, and by the sweeper).
 const SWEEP_EVERY_MS: u64 = 10_000;
+/// Descriptors that may hold state at once, by default (4,096 a shard): some 300 bytes each,
+/// so about 80 MB.
+pub const DEFAULT_MAX_KEYS: usize = 262_144;
 
 pub struct MemoryStore {
     shards: Arc<Shards>,
@@ -32,6 +35,9 @@ pub struct MemoryStore {
 struct Shards {
     shards: Box<[Mutex<Shard>]>,
     hasher: RandomState,
+    /// Most descriptors one shard holds (the store's bound, spread over the shards).
+    per_shard: usize,
+    max_keys: usize,
 }
 
 struct SweeperGuard(tokio::task::JoinHandle<()>);
@@ -96,25 +102,38 @@ impl Default for MemoryStore {
 }
 
 impl MemoryStore {
-    /// A store that sweeps idle logs only when requests touch their shard.
+    /// A store of at most [`DEFAULT_MAX_KEYS`] descriptors that sweeps idle logs when requests
+    /// touch their shard.
     pub fn new() -> MemoryStore {
+        MemoryStore::bounded(DEFAULT_MAX_KEYS)
+    }
+
+    /// A store of at most `max_keys` descriptors holding state at once. A batch that would add
+    /// a descriptor to a full shard is refused (a store failure, answered by the failure
+    /// policy); descriptors already held, and checks that record nothing, go on as usual.
+    /// Nothing is evicted: forgetting a live log would let its window's requests through again.
+    pub fn bounded(max_keys: usize) -> MemoryStore {
         MemoryStore {
             shards: Arc::new(Shards {
                 shards: (0..SHARDS).map(|_| Mutex::new(Shard::default())).collect(),
                 hasher: RandomState::new(),
+                // The bound is kept per shard, so it is never passed (at least one a shard).
+                per_shard: (max_keys / SHARDS).max(1),
+                max_keys,
             }),
             _sweeper: None,
         }
     }
 
-    /// A store that also sweeps every shard every `every`, so idle logs go even without
-    /// traffic. `now_ms` is the limiter's clock. The sweeper is a task on the current Tokio
-    /// runtime and ends with the store; outside a runtime the store sweeps on access only.
+    /// Also sweeps every shard every `every`, so idle logs go even without traffic. `now_ms`
+    /// is the limiter's clock. The sweeper is a task on the current Tokio runtime and ends with
+    /// the store; outside a runtime the store sweeps on access only.
     pub fn with_sweeper(
+        self,
         every: Duration,
         now_ms: impl Fn() -> u64 + Send + Sync + 'static,
     ) -> MemoryStore {
-        let mut store = MemoryStore::new();
+        let mut store = self;
         let Ok(runtime) = tokio::runtime::Handle::try_current() else {
             tracing::warn!("no async runtime: the embedded store sweeps on access only");
             return store;
@@ -141,7 +160,7 @@ impl MemoryStore {
     }
 
     /// Decides a batch atomically: lock its shards, see what fits, record if admitted, report.
-    fn decide(&self, items: &[CheckItem<'_>], now_ms: u64) -> CheckOutcome {
+    fn decide(&self, items: &[CheckItem<'_>], now_ms: u64) -> Result<CheckOutcome, StoreError> {
         let shard_of: Vec<usize> = items
             .iter()
             .map(|i| self.shards.shard_of(i.key.as_str()))
@@ -150,6 +169,7 @@ impl MemoryStore {
         for (_, shard) in locked.guards.iter_mut() {
             shard.sweep(now_ms);
         }
+        self.check_room(&mut locked, items, &shard_of)?;
         let fits = fit_all(&mut locked, items, &shard_of, now_ms);
         let admitted = admits(items.iter().zip(&fits).map(|(i, f)| (i.role, f.fits)));
         record_all(&mut locked, items, &shard_of, &fits, admitted, now_ms);
@@ -162,10 +182,38 @@ impl MemoryStore {
                 item_outcome(slot, item, *fit, admitted, now_ms)
             })
             .collect();
-        CheckOutcome {
+        Ok(CheckOutcome {
             admitted,
             items: outcomes,
+        })
+    }
+
+    /// Refuses a batch that would add a descriptor to a full shard (see [`MemoryStore::bounded`]).
+    fn check_room(
+        &self,
+        locked: &mut Locked<'_>,
+        items: &[CheckItem<'_>],
+        shard_of: &[usize],
+    ) -> Result<(), StoreError> {
+        let mut new_keys: Vec<(usize, &str)> = items
+            .iter()
+            .zip(shard_of)
+            .filter(|(item, _)| item.hits > 0 || item.ban_ms.is_some())
+            .map(|(item, &shard)| (shard, item.key.as_str()))
+            .filter(|(shard, key)| !locked.shard(*shard).slots.contains_key(*key))
+            .collect();
+        new_keys.sort_unstable();
+        new_keys.dedup();
+        for (shard, _) in &new_keys {
+            let adding = new_keys.iter().filter(|(s, _)| s == shard).count();
+            if locked.shard(*shard).slots.len() + adding > self.shards.per_shard {
+                return Err(StoreError::unavailable(format!(
+                    "the embedded store is full ({} descriptors hold state; --memory-max-keys)",
+                    self.shards.max_keys
+                )));
+            }
         }
+        Ok(())
     }
 }
 
@@ -357,7 +405,11 @@ fn item_outcome(
 impl Store for MemoryStore {
     fn check<'a>(&'a self, items: &'a [CheckItem<'a>], now_ms: u64) -> StoreFuture<'a> {
         let outcome = self.decide(items, now_ms);
-        Box::pin(async move { Ok(outcome) })
+        Box::pin(async move { outcome })
+    }
+
+    fn live_keys(&self) -> Option<u64> {
+        u64::try_from(self.len()).ok()
     }
 
     fn name(&self) -> &'static str {
@@ -377,6 +429,10 @@ impl Shard {
     fn sweep(&mut self, now_ms: u64) {
         if now_ms >= self.next_sweep_ms {
             self.slots.retain(|_, slot| slot.keep_until_ms > now_ms);
+            // Give memory back after a flood of descriptors has aged out.
+            if self.slots.capacity() > 4 * self.slots.len() + 64 {
+                self.slots.shrink_to_fit();
+            }
             self.next_sweep_ms = now_ms.saturating_add(SWEEP_EVERY_MS);
         }
     }
@@ -580,13 +636,70 @@ mod tests {
         Window { limit, length_ms }
     }
 
+    fn decide(store: &MemoryStore, items: &[CheckItem<'_>], now_ms: u64) -> CheckOutcome {
+        store.decide(items, now_ms).expect("room in the store")
+    }
+
+    #[test]
+    fn a_full_store_refuses_new_descriptors_and_keeps_the_rest() {
+        let store = MemoryStore::bounded(640);
+        let mut refused = 0;
+        for n in 0..2_000 {
+            match store.decide(&[item(&format!("v{n}"), vec![window(5, 60_000)], 1)], 0) {
+                Ok(outcome) => assert!(outcome.admitted),
+                Err(e) => {
+                    assert!(e.to_string().contains("--memory-max-keys"), "{e}");
+                    refused += 1;
+                }
+            }
+        }
+        assert!(store.len() <= 640, "{} held", store.len());
+        assert_eq!(store.len() + refused, 2_000);
+        // Held descriptors go on; checks of new ones record nothing and pass.
+        let held = (0..2_000)
+            .map(|n| format!("v{n}"))
+            .find(|v| {
+                store
+                    .decide(&[item(v, vec![window(5, 60_000)], 0)], 1)
+                    .is_ok_and(|o| o.items[0].windows[0].count == 1)
+            })
+            .expect("one held descriptor");
+        assert!(decide(&store, &[item(&held, vec![window(5, 60_000)], 1)], 2).admitted);
+        assert!(decide(&store, &[item("never-seen", vec![window(5, 60_000)], 0)], 3).admitted);
+        // Once their windows pass, the sweep frees room again.
+        assert!(
+            decide(
+                &store,
+                &[item("after", vec![window(5, 60_000)], 1)],
+                120_000
+            )
+            .admitted
+        );
+    }
+
+    /// A million distinct values through the default store stay under its bound.
+    #[test]
+    fn a_million_distinct_values_stay_under_the_bound() {
+        let store = MemoryStore::new();
+        let w = vec![window(100, 60_000)];
+        for n in 0..1_000_000u64 {
+            let _ = store.decide(&[item(&n.to_string(), w.clone(), 1)], 1_000 + n / 100);
+        }
+        assert!(store.len() <= DEFAULT_MAX_KEYS, "{} held", store.len());
+        assert!(
+            store.len() > DEFAULT_MAX_KEYS * 9 / 10,
+            "{} held",
+            store.len()
+        );
+    }
+
     #[test]
     fn an_entry_exactly_one_window_old_is_out() {
         let store = MemoryStore::new();
         let items = [item("a", vec![window(1, 1000)], 1)];
-        assert!(store.decide(&items, 5_000).admitted);
-        assert!(!store.decide(&items, 5_999).admitted);
-        let outcome = store.decide(&items, 6_000);
+        assert!(decide(&store, &items, 5_000).admitted);
+        assert!(!decide(&store, &items, 5_999).admitted);
+        let outcome = decide(&store, &items, 6_000);
         assert!(
             outcome.admitted,
             "an entry exactly 1000 ms old no longer counts"
@@ -598,10 +711,10 @@ mod tests {
         let store = MemoryStore::new();
         let w = vec![window(3, 10_000)];
         for t in [1_000, 2_000, 3_000] {
-            assert!(store.decide(&[item("a", w.clone(), 1)], t).admitted);
+            assert!(decide(&store, &[item("a", w.clone(), 1)], t).admitted);
         }
         // Two hits at t=4000 need the two oldest entries (1000, 2000) gone: at 12000.
-        let outcome = store.decide(&[item("a", w.clone(), 2)], 4_000);
+        let outcome = decide(&store, &[item("a", w.clone(), 2)], 4_000);
         assert!(!outcome.admitted);
         assert_eq!(
             outcome.items[0].windows[0],
@@ -610,8 +723,8 @@ mod tests {
                 reset_ms: 8_000
             }
         );
-        assert!(!store.decide(&[item("a", w.clone(), 2)], 11_999).admitted);
-        assert!(store.decide(&[item("a", w.clone(), 2)], 12_000).admitted);
+        assert!(!decide(&store, &[item("a", w.clone(), 2)], 11_999).admitted);
+        assert!(decide(&store, &[item("a", w.clone(), 2)], 12_000).admitted);
     }
 
     #[test]
@@ -619,7 +732,7 @@ mod tests {
         let store = MemoryStore::new();
         let ok = item("ok", vec![window(10, 1000)], 1);
         let full = item("full", vec![window(0, 1000)], 1);
-        let outcome = store.decide(&[ok.clone(), full], 0);
+        let outcome = decide(&store, &[ok.clone(), full], 0);
         assert!(!outcome.admitted);
         assert!(outcome.items[0].fits);
         assert_eq!(outcome.items[0].windows[0].count, 0);
@@ -630,7 +743,7 @@ mod tests {
     fn duplicate_keys_in_one_batch_share_the_limit() {
         let store = MemoryStore::new();
         let a = item("a", vec![window(3, 1000)], 2);
-        let outcome = store.decide(&[a.clone(), a.clone()], 0);
+        let outcome = decide(&store, &[a.clone(), a.clone()], 0);
         assert!(!outcome.admitted, "2 + 2 hits cannot both fit a limit of 3");
         assert!(store.is_empty());
     }
@@ -638,15 +751,15 @@ mod tests {
     #[test]
     fn idle_logs_are_dropped() {
         let store = MemoryStore::new();
-        assert!(
-            store
-                .decide(&[item("a", vec![window(5, 1000)], 1)], 0)
-                .admitted
-        );
+        assert!(decide(&store, &[item("a", vec![window(5, 1000)], 1)], 0).admitted);
         assert_eq!(store.len(), 1);
         // Touch every shard after the window and the sweep interval have passed.
         for n in 0..2000 {
-            store.decide(&[item(&format!("x{n}"), vec![window(5, 1000)], 0)], 60_000);
+            decide(
+                &store,
+                &[item(&format!("x{n}"), vec![window(5, 1000)], 0)],
+                60_000,
+            );
         }
         assert_eq!(
             store.len(),
@@ -654,11 +767,7 @@ mod tests {
             "check-only requests leave no state, the old log is swept"
         );
         // Without traffic, the periodic sweep drops idle logs.
-        assert!(
-            store
-                .decide(&[item("b", vec![window(5, 1000)], 1)], 100_000)
-                .admitted
-        );
+        assert!(decide(&store, &[item("b", vec![window(5, 1000)], 1)], 100_000).admitted);
         store.sweep(100_999);
         assert_eq!(store.len(), 1, "still inside its window");
         store.sweep(111_000);
@@ -670,14 +779,10 @@ mod tests {
         use std::sync::atomic::{AtomicU64, Ordering};
         let now = Arc::new(AtomicU64::new(0));
         let clock = now.clone();
-        let store = MemoryStore::with_sweeper(Duration::from_secs(10), move || {
+        let store = MemoryStore::new().with_sweeper(Duration::from_secs(10), move || {
             clock.load(Ordering::SeqCst)
         });
-        assert!(
-            store
-                .decide(&[item("a", vec![window(5, 1000)], 1)], 0)
-                .admitted
-        );
+        assert!(decide(&store, &[item("a", vec![window(5, 1000)], 1)], 0).admitted);
         now.store(20_000, Ordering::SeqCst);
         // Paused time: this sleep lets the sweeper's 10 s timer fire, with no real waiting.
         tokio::time::sleep(Duration::from_secs(11)).await;
@@ -694,9 +799,9 @@ mod tests {
     fn clock_stepping_back_never_admits_more() {
         let store = MemoryStore::new();
         let w = vec![window(2, 1000)];
-        assert!(store.decide(&[item("a", w.clone(), 1)], 10_000).admitted);
-        assert!(store.decide(&[item("a", w.clone(), 1)], 9_500).admitted);
-        assert!(!store.decide(&[item("a", w.clone(), 1)], 10_900).admitted);
+        assert!(decide(&store, &[item("a", w.clone(), 1)], 10_000).admitted);
+        assert!(decide(&store, &[item("a", w.clone(), 1)], 9_500).admitted);
+        assert!(!decide(&store, &[item("a", w.clone(), 1)], 10_900).admitted);
     }
 
     #[test]
@@ -707,12 +812,12 @@ mod tests {
             ..item("c", vec![window(3, 10_000)], hits)
         };
         for t in [5_500, 6_200, 6_300] {
-            assert!(store.decide(&[counter(1)], t).admitted);
+            assert!(decide(&store, &[counter(1)], t).admitted);
         }
-        assert!(!store.decide(&[counter(1)], 14_000).admitted);
+        assert!(!decide(&store, &[counter(1)], 14_000).admitted);
         // The exact log would admit now (5,500 is out of (5,600, 15,600]), but bucket 5
         // (5,000..6,000) still overlaps the window: one bucket longer, never more hits.
-        let outcome = store.decide(&[counter(1)], 15_600);
+        let outcome = decide(&store, &[counter(1)], 15_600);
         assert!(!outcome.admitted);
         assert_eq!(
             outcome.items[0].windows[0],
@@ -721,13 +826,13 @@ mod tests {
                 reset_ms: 400
             }
         );
-        let outcome = store.decide(&[counter(1)], 16_000);
+        let outcome = decide(&store, &[counter(1)], 16_000);
         assert!(outcome.admitted);
         assert_eq!(
             outcome.items[0].windows[0].count, 3,
             "buckets 6 (two hits) and 16 (this one)"
         );
         // Constant memory: one bucket per window slice, whatever the hits.
-        assert!(store.decide(&[counter(0)], 16_001).admitted);
+        assert!(decide(&store, &[counter(0)], 16_001).admitted);
     }
 }

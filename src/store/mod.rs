@@ -14,7 +14,7 @@ use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Duration;
 
-mod memory;
+pub mod memory;
 pub mod redis;
 
 pub use memory::MemoryStore;
@@ -223,6 +223,11 @@ pub trait Store: Send + Sync + 'static {
     /// Whether the store answers now (for readiness); the embedded store always does.
     fn ready(&self) -> ReadyFuture<'_> {
         Box::pin(async { true })
+    }
+
+    /// Descriptors holding state now, where the store counts them (the embedded store).
+    fn live_keys(&self) -> Option<u64> {
+        None
     }
 }
 
