@@ -15,6 +15,7 @@ use clap::{ArgAction, CommandFactory, FromArgMatches, Parser, Subcommand, ValueE
 
 use slidegate::config;
 use slidegate::limiter::RequestBounds;
+use slidegate::net::ConnectionLimits;
 
 mod reference;
 mod serve;
@@ -121,6 +122,13 @@ pub struct ServeArgs {
     /// Report not ready (/readyz, /healthcheck) until at least one domain is loaded.
     #[arg(long, env = "SLIDEGATE_READY_NEEDS_CONFIG", action = ArgAction::SetTrue, value_parser = BoolishValueParser::new())]
     pub ready_needs_config: bool,
+    /// Connections open at once, per port; more wait in the kernel's backlog.
+    #[arg(long, env = "SLIDEGATE_MAX_CONNECTIONS", default_value_t = ConnectionLimits::default().max_connections)]
+    pub max_connections: usize,
+    /// A connection nothing is read from for this long is closed (HTTP/2 peers are pinged at
+    /// a third of it, so live ones stay); also the time a client has to send request headers.
+    #[arg(long, env = "SLIDEGATE_IDLE_TIMEOUT", default_value = "25s", value_parser = duration_arg)]
+    pub idle_timeout: Duration,
     /// After SIGTERM, keep serving with readiness off this long before closing listeners.
     #[arg(long, env = "SLIDEGATE_SHUTDOWN_DELAY", default_value = "0s", value_parser = duration_or_zero_arg)]
     pub shutdown_delay: Duration,

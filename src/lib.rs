@@ -10,6 +10,7 @@
 //! * [`http`]: health, readiness and `POST /json`.
 //! * [`server`]: `run`, which serves everything on given listeners until shutdown.
 //! * [`wire`]: protobuf messages to and from the limiter's types, for both transports.
+//! * [`net`]: accepting connections: a cap, idle timeouts, the HTTP port's serve loop.
 //!
 //! The command line (flags, environment, assembly) is the binary's, in `src/cli.rs`.
 #![forbid(unsafe_code)]
@@ -19,6 +20,7 @@ pub mod config;
 pub mod http;
 pub mod limiter;
 pub mod metrics;
+pub mod net;
 pub mod proto;
 pub mod server;
 pub mod service;

@@ -8,7 +8,6 @@ use std::time::Duration;
 
 use tokio::net::TcpListener;
 use tokio::sync::watch;
-use tonic::transport::server::TcpIncoming;
 use tonic_health::ServingStatus;
 use tonic_health::pb::health_server::HealthServer;
 use tonic_health::server::HealthReporter;
@@ -16,6 +15,7 @@ use tonic_health::server::HealthReporter;
 use crate::http::{self, HttpState};
 use crate::limiter::Limiter;
 use crate::metrics::Metrics;
+use crate::net::{self, ConnectionLimits, GuardedListener};
 use crate::proto::FILE_DESCRIPTOR_SET;
 use crate::proto::rate_limit_service_server::RateLimitServiceServer;
 use crate::service::RateLimitGrpc;
@@ -44,6 +44,8 @@ pub struct ServerOptions {
     pub ready_needs_config: bool,
     /// Where the metrics-only listener (if any) serves `/metrics`.
     pub metrics_path: String,
+    /// Connection cap and idle timeout, on every port.
+    pub connections: ConnectionLimits,
 }
 
 impl Default for ServerOptions {
@@ -54,6 +56,7 @@ impl Default for ServerOptions {
             health_interval: Duration::from_secs(2),
             ready_needs_config: false,
             metrics_path: "/metrics".into(),
+            connections: ConnectionLimits::default(),
         }
     }
 }
@@ -126,8 +129,9 @@ pub async fn run(
         draining.clone(),
     ));
 
+    let limits = app.options.connections;
     let grpc_server = grpc_routes(&app, health_service)?.serve_with_incoming_shutdown(
-        TcpIncoming::from(listeners.grpc).with_nodelay(Some(true)),
+        GuardedListener::new(listeners.grpc, limits).into_stream(),
         wait_for(stop.clone()),
     );
     let http_state = HttpState {
@@ -136,20 +140,22 @@ pub async fn run(
         ready: ready.clone(),
         ready_needs_config: app.options.ready_needs_config,
     };
-    let http_server = axum::serve(listeners.http, http::router(http_state))
-        .with_graceful_shutdown(wait_for(stop.clone()));
+    let http_server = net::serve_http(
+        GuardedListener::new(listeners.http, limits),
+        http::router(http_state),
+        wait_for(stop.clone()),
+    );
     if let Some(listener) = listeners.metrics {
         let router = http::metrics_router(
             app.limiter.clone(),
             app.metrics.clone(),
             &app.options.metrics_path,
         );
-        let serve = axum::serve(listener, router).with_graceful_shutdown(wait_for(stop.clone()));
-        tokio::spawn(async move {
-            if let Err(e) = serve.await {
-                tracing::error!("metrics listener failed: {e}");
-            }
-        });
+        tokio::spawn(net::serve_http(
+            GuardedListener::new(listener, limits),
+            router,
+            wait_for(stop.clone()),
+        ));
     }
 
     if !*draining.borrow() {
@@ -162,9 +168,8 @@ pub async fn run(
         tokio::time::sleep(grace).await;
     };
     tokio::select! {
-        (grpc_result, http_result) = servers => {
+        (grpc_result, ()) = servers => {
             grpc_result?;
-            http_result?;
         }
         _ = deadline => {
             tracing::warn!(grace = ?grace, "shutdown grace period over; exiting with calls still in flight");
@@ -191,7 +196,10 @@ fn grpc_routes(
         .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
         .register_encoded_file_descriptor_set(tonic_reflection::pb::v1::FILE_DESCRIPTOR_SET)
         .build_v1alpha()?;
+    let keep_alive = app.options.connections.keep_alive();
     Ok(tonic::transport::Server::builder()
+        .http2_keepalive_interval(Some(keep_alive))
+        .http2_keepalive_timeout(Some(keep_alive))
         .add_service(health_service)
         .add_service(reflection_v1)
         .add_service(reflection_v1alpha)

@@ -479,6 +479,120 @@ async fn the_embedded_store_size_is_scraped() {
     s.stop().await;
 }
 
+/// Starts the binary on the example config with `extra` flags; (gRPC port, HTTP port, child).
+fn start_binary(extra: &[&str]) -> (u16, u16, KillOnDrop) {
+    let (grpc, http) = (free_port(), free_port());
+    let child = KillOnDrop(
+        Command::new(env!("CARGO_BIN_EXE_slidegate"))
+            .args([
+                "--config",
+                concat!(env!("CARGO_MANIFEST_DIR"), "/examples/config.yaml"),
+            ])
+            .args(["--grpc-addr", &format!("127.0.0.1:{grpc}")])
+            .args(["--http-addr", &format!("127.0.0.1:{http}")])
+            .args(extra)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("start slidegate"),
+    );
+    wait_until("ready", Duration::from_secs(20), || {
+        command(http, "GET /readyz HTTP/1.0\r\n").is_ok_and(|r| r.contains("200 OK"))
+    });
+    (grpc, http, child)
+}
+
+/// Whether the server has closed `stream` (a read ends or fails, rather than waiting).
+fn closed_by_server(stream: &mut std::net::TcpStream) -> bool {
+    use std::io::Read;
+    let _ = stream.set_read_timeout(Some(Duration::from_millis(20)));
+    let mut buf = [0u8; 256];
+    loop {
+        match stream.read(&mut buf) {
+            Ok(0) => return true,
+            Ok(_) => continue,
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+                ) =>
+            {
+                return false;
+            }
+            Err(_) => return true,
+        }
+    }
+}
+
+/// Connections that send half a request, or only the HTTP/2 preface, are closed once idle;
+/// a client that keeps using its connection is not affected.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn idle_and_half_open_connections_are_closed() {
+    use std::io::Write;
+    let (grpc, http, _child) = start_binary(&["--idle-timeout", "1s"]);
+    let mut held = Vec::new();
+    for n in 0..100 {
+        let (port, bytes): (u16, &[u8]) = if n % 2 == 0 {
+            (http, b"GET /healthz HTTP/1.1\r\nHo")
+        } else {
+            (grpc, b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n")
+        };
+        let mut stream = std::net::TcpStream::connect(("127.0.0.1", port)).expect("connect");
+        stream.write_all(bytes).expect("send");
+        held.push(stream);
+    }
+    let end = Instant::now() + Duration::from_secs(15);
+    while !held.is_empty() {
+        held.retain_mut(|s| !closed_by_server(s));
+        assert!(
+            Instant::now() < end,
+            "{} connections still open",
+            held.len()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    // A client that talks keeps being answered across several idle timeouts.
+    let client = connect(std::net::SocketAddr::from(([127, 0, 0, 1], grpc))).await;
+    for _ in 0..3 {
+        let reply = client
+            .clone()
+            .should_rate_limit(request(
+                "example",
+                vec![descriptor(&[("remote_address", "x")])],
+            ))
+            .await
+            .expect("answered");
+        assert_eq!(reply.into_inner().overall_code, ok());
+        tokio::time::sleep(Duration::from_millis(700)).await;
+    }
+}
+
+/// With `--max-connections`, a connection past the cap waits until one closes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connections_past_the_cap_wait() {
+    use std::io::{Read, Write};
+    let (_grpc, http, _child) = start_binary(&["--max-connections", "4", "--idle-timeout", "30s"]);
+    // The readiness probes above have closed; hold four connections open.
+    let mut held: Vec<std::net::TcpStream> = (0..4)
+        .map(|_| std::net::TcpStream::connect(("127.0.0.1", http)).expect("connect"))
+        .collect();
+    let mut fifth = std::net::TcpStream::connect(("127.0.0.1", http)).expect("connect");
+    fifth
+        .write_all(b"GET /healthz HTTP/1.0\r\n\r\n")
+        .expect("send");
+    fifth
+        .set_read_timeout(Some(Duration::from_millis(500)))
+        .expect("timeout");
+    let mut buf = [0u8; 64];
+    assert!(fifth.read(&mut buf).is_err(), "served past the cap");
+    held.pop();
+    fifth
+        .set_read_timeout(Some(Duration::from_secs(5)))
+        .expect("timeout");
+    let n = fifth.read(&mut buf).expect("served once one closed");
+    assert!(String::from_utf8_lossy(&buf[..n]).contains("200"));
+}
+
 /// 50 reloads while callers keep asking with two descriptors: every answer comes from one
 /// config, never half of each, and never from no config.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -10,6 +10,7 @@ use slidegate::limiter::{
     Clock, FailurePolicy, LimitHeaderNames, Limiter, LimiterOptions, RequestBounds, SystemClock,
 };
 use slidegate::metrics::{MetricNames, Metrics};
+use slidegate::net::ConnectionLimits;
 use slidegate::server::{App, Listeners, ServerOptions};
 use slidegate::store::redis::{TlsFiles, redact};
 use slidegate::store::{ClockSource, MemoryStore, RedisOptions, RedisStore, Store};
@@ -114,6 +115,10 @@ async fn serve_async(args: ServeArgs) -> Result<(), String> {
             shutdown_grace: args.shutdown_grace,
             ready_needs_config: args.ready_needs_config,
             metrics_path: args.metrics_path.clone(),
+            connections: ConnectionLimits {
+                max_connections: args.max_connections,
+                idle_timeout: args.idle_timeout,
+            },
             ..ServerOptions::default()
         },
     };

@@ -1,0 +1,238 @@
+//! Accepting connections on both ports: a cap on how many are open at once, TCP_NODELAY, and an
+//! idle timeout that closes a connection nothing has been read from for a while (half a request,
+//! only an HTTP/2 preface, a peer gone silent). Healthy idle connections are kept: the servers
+//! send HTTP/2 keep-alive pings well inside the idle timeout, and answering one counts as a read.
+//! The HTTP port's accept loop also bounds the time to send a request's headers.
+
+use std::future::Future;
+use std::io;
+use std::net::SocketAddr;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+use tokio::time::{Instant, Sleep};
+
+/// What one port accepts.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ConnectionLimits {
+    /// Connections open at once; past it, new ones wait in the kernel's backlog.
+    pub max_connections: usize,
+    /// A connection nothing has been read from for this long is closed.
+    pub idle_timeout: Duration,
+}
+
+impl Default for ConnectionLimits {
+    fn default() -> Self {
+        ConnectionLimits {
+            max_connections: 10_000,
+            idle_timeout: Duration::from_secs(25),
+        }
+    }
+}
+
+impl ConnectionLimits {
+    /// How often an HTTP/2 connection is pinged, and how long the answer may take: a third of
+    /// the idle timeout each, so a live peer always answers before it would count as idle.
+    pub fn keep_alive(&self) -> Duration {
+        (self.idle_timeout / 3).max(Duration::from_millis(100))
+    }
+
+    /// How long a client may take to send a request's headers.
+    pub fn header_timeout(&self) -> Duration {
+        self.idle_timeout
+    }
+}
+
+/// A listener that hands out [`GuardedStream`]s.
+pub struct GuardedListener {
+    listener: TcpListener,
+    permits: Arc<Semaphore>,
+    limits: ConnectionLimits,
+}
+
+impl GuardedListener {
+    pub fn new(listener: TcpListener, limits: ConnectionLimits) -> GuardedListener {
+        GuardedListener {
+            listener,
+            permits: Arc::new(Semaphore::new(limits.max_connections.max(1))),
+            limits,
+        }
+    }
+
+    /// The next connection, once fewer than the cap are open.
+    pub async fn next(&mut self) -> (GuardedStream, SocketAddr) {
+        let Ok(permit) = self.permits.clone().acquire_owned().await else {
+            // The semaphore is never closed; if it were, accept nothing more.
+            return std::future::pending().await;
+        };
+        loop {
+            match self.listener.accept().await {
+                Ok((stream, addr)) => {
+                    let _ = stream.set_nodelay(true);
+                    return (
+                        GuardedStream::new(stream, permit, self.limits.idle_timeout),
+                        addr,
+                    );
+                }
+                Err(e) => {
+                    // Out of file descriptors and the like: wait a moment rather than spin.
+                    tracing::warn!("accept failed: {e}");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                }
+            }
+        }
+    }
+
+    /// The connections as a stream, for tonic.
+    pub fn into_stream(self) -> impl futures_util::Stream<Item = io::Result<GuardedStream>> {
+        futures_util::stream::unfold(self, |mut listener| async move {
+            let (stream, _) = listener.next().await;
+            Some((Ok(stream), listener))
+        })
+    }
+}
+
+impl axum::serve::Listener for GuardedListener {
+    type Io = GuardedStream;
+    type Addr = SocketAddr;
+
+    async fn accept(&mut self) -> (Self::Io, Self::Addr) {
+        self.next().await
+    }
+
+    fn local_addr(&self) -> io::Result<Self::Addr> {
+        self.listener.local_addr()
+    }
+}
+
+/// A connection that holds one of the listener's permits and closes itself when idle.
+pub struct GuardedStream {
+    inner: TcpStream,
+    _permit: OwnedSemaphorePermit,
+    idle: Duration,
+    deadline: Pin<Box<Sleep>>,
+}
+
+impl GuardedStream {
+    fn new(inner: TcpStream, permit: OwnedSemaphorePermit, idle: Duration) -> GuardedStream {
+        GuardedStream {
+            inner,
+            _permit: permit,
+            idle,
+            deadline: Box::pin(tokio::time::sleep(idle)),
+        }
+    }
+}
+
+impl AsyncRead for GuardedStream {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        let before = buf.filled().len();
+        match Pin::new(&mut self.inner).poll_read(cx, buf) {
+            Poll::Ready(Ok(())) => {
+                if buf.filled().len() > before {
+                    let next = Instant::now() + self.idle;
+                    self.deadline.as_mut().reset(next);
+                }
+                Poll::Ready(Ok(()))
+            }
+            Poll::Pending => match self.deadline.as_mut().poll(cx) {
+                Poll::Ready(()) => Poll::Ready(Err(io::Error::new(
+                    io::ErrorKind::TimedOut,
+                    "connection idle too long",
+                ))),
+                Poll::Pending => Poll::Pending,
+            },
+            other => other,
+        }
+    }
+}
+
+impl AsyncWrite for GuardedStream {
+    fn poll_write(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        Pin::new(&mut self.inner).poll_write(cx, buf)
+    }
+
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.inner).poll_flush(cx)
+    }
+
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.inner).poll_shutdown(cx)
+    }
+
+    fn poll_write_vectored(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[io::IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        Pin::new(&mut self.inner).poll_write_vectored(cx, bufs)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.inner.is_write_vectored()
+    }
+}
+
+impl tonic::transport::server::Connected for GuardedStream {
+    type ConnectInfo = tonic::transport::server::TcpConnectInfo;
+
+    fn connect_info(&self) -> Self::ConnectInfo {
+        self.inner.connect_info()
+    }
+}
+
+/// Serves `router` on `listener` until `shutdown`, then lets open requests finish. HTTP/1
+/// requests must send their headers within [`ConnectionLimits::header_timeout`]; HTTP/2
+/// connections are pinged.
+pub async fn serve_http(
+    mut listener: GuardedListener,
+    router: axum::Router,
+    shutdown: impl Future<Output = ()>,
+) {
+    use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
+    use hyper_util::server::conn::auto::Builder;
+    use hyper_util::service::TowerToHyperService;
+
+    let limits = listener.limits;
+    let mut builder = Builder::new(TokioExecutor::new());
+    builder
+        .http1()
+        .timer(TokioTimer::new())
+        .header_read_timeout(limits.header_timeout());
+    builder
+        .http2()
+        .timer(TokioTimer::new())
+        .keep_alive_interval(limits.keep_alive())
+        .keep_alive_timeout(limits.keep_alive());
+    let graceful = hyper_util::server::graceful::GracefulShutdown::new();
+    tokio::pin!(shutdown);
+    loop {
+        tokio::select! {
+            (stream, _) = listener.next() => {
+                let service = TowerToHyperService::new(router.clone());
+                let connection = builder
+                    .serve_connection_with_upgrades(TokioIo::new(stream), service)
+                    .into_owned();
+                let connection = graceful.watch(connection);
+                tokio::spawn(async move {
+                    let _ = connection.await;
+                });
+            }
+            () = &mut shutdown => break,
+        }
+    }
+    graceful.shutdown().await;
+}
