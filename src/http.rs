@@ -31,7 +31,7 @@ pub struct HttpState {
 
 pub fn router(state: HttpState) -> Router {
     Router::new()
-        .route("/healthz", get(|| async { "OK\n" }))
+        .route("/healthz", get(healthz))
         .route("/healthcheck", get(healthcheck))
         .route("/readyz", get(readyz))
         .route("/json", post(json))
@@ -50,6 +50,19 @@ pub fn metrics_router(limiter: Arc<Limiter>, metrics: Arc<Metrics>, path: &str) 
             async move { exposition(&limiter, &metrics) }
         }),
     )
+}
+
+/// Alive: 200, unless the store has given up recovering by itself (then a restart helps).
+async fn healthz(State(state): State<HttpState>) -> Response {
+    if state.limiter.store_alive() {
+        (StatusCode::OK, "OK\n").into_response()
+    } else {
+        (
+            StatusCode::SERVICE_UNAVAILABLE,
+            "the store cannot recover by itself\n",
+        )
+            .into_response()
+    }
 }
 
 /// Able to decide now: serving, the store answers, and a config is loaded if one is required.

@@ -923,3 +923,288 @@ async fn a_full_redis_refuses_the_script_and_the_policy_answers() {
     errors.stop().await;
     denies.stop().await;
 }
+
+/// `redis-cli` against one node, whole reply lines.
+fn node_cli(port: u16, args: &[&str]) -> Vec<String> {
+    let out = std::process::Command::new("redis-cli")
+        .args(["-p", &port.to_string()])
+        .args(args)
+        .output()
+        .expect("redis-cli");
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .map(str::to_string)
+        .collect()
+}
+
+/// Moves `slot` from the master that holds it to another, the way `redis-cli --cluster
+/// reshard` does: IMPORTING, MIGRATING, MIGRATE of its keys in batches, then SETSLOT NODE on
+/// every master. Returns the ports (from, to).
+fn migrate_slot(cluster: &RedisCluster, slot: u16) -> (u16, u16) {
+    let ports: Vec<u16> = cluster.nodes.iter().map(|n| n.port).collect();
+    let id = |port: u16| node_cli(port, &["CLUSTER", "MYID"])[0].clone();
+    let owner = *ports
+        .iter()
+        .find(|p| {
+            node_cli(**p, &["CLUSTER", "NODES"]).iter().any(|line| {
+                line.contains("myself")
+                    && line.split_whitespace().skip(8).any(|range| {
+                        let (a, b) = range.split_once('-').unwrap_or((range, range));
+                        match (a.parse::<u16>(), b.parse::<u16>()) {
+                            (Ok(a), Ok(b)) => (a..=b).contains(&slot),
+                            _ => false,
+                        }
+                    })
+            })
+        })
+        .expect("an owner");
+    let target = *ports.iter().find(|p| **p != owner).expect("another master");
+    let (owner_id, target_id) = (id(owner), id(target));
+    let s = slot.to_string();
+    node_cli(target, &["CLUSTER", "SETSLOT", &s, "IMPORTING", &owner_id]);
+    node_cli(owner, &["CLUSTER", "SETSLOT", &s, "MIGRATING", &target_id]);
+    loop {
+        let keys = node_cli(owner, &["CLUSTER", "GETKEYSINSLOT", &s, "10"]);
+        let keys: Vec<&str> = keys
+            .iter()
+            .map(String::as_str)
+            .filter(|k| !k.is_empty())
+            .collect();
+        if keys.is_empty() {
+            break;
+        }
+        let mut args = vec!["MIGRATE", "127.0.0.1"];
+        let target_port = target.to_string();
+        args.push(&target_port);
+        args.extend_from_slice(&["", "0", "5000", "KEYS"]);
+        args.extend_from_slice(&keys);
+        node_cli(owner, &args);
+    }
+    for port in &ports {
+        node_cli(*port, &["CLUSTER", "SETSLOT", &s, "NODE", &target_id]);
+    }
+    (owner, target)
+}
+
+/// A hot slot (one user's 200 logs, kept together by `tag_by`) moved to another master while
+/// 48 callers keep asking for it and 16 for a key in another slot: errors only while it moves
+/// (none 2 s after, on either slot), and never more admitted than the limits. With a pool of
+/// one connection, the hardest case: a client that cannot route after the move is replaced.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn resharding_a_hot_slot_under_load() {
+    use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::SeqCst};
+    let cluster = RedisCluster::start();
+    let domain = unique_domain("reshard");
+    let config = format!(
+        "domain: {domain}\ndescriptors:\n  - key: user\n    descriptors:\n      - key: item\n        tag_by: user\n        rate_limit: {{unit: hour, requests_per_unit: 5}}\n  - key: other\n    rate_limit: {{unit: hour, requests_per_unit: 1000000}}\n"
+    );
+    let mut options = options(cluster.url(), Duration::from_millis(500));
+    options.pool_size = 1;
+    let store: Arc<dyn Store> = Arc::new(RedisStore::connect(options).await.expect("connect"));
+    let server = TestServer::start(&config, store, LimiterOptions::default()).await;
+    let hot = key::build(
+        &domain,
+        &[
+            Segment::Value {
+                key: "user",
+                value: "u",
+            },
+            Segment::Value {
+                key: "item",
+                value: "0",
+            },
+        ],
+        Variant::Configured,
+        Some("user"),
+    );
+    let other = key::build(
+        &domain,
+        &[Segment::Value {
+            key: "other",
+            value: "o",
+        }],
+        Variant::Configured,
+        None,
+    );
+    let slot = slot(&hot.log());
+    assert_ne!(
+        slot,
+        self::slot(&other.log()),
+        "the other key must sit elsewhere"
+    );
+    let stop = Arc::new(AtomicBool::new(false));
+    let moved_at: Arc<std::sync::Mutex<Option<Instant>>> = Arc::new(std::sync::Mutex::new(None));
+    // admitted, errors while moving, errors 2 s after, other slot: errors while moving, after
+    let counts: Arc<[AtomicU64; 5]> = Arc::new(Default::default());
+    let mut callers = Vec::new();
+    for n in 0..64u64 {
+        let client = common::connect(server.grpc_addr).await;
+        let (d, stop, counts, moved_at) = (
+            domain.clone(),
+            stop.clone(),
+            counts.clone(),
+            moved_at.clone(),
+        );
+        callers.push(tokio::spawn(async move {
+            let mut i = n;
+            while !stop.load(SeqCst) {
+                i += 64;
+                let hot = n < 48;
+                let item = (i % 200).to_string();
+                let descriptor = if hot {
+                    descriptor(&[("user", "u"), ("item", &item)])
+                } else {
+                    descriptor(&[("other", "o")])
+                };
+                match client
+                    .clone()
+                    .should_rate_limit(request(&d, vec![descriptor]))
+                    .await
+                {
+                    Ok(r) if hot && r.get_ref().overall_code == ok() => {
+                        counts[0].fetch_add(1, SeqCst);
+                    }
+                    Ok(_) => {}
+                    Err(_) => {
+                        let settled = moved_at
+                            .lock()
+                            .expect("lock")
+                            .is_some_and(|at| at.elapsed() > Duration::from_secs(2));
+                        let slot = match (hot, settled) {
+                            (true, false) => 1,
+                            (true, true) => 2,
+                            (false, false) => 3,
+                            (false, true) => 4,
+                        };
+                        counts[slot].fetch_add(1, SeqCst);
+                    }
+                }
+            }
+        }));
+    }
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let cluster_ref = &cluster;
+    let (from, to) = tokio::task::block_in_place(|| migrate_slot(cluster_ref, slot));
+    *moved_at.lock().expect("lock") = Some(Instant::now());
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    stop.store(true, SeqCst);
+    for c in callers {
+        c.await.expect("caller");
+    }
+    let [admitted, during, after, elsewhere, elsewhere_after] =
+        [0, 1, 2, 3, 4].map(|i| counts[i].load(SeqCst));
+    eprintln!(
+        "slot {slot} moved {from} -> {to}: {admitted} admitted; errors while moving {during} (other slot {elsewhere}), 2 s after {after} (other slot {elsewhere_after})"
+    );
+    assert!(admitted <= 200 * 5, "over-admitted: {admitted}");
+    assert_eq!(
+        (after, elsewhere_after),
+        (0, 0),
+        "errors 2 s after the move"
+    );
+    // And the moved logs are where the cluster says: a new call finds them full.
+    let r = server
+        .call(request(
+            &domain,
+            vec![descriptor(&[("user", "u"), ("item", "7")])],
+        ))
+        .await;
+    assert_eq!(r.overall_code, over(), "the moved log kept its entries");
+    server.stop().await;
+}
+
+/// Calls every 50 ms until `done` holds or `deadline` passes; whether it held.
+async fn call_until(
+    server: &TestServer,
+    domain: &str,
+    deadline: Duration,
+    mut done: impl FnMut() -> bool,
+) -> bool {
+    let end = Instant::now() + deadline;
+    while Instant::now() < end {
+        if done() {
+            return true;
+        }
+        let _ = server
+            .client
+            .clone()
+            .should_rate_limit(request(domain, vec![descriptor(&[("k", "v")])]))
+            .await;
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    done()
+}
+
+/// A Redis that answers but refuses every call (EVALSHA renamed away): fresh clients connect
+/// and do not help, so after a few tries the store says it cannot recover and `/healthz`
+/// answers 503, the signal for a liveness probe to restart it. Readiness (PING) still holds.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn healthz_fails_when_fresh_clients_do_not_help() {
+    let redis = RedisProcess::start(&["--rename-command", "EVALSHA", ""]);
+    let domain = unique_domain("hopeless");
+    let config = format!(
+        "domain: {domain}\ndescriptors:\n  - key: k\n    rate_limit: {{unit: hour, requests_per_unit: 5}}\n"
+    );
+    let store = connect(redis.url(), Duration::from_millis(200)).await;
+    let server = TestServer::start(&config, store, LimiterOptions::default()).await;
+    assert_eq!(http(server.http_addr, "GET", "/healthz", "").await.0, 200);
+    let limiter = server.limiter.clone();
+    let started = Instant::now();
+    let gave_up = call_until(&server, &domain, Duration::from_secs(20), || {
+        !limiter.store_alive()
+    })
+    .await;
+    assert!(gave_up, "the store never reported that it cannot recover");
+    assert!(
+        started.elapsed() >= Duration::from_secs(3),
+        "gave up after {:?}, before three replacements could have been tried",
+        started.elapsed()
+    );
+    let (code, body) = http(server.http_addr, "GET", "/healthz", "").await;
+    assert_eq!(
+        (code, body.as_str()),
+        (503, "the store cannot recover by itself\n")
+    );
+    assert_eq!(http(server.http_addr, "GET", "/readyz", "").await.0, 200);
+    server.stop().await;
+}
+
+/// A Redis that is down is waited for, not a reason to restart: `/healthz` stays 200 through
+/// seconds of failing calls, since fresh clients cannot connect either.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn healthz_holds_while_redis_is_down() {
+    let mut redis = RedisProcess::start(&[]);
+    let domain = unique_domain("down");
+    let config = format!(
+        "domain: {domain}\ndescriptors:\n  - key: k\n    rate_limit: {{unit: hour, requests_per_unit: 5}}\n"
+    );
+    let store = connect(redis.url(), Duration::from_millis(200)).await;
+    let server = TestServer::start(&config, store, LimiterOptions::default()).await;
+    redis.stop();
+    let limiter = server.limiter.clone();
+    let gave_up = call_until(&server, &domain, Duration::from_secs(5), || {
+        !limiter.store_alive()
+    })
+    .await;
+    assert!(!gave_up, "a Redis that is down made the store give up");
+    assert_eq!(http(server.http_addr, "GET", "/healthz", "").await.0, 200);
+    redis.restart();
+    let end = Instant::now() + Duration::from_secs(10);
+    loop {
+        let reply = server
+            .client
+            .clone()
+            .should_rate_limit(request(&domain, vec![descriptor(&[("k", "v")])]))
+            .await;
+        if reply.is_ok_and(|r| r.into_inner().overall_code == ok()) {
+            break;
+        }
+        assert!(
+            Instant::now() < end,
+            "calls never resumed after Redis returned"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(http(server.http_addr, "GET", "/healthz", "").await.0, 200);
+    server.stop().await;
+}

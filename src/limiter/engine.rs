@@ -149,6 +149,11 @@ impl Limiter {
         self.store.live_keys()
     }
 
+    /// Whether the store can still recover by itself (see `Store::alive`).
+    pub fn store_alive(&self) -> bool {
+        self.store.alive()
+    }
+
     /// Whether the store answers now.
     pub async fn store_ready(&self) -> bool {
         self.store.ready().await

@@ -225,6 +225,13 @@ pub trait Store: Send + Sync + 'static {
         Box::pin(async { true })
     }
 
+    /// Whether the store can still recover by itself. False when it has tried what it can
+    /// (fresh connections that reach Redis) and calls still fail: a restart is the next step,
+    /// so `/healthz` reports it. An unreachable Redis is not this: waiting fixes that.
+    fn alive(&self) -> bool {
+        true
+    }
+
     /// Descriptors holding state now, where the store counts them (the embedded store).
     fn live_keys(&self) -> Option<u64> {
         None

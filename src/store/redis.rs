@@ -10,7 +10,11 @@
 //! * Every call is bounded by a deadline: a slow or dead Redis becomes a fast error.
 
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
+
+use arc_swap::ArcSwap;
+use tokio::time::Instant;
 
 use fred::prelude::*;
 use fred::types::scripts::Script;
@@ -54,7 +58,10 @@ pub struct RedisOptions {
 }
 
 pub struct RedisStore {
-    pool: Pool,
+    /// The client pool; replaced whole when it stays broken (see [`RedisStore::note`]).
+    pool: Arc<ArcSwap<Pool>>,
+    recipe: Arc<PoolRecipe>,
+    health: Arc<Mutex<Health>>,
     script: Script,
     cluster: bool,
     timeout: Duration,
@@ -62,6 +69,82 @@ pub struct RedisStore {
     /// Makes members unique across replicas: a random id per process plus a call counter.
     instance: String,
     calls: AtomicU64,
+}
+
+/// How long to wait before sending a call Redis answered `TRYAGAIN` (a slot mid-migration).
+const TRY_AGAIN_AFTER: Duration = Duration::from_millis(5);
+
+/// How long every call may fail before the client pool is replaced.
+const REPLACE_AFTER: Duration = Duration::from_secs(1);
+
+/// Whether calls have been failing, and since when.
+#[derive(Default)]
+struct Health {
+    failing_since: Option<Instant>,
+    replacing: bool,
+    /// Fresh pools that connected, yet calls kept failing through them: past
+    /// [`HOPELESS_AFTER`], the store cannot recover by itself and says so (`/healthz`).
+    replaced_in_vain: u32,
+}
+
+/// Fresh pools that connect but do not help, before the store reports itself dead.
+const HOPELESS_AFTER: u32 = 3;
+
+fn lock(health: &Mutex<Health>) -> std::sync::MutexGuard<'_, Health> {
+    // The state is two plain fields; one left by a panicking holder is still usable.
+    health
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+/// What a pool is built from, kept to build a fresh one.
+struct PoolRecipe {
+    config: Config,
+    options: RedisOptions,
+}
+
+impl PoolRecipe {
+    fn build(&self) -> Result<Pool, StoreError> {
+        let options = &self.options;
+        Builder::from_config(self.config.clone())
+            .with_connection_config(|c| {
+                c.connection_timeout = options.connect_timeout;
+                // Cluster topology changes (a slot moved, a failover) need room: a MOVED makes
+                // the client re-read the slots and send again, and a connection that stops
+                // answering is replaced rather than waited on.
+                c.max_command_attempts = 5;
+                c.max_redirections = 10;
+                c.internal_command_timeout = options.connect_timeout;
+                c.unresponsive.max_timeout = Some(options.connect_timeout);
+                c.unresponsive.interval = options.connect_timeout / 4;
+            })
+            .with_performance_config(|p| p.default_command_timeout = options.timeout)
+            // Retries at most every half second, so calls resume soon after Redis returns.
+            .set_policy(ReconnectPolicy::new_exponential(0, 50, 500, 2))
+            .build_pool(options.pool_size.max(1))
+            .map_err(|e| unavailable(&e))
+    }
+
+    /// A new pool, connected and with the script loaded, or why not.
+    async fn fresh(&self, script: &Script) -> Result<Pool, StoreError> {
+        let pool = self.build()?;
+        let deadline = self.options.connect_timeout;
+        let connect = async {
+            pool.init().await?;
+            script.load(pool.next()).await
+        };
+        match tokio::time::timeout(deadline, connect).await {
+            Ok(Ok(())) => Ok(pool),
+            Ok(Err(e)) => {
+                let _ = pool.quit().await;
+                Err(unavailable(&e))
+            }
+            Err(_) => {
+                let _ = pool.quit().await;
+                Err(StoreError::Timeout(deadline))
+            }
+        }
+    }
 }
 
 /// The URL with any password (in the user info or a `sentinelPassword` parameter) replaced,
@@ -216,16 +299,11 @@ impl RedisStore {
         // Not reachable yet (not started, a cluster still forming): the pool keeps trying, as it
         // does after losing a connection, and calls answer by the failure policy meanwhile.
         config.fail_fast = false;
-        let pool = Builder::from_config(config)
-            .with_connection_config(|c| {
-                c.connection_timeout = options.connect_timeout;
-                c.max_command_attempts = 2;
-            })
-            .with_performance_config(|p| p.default_command_timeout = timeout)
-            // Retries at most every half second, so calls resume soon after Redis returns.
-            .set_policy(ReconnectPolicy::new_exponential(0, 50, 500, 2))
-            .build_pool(options.pool_size.max(1))
-            .map_err(|e| unavailable(&e))?;
+        let recipe = Arc::new(PoolRecipe {
+            config,
+            options: options.clone(),
+        });
+        let pool = recipe.build()?;
         let script = Script::from_lua(SCRIPT);
         if reachable {
             tokio::time::timeout(options.connect_timeout, pool.init())
@@ -246,7 +324,9 @@ impl RedisStore {
             });
         }
         Ok(RedisStore {
-            pool,
+            pool: Arc::new(ArcSwap::from_pointee(pool)),
+            recipe,
+            health: Arc::new(Mutex::new(Health::default())),
             script,
             cluster,
             timeout,
@@ -263,8 +343,50 @@ impl RedisStore {
     }
 
     /// A client of the pool, for tests and tools that look at the keys directly.
-    pub fn client(&self) -> &Client {
-        self.pool.next()
+    pub fn client(&self) -> Client {
+        self.pool.load().next().clone()
+    }
+
+    /// Follows how calls go. A pool whose calls have all failed for [`REPLACE_AFTER`] is
+    /// replaced by a fresh one (in the background; calls go on meanwhile): a cluster client can
+    /// be left unable to route after its topology changed under it (a slot migrated), and a new
+    /// client reads the topology afresh. If the new pool cannot connect either (Redis is down),
+    /// the old one stays and keeps reconnecting, and the next try is [`REPLACE_AFTER`] later.
+    fn note(&self, ok: bool) {
+        let mut health = lock(&self.health);
+        if ok {
+            health.failing_since = None;
+            health.replaced_in_vain = 0;
+            return;
+        }
+        let since = *health.failing_since.get_or_insert_with(Instant::now);
+        if since.elapsed() < REPLACE_AFTER || health.replacing {
+            return;
+        }
+        health.replacing = true;
+        drop(health);
+        let (pool, recipe, health) = (self.pool.clone(), self.recipe.clone(), self.health.clone());
+        let script = self.script.clone();
+        tokio::spawn(async move {
+            let replaced = recipe.fresh(&script).await;
+            let mut state = lock(&health);
+            state.replacing = false;
+            match replaced {
+                Ok(fresh) => {
+                    tracing::warn!("Redis calls kept failing: replaced the client pool");
+                    let old = pool.swap(Arc::new(fresh));
+                    state.failing_since = Some(Instant::now());
+                    state.replaced_in_vain += 1;
+                    tokio::spawn(async move {
+                        let _ = old.quit().await;
+                    });
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, "Redis calls keep failing and a new client cannot connect either");
+                    state.failing_since = Some(Instant::now());
+                }
+            }
+        });
     }
 
     async fn call_group(
@@ -310,12 +432,22 @@ impl RedisStore {
                 args.push(w.length_ms.to_string());
             }
         }
-        let reply: Vec<i64> = self
-            .script
-            .evalsha_with_reload(self.pool.next(), keys, args)
-            .await
-            .map_err(|e| call_failed(&e))?;
-        parse_reply(&reply, items, group)
+        // TRYAGAIN: the slot is being migrated and this call's keys are split between the two
+        // masters for a moment; Redis asks to send it again shortly. The caller's deadline
+        // bounds the retries.
+        loop {
+            let sent: Result<Vec<i64>, Error> = self
+                .script
+                .evalsha_with_reload(self.pool.load().next(), keys.clone(), args.clone())
+                .await;
+            match sent {
+                Ok(reply) => return parse_reply(&reply, items, group),
+                Err(e) if e.details().starts_with("TRYAGAIN") => {
+                    tokio::time::sleep(TRY_AGAIN_AFTER).await;
+                }
+                Err(e) => return Err(call_failed(&e)),
+            }
+        }
     }
 
     async fn decide(
@@ -391,7 +523,7 @@ impl RedisStore {
                 for w in outcomes[i].windows.iter_mut() {
                     w.count = w.count.saturating_sub(item.hits);
                 }
-                let client = self.pool.next();
+                let client = self.pool.load().next().clone();
                 match item.algorithm {
                     Algorithm::SlidingLog => {
                         // The member as the script wrote it: "<cum>:<weight>:<prefix>:<i>", i
@@ -417,6 +549,7 @@ impl RedisStore {
                         sizes.dedup();
                         for size in sizes {
                             let field = format!("{size}:{}", now_ms / size);
+                            let client = client.clone();
                             removals.push(Box::pin(async move {
                                 client
                                     .hincrby::<i64, _, _>(item.key.counters(), field, -hits)
@@ -524,10 +657,17 @@ fn parse_reply(
 impl Store for RedisStore {
     fn check<'a>(&'a self, items: &'a [CheckItem<'a>], now_ms: u64) -> StoreFuture<'a> {
         Box::pin(async move {
-            match tokio::time::timeout(self.timeout, self.decide(items, now_ms)).await {
+            let result = match tokio::time::timeout(self.timeout, self.decide(items, now_ms)).await
+            {
                 Ok(result) => result,
                 Err(_) => Err(StoreError::Timeout(self.timeout)),
-            }
+            };
+            // A protocol error is an answer: the client works.
+            self.note(!matches!(
+                result,
+                Err(StoreError::Timeout(_) | StoreError::Unavailable { .. })
+            ));
+            result
         })
     }
 
@@ -539,11 +679,15 @@ impl Store for RedisStore {
         }
     }
 
+    fn alive(&self) -> bool {
+        lock(&self.health).replaced_in_vain < HOPELESS_AFTER
+    }
+
     fn ready(&self) -> super::ReadyFuture<'_> {
         Box::pin(async move {
             let ping: Result<Result<String, Error>, _> = tokio::time::timeout(
                 self.timeout.max(Duration::from_millis(200)),
-                self.pool.next().ping(None),
+                self.pool.load().next().ping(None),
             )
             .await;
             matches!(ping, Ok(Ok(_)))
