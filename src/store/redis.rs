@@ -74,21 +74,44 @@ pub struct RedisStore {
 /// How long to wait before sending a call Redis answered `TRYAGAIN` (a slot mid-migration).
 const TRY_AGAIN_AFTER: Duration = Duration::from_millis(5);
 
-/// How long every call may fail before the client pool is replaced.
-const REPLACE_AFTER: Duration = Duration::from_secs(1);
+/// How long every call may fail before the client pool is replaced: short, so a client left
+/// unable to route resumes well within a second; a replacement costs one connection attempt.
+const REPLACE_AFTER: Duration = Duration::from_millis(250);
+
+/// The longest wait between replacement attempts while new clients cannot connect (Redis is
+/// down: the old pool reconnects by itself, so trying often gains nothing).
+const REPLACE_AT_MOST_EVERY: Duration = Duration::from_secs(5);
 
 /// Whether calls have been failing, and since when.
-#[derive(Default)]
 struct Health {
+    /// Since when calls have failed, counted afresh after each replacement attempt.
     failing_since: Option<Instant>,
+    /// Since when calls have failed without a success in between.
+    streak_since: Option<Instant>,
+    /// The wait before the next replacement attempt.
+    retry_after: Duration,
     replacing: bool,
-    /// Fresh pools that connected, yet calls kept failing through them: past
-    /// [`HOPELESS_AFTER`], the store cannot recover by itself and says so (`/healthz`).
+    /// Fresh pools that connected, yet calls kept failing through them.
     replaced_in_vain: u32,
 }
 
-/// Fresh pools that connect but do not help, before the store reports itself dead.
+impl Default for Health {
+    fn default() -> Self {
+        Health {
+            failing_since: None,
+            streak_since: None,
+            retry_after: REPLACE_AFTER,
+            replacing: false,
+            replaced_in_vain: 0,
+        }
+    }
+}
+
+/// The store cannot recover by itself (`/healthz` says so) when this many fresh pools connected
+/// and did not help, over at least [`HOPELESS_STREAK`] of failing calls: long enough that a
+/// failover, where new clients connect before a replica is promoted, does not count.
 const HOPELESS_AFTER: u32 = 3;
+const HOPELESS_STREAK: Duration = Duration::from_secs(5);
 
 fn lock(health: &Mutex<Health>) -> std::sync::MutexGuard<'_, Health> {
     // The state is two plain fields; one left by a panicking holder is still usable.
@@ -351,16 +374,23 @@ impl RedisStore {
     /// replaced by a fresh one (in the background; calls go on meanwhile): a cluster client can
     /// be left unable to route after its topology changed under it (a slot migrated), and a new
     /// client reads the topology afresh. If the new pool cannot connect either (Redis is down),
-    /// the old one stays and keeps reconnecting, and the next try is [`REPLACE_AFTER`] later.
+    /// the old one stays and keeps reconnecting, and the next try waits twice as long, up to
+    /// [`REPLACE_AT_MOST_EVERY`].
     fn note(&self, ok: bool) {
         let mut health = lock(&self.health);
         if ok {
-            health.failing_since = None;
-            health.replaced_in_vain = 0;
+            if health.failing_since.is_some() {
+                *health = Health {
+                    replacing: health.replacing,
+                    ..Health::default()
+                };
+            }
             return;
         }
-        let since = *health.failing_since.get_or_insert_with(Instant::now);
-        if since.elapsed() < REPLACE_AFTER || health.replacing {
+        let now = Instant::now();
+        health.streak_since.get_or_insert(now);
+        let since = *health.failing_since.get_or_insert(now);
+        if since.elapsed() < health.retry_after || health.replacing {
             return;
         }
         health.replacing = true;
@@ -371,19 +401,20 @@ impl RedisStore {
             let replaced = recipe.fresh(&script).await;
             let mut state = lock(&health);
             state.replacing = false;
+            state.failing_since = Some(Instant::now());
             match replaced {
                 Ok(fresh) => {
                     tracing::warn!("Redis calls kept failing: replaced the client pool");
                     let old = pool.swap(Arc::new(fresh));
-                    state.failing_since = Some(Instant::now());
                     state.replaced_in_vain += 1;
+                    state.retry_after = REPLACE_AFTER;
                     tokio::spawn(async move {
                         let _ = old.quit().await;
                     });
                 }
                 Err(e) => {
                     tracing::warn!(error = %e, "Redis calls keep failing and a new client cannot connect either");
-                    state.failing_since = Some(Instant::now());
+                    state.retry_after = (state.retry_after * 2).min(REPLACE_AT_MOST_EVERY);
                 }
             }
         });
@@ -680,7 +711,11 @@ impl Store for RedisStore {
     }
 
     fn alive(&self) -> bool {
-        lock(&self.health).replaced_in_vain < HOPELESS_AFTER
+        let health = lock(&self.health);
+        let streak = health
+            .streak_since
+            .map_or(Duration::ZERO, |at| at.elapsed());
+        health.replaced_in_vain < HOPELESS_AFTER || streak < HOPELESS_STREAK
     }
 
     fn ready(&self) -> super::ReadyFuture<'_> {
