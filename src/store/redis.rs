@@ -62,6 +62,8 @@ pub struct RedisStore {
     pool: Arc<ArcSwap<Pool>>,
     recipe: Arc<PoolRecipe>,
     health: Arc<Mutex<Health>>,
+    /// Whether the last noted call failed: lets a success skip the lock on the hot path.
+    failing: std::sync::atomic::AtomicBool,
     script: Script,
     cluster: bool,
     timeout: Duration,
@@ -350,6 +352,7 @@ impl RedisStore {
             pool: Arc::new(ArcSwap::from_pointee(pool)),
             recipe,
             health: Arc::new(Mutex::new(Health::default())),
+            failing: std::sync::atomic::AtomicBool::new(false),
             script,
             cluster,
             timeout,
@@ -377,7 +380,14 @@ impl RedisStore {
     /// the old one stays and keeps reconnecting, and the next try waits twice as long, up to
     /// [`REPLACE_AT_MOST_EVERY`].
     fn note(&self, ok: bool) {
+        // A success while nothing failed (nearly every call) changes nothing. A failure noted
+        // concurrently may be missed by this read; the next success clears it.
+        if ok && !self.failing.load(Ordering::Relaxed) {
+            return;
+        }
         let mut health = lock(&self.health);
+        // Written under the lock, so the flag is set whenever `failing_since` is.
+        self.failing.store(!ok, Ordering::Relaxed);
         if ok {
             if health.failing_since.is_some() {
                 *health = Health {
@@ -401,12 +411,16 @@ impl RedisStore {
             let replaced = recipe.fresh(&script).await;
             let mut state = lock(&health);
             state.replacing = false;
-            state.failing_since = Some(Instant::now());
+            // Calls that succeeded meanwhile ended the streak: nothing more to count.
+            let still_failing = state.failing_since.is_some();
+            if still_failing {
+                state.failing_since = Some(Instant::now());
+            }
             match replaced {
                 Ok(fresh) => {
                     tracing::warn!("Redis calls kept failing: replaced the client pool");
                     let old = pool.swap(Arc::new(fresh));
-                    state.replaced_in_vain += 1;
+                    state.replaced_in_vain += u32::from(still_failing);
                     state.retry_after = REPLACE_AFTER;
                     tokio::spawn(async move {
                         let _ = old.quit().await;
