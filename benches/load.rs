@@ -183,7 +183,8 @@ async fn redis_store(url: String) -> Arc<dyn Store> {
         RedisStore::connect(RedisOptions {
             url,
             pool_size: 4,
-            timeout: Duration::from_millis(500),
+            // The shipped default (`--redis-timeout`), so errors from our own deadline show.
+            timeout: Duration::from_millis(15),
             connect_timeout: Duration::from_secs(5),
             clock: ClockSource::Server,
             tls: Default::default(),
