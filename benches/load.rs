@@ -1,6 +1,7 @@
 //! Load benchmark: throughput and latency of `ShouldRateLimit` over gRPC on loopback, for the
 //! embedded store, standalone Redis and a 3-master Redis Cluster (each started here, on free
-//! ports), plus Redis memory per log entry (one per call, whatever its hits) and per idle key.
+//! ports), with CPU per decision (this process from `/proc`, Redis from `INFO`) and Redis commands
+//! per decision, plus Redis memory per log entry (one per call, whatever its hits) and per idle key.
 //!
 //!     cargo bench --bench load                      # defaults: 64 callers, 5 s per scenario
 //!     SLIDEGATE_BENCH_SECS=10 SLIDEGATE_BENCH_CALLERS=128 cargo bench --bench load
@@ -53,6 +54,72 @@ struct Report {
     over: usize,
     elapsed: Duration,
     latencies_us: Vec<u64>,
+    /// Usage over the timed phase: the end's snapshot minus the start's.
+    usage: Usage,
+}
+
+/// CPU seconds and command counts, read from `/proc` and Redis's `INFO`.
+#[derive(Default, Clone, Copy)]
+struct Usage {
+    /// This process: the server and the load generator together (they share one runtime).
+    process_cpu_s: f64,
+    redis_cpu_s: f64,
+    /// Commands Redis ran, those a script calls included (`INFO commandstats`).
+    redis_commands: u64,
+}
+
+impl Usage {
+    fn now(redis_ports: &[u16]) -> Usage {
+        let mut usage = Usage {
+            process_cpu_s: process_cpu_s(),
+            ..Usage::default()
+        };
+        for &port in redis_ports {
+            let cpu = redis_proc::command(port, "INFO cpu").unwrap_or_default();
+            usage.redis_cpu_s +=
+                info_field(&cpu, "used_cpu_sys:") + info_field(&cpu, "used_cpu_user:");
+            let stats = redis_proc::command(port, "INFO commandstats").unwrap_or_default();
+            usage.redis_commands += stats
+                .lines()
+                .filter_map(|l| l.split("calls=").nth(1))
+                .filter_map(|rest| rest.split(',').next()?.parse::<u64>().ok())
+                .sum::<u64>();
+        }
+        usage
+    }
+
+    fn since(self, start: Usage) -> Usage {
+        Usage {
+            process_cpu_s: self.process_cpu_s - start.process_cpu_s,
+            redis_cpu_s: self.redis_cpu_s - start.redis_cpu_s,
+            redis_commands: self.redis_commands.saturating_sub(start.redis_commands),
+        }
+    }
+}
+
+fn info_field(info: &str, name: &str) -> f64 {
+    info.lines()
+        .find_map(|l| l.strip_prefix(name))
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or(0.0)
+}
+
+/// User plus system CPU of this process, from `/proc/self/stat` (fields 14 and 15, in clock
+/// ticks of 1/100 s, the value on Linux for x86-64 and arm64).
+fn process_cpu_s() -> f64 {
+    let stat = std::fs::read_to_string("/proc/self/stat").unwrap_or_default();
+    // The command name (field 2) may hold spaces; the fields after it start past its ')'.
+    let fields: Vec<&str> = stat
+        .rsplit_once(')')
+        .map_or(Vec::new(), |(_, rest)| rest.split_whitespace().collect());
+    let ticks = |i: usize| {
+        fields
+            .get(i)
+            .and_then(|v| v.parse::<f64>().ok())
+            .unwrap_or(0.0)
+    };
+    // fields[0] is field 3 (state): utime is field 14, stime field 15.
+    (ticks(11) + ticks(12)) / 100.0
 }
 
 impl Report {
@@ -75,11 +142,25 @@ impl Report {
             self.over,
             self.errors
         );
+        let per = |x: f64| x / self.calls.max(1) as f64;
+        println!(
+            "{:<34} cpu per decision: {:>5.1} us process (server + load generator), {:>5.1} us Redis; {:.2} Redis commands per decision",
+            "",
+            per(self.usage.process_cpu_s) * 1e6,
+            per(self.usage.redis_cpu_s) * 1e6,
+            per(self.usage.redis_commands as f64)
+        );
     }
 }
 
 /// `callers` tasks over `connections` HTTP/2 connections, each calling as fast as it can.
-async fn drive(store: Arc<dyn Store>, secs: u64, callers: u64, scenario: &'static str) -> Report {
+async fn drive(
+    store: Arc<dyn Store>,
+    redis_ports: &[u16],
+    secs: u64,
+    callers: u64,
+    scenario: &'static str,
+) -> Report {
     let limits = slidegate::config::compile_sources(&[("bench.yaml".into(), CONFIG.into())])
         .expect("bench config");
     let metrics = Arc::new(slidegate::metrics::Metrics::new());
@@ -118,6 +199,7 @@ async fn drive(store: Arc<dyn Store>, secs: u64, callers: u64, scenario: &'stati
         );
     }
     let deadline = Instant::now() + Duration::from_secs(secs);
+    let usage_at_start = Usage::now(redis_ports);
     let started = Instant::now();
     let mut tasks = Vec::new();
     for n in 0..callers {
@@ -163,6 +245,7 @@ async fn drive(store: Arc<dyn Store>, secs: u64, callers: u64, scenario: &'stati
         over: 0,
         elapsed: Duration::ZERO,
         latencies_us: Vec::new(),
+        usage: Usage::default(),
     };
     for t in tasks {
         let (latencies, errors, over) = t.await.expect("caller");
@@ -172,6 +255,7 @@ async fn drive(store: Arc<dyn Store>, secs: u64, callers: u64, scenario: &'stati
         report.latencies_us.extend(latencies);
     }
     report.elapsed = started.elapsed();
+    report.usage = Usage::now(redis_ports).since(usage_at_start);
     report.latencies_us.sort_unstable();
     let _ = stop.send(());
     let _ = server.await;
@@ -271,17 +355,30 @@ fn main() {
     println!("slidegate load benchmark: {callers} callers, {secs} s per scenario, loopback gRPC");
     let standalone = redis_proc::RedisProcess::start(&[]);
     let cluster = redis_proc::RedisCluster::start();
+    let cluster_ports: Vec<u16> = cluster.nodes.iter().map(|n| n.port).collect();
     runtime.block_on(async {
         for scenario in ["spread", "hot"] {
-            drive(Arc::new(MemoryStore::new()), secs, callers, scenario)
+            drive(Arc::new(MemoryStore::new()), &[], secs, callers, scenario)
                 .await
                 .print(&format!("embedded, {scenario}"));
-            drive(redis_store(standalone.url()).await, secs, callers, scenario)
-                .await
-                .print(&format!("redis standalone, {scenario}"));
-            drive(redis_store(cluster.url()).await, secs, callers, scenario)
-                .await
-                .print(&format!("redis cluster (3 masters), {scenario}"));
+            drive(
+                redis_store(standalone.url()).await,
+                &[standalone.port],
+                secs,
+                callers,
+                scenario,
+            )
+            .await
+            .print(&format!("redis standalone, {scenario}"));
+            drive(
+                redis_store(cluster.url()).await,
+                &cluster_ports,
+                secs,
+                callers,
+                scenario,
+            )
+            .await
+            .print(&format!("redis cluster (3 masters), {scenario}"));
         }
     });
     memory_usage(&standalone);
