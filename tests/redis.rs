@@ -15,7 +15,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use common::redis::{
-    RedisCluster, RedisProcess, command, shared_cluster, shared_standalone, wait_until,
+    RedisCluster, RedisProcess, command, make_certs, shared_cluster, shared_standalone, wait_until,
 };
 use common::*;
 use conformance::{Backend, StoreFuture};
@@ -578,69 +578,11 @@ fn malformed_script_arguments_get_an_error_reply() {
 /// password redacted.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn tls_and_password_from_the_url() {
-    let dir = std::env::temp_dir().join(unique_domain("tls"));
-    std::fs::create_dir_all(&dir).expect("mkdir");
-    let sh = |script: &str| {
-        let out = std::process::Command::new("sh")
-            .args(["-c", script])
-            .current_dir(&dir)
-            .output()
-            .expect("run openssl");
-        assert!(
-            out.status.success(),
-            "{script}: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-    };
-    sh(
-        "openssl req -x509 -newkey rsa:2048 -nodes -keyout ca.key -out ca.crt -days 2 -subj /CN=slidegate-test-ca 2>/dev/null",
-    );
-    sh(
-        "openssl req -newkey rsa:2048 -nodes -keyout server.key -out server.csr -subj /CN=localhost 2>/dev/null",
-    );
-    sh(
-        "printf 'subjectAltName=DNS:localhost,IP:127.0.0.1\\n' > ext.cnf && openssl x509 -req -in server.csr -CA ca.crt -CAkey ca.key -CAcreateserial -out server.crt -days 2 -extfile ext.cnf 2>/dev/null",
-    );
-    let file = |name: &str| dir.join(name).display().to_string();
-    let (cert, key, ca) = (file("server.crt"), file("server.key"), file("ca.crt"));
-    let ca_for_ready = ca.clone();
-    let redis = RedisProcess::start_with(
-        |port| {
-            [
-                "--port",
-                "0",
-                "--tls-port",
-                &port.to_string(),
-                "--tls-cert-file",
-                &cert,
-                "--tls-key-file",
-                &key,
-                "--tls-ca-cert-file",
-                &ca,
-                "--tls-auth-clients",
-                "no",
-                "--requirepass",
-                "s3cret-pw",
-            ]
-            .map(String::from)
-            .to_vec()
-        },
-        |port| {
-            std::process::Command::new("redis-cli")
-                .args([
-                    "--tls",
-                    "--cacert",
-                    &ca_for_ready,
-                    "-h",
-                    "localhost",
-                    "-p",
-                    &port.to_string(),
-                ])
-                .args(["-a", "s3cret-pw", "--no-auth-warning", "PING"])
-                .output()
-                .is_ok_and(|o| String::from_utf8_lossy(&o.stdout).contains("PONG"))
-        },
-    );
+    let scratch = common::temp_dir("tls");
+    let dir = &scratch.0;
+    make_certs(dir, &[("server", "DNS:localhost,IP:127.0.0.1")]);
+    let ca = dir.join("ca.crt").display().to_string();
+    let redis = RedisProcess::start_tls(dir, None, &["--requirepass", "s3cret-pw"]);
     let config = dir.join("limits.yaml");
     std::fs::write(&config, "domain: tls\ndescriptors:\n  - key: k\n    rate_limit: {unit: minute, requests_per_unit: 1}\n").expect("write");
     let start = |password: &str, grpc: u16, http: u16| {
@@ -700,8 +642,9 @@ async fn tls_and_password_from_the_url() {
         codes.push(r.into_inner().overall_code);
     }
     assert_eq!(codes, vec![ok(), over()]);
+    // Redis goes before its certificates' directory.
     drop(redis);
-    let _ = std::fs::remove_dir_all(&dir);
+    drop(scratch);
 }
 
 fn budget_item(

@@ -19,7 +19,9 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use common::redis::{RedisProcess, RedisSentinel, free_port, shared_cluster, shared_standalone};
+use common::redis::{
+    RedisProcess, RedisSentinel, free_port, make_certs, shared_cluster, shared_standalone,
+};
 use common::{KillOnDrop, TempDir, connect, descriptor, http, ok, over, request, unique_domain};
 use slidegate::proto::RateLimitResponse;
 
@@ -416,75 +418,17 @@ fn refusals_and_usage() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn reference_environment_with_redis_mutual_tls() {
     let scratch = common::temp_dir("mtls");
-    let sh = |script: &str| {
-        let out = Command::new("sh")
-            .args(["-c", script])
-            .current_dir(&scratch.0)
-            .output()
-            .expect("run openssl");
-        assert!(
-            out.status.success(),
-            "{script}: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-    };
-    sh(
-        "openssl req -x509 -newkey rsa:2048 -nodes -keyout ca.key -out ca.crt -days 2 -subj /CN=test-ca 2>/dev/null",
+    make_certs(
+        &scratch.0,
+        &[
+            ("server", "DNS:redis.internal"),
+            ("client", "DNS:slidegate"),
+        ],
     );
-    for (name, san) in [
-        ("server", "DNS:redis.internal"),
-        ("client", "DNS:slidegate"),
-    ] {
-        sh(&format!(
-            "openssl req -newkey rsa:2048 -nodes -keyout {name}.key -out {name}.csr -subj /CN={name} 2>/dev/null && printf 'subjectAltName={san}\\n' > {name}.cnf && openssl x509 -req -in {name}.csr -CA ca.crt -CAkey ca.key -CAcreateserial -out {name}.crt -days 2 -extfile {name}.cnf 2>/dev/null"
-        ));
-    }
     let file = |name: &str| scratch.0.join(name).display().to_string();
-    let (ca, cert, key) = (file("ca.crt"), file("server.crt"), file("server.key"));
+    let ca = file("ca.crt");
     let (client_cert, client_key) = (file("client.crt"), file("client.key"));
-    let ready = (ca.clone(), client_cert.clone(), client_key.clone());
-    let redis = RedisProcess::start_with(
-        |port| {
-            [
-                "--port",
-                "0",
-                "--tls-port",
-                &port.to_string(),
-                "--tls-cert-file",
-                &cert,
-                "--tls-key-file",
-                &key,
-                "--tls-ca-cert-file",
-                &ca,
-                "--tls-auth-clients",
-                "yes",
-            ]
-            .map(String::from)
-            .to_vec()
-        },
-        |port| {
-            Command::new("redis-cli")
-                .args([
-                    "--tls",
-                    "--insecure",
-                    "--cacert",
-                    &ready.0,
-                    "--cert",
-                    &ready.1,
-                ])
-                .args([
-                    "--key",
-                    &ready.2,
-                    "-h",
-                    "127.0.0.1",
-                    "-p",
-                    &port.to_string(),
-                    "PING",
-                ])
-                .output()
-                .is_ok_and(|o| String::from_utf8_lossy(&o.stdout).contains("PONG"))
-        },
-    );
+    let redis = RedisProcess::start_tls(&scratch.0, Some("client"), &[]);
     let tls = |with_client: bool, skip: bool| {
         let mut env = vec![
             ("REDIS_SOCKET_TYPE", "tcp".to_string()),

@@ -306,3 +306,75 @@ impl Drop for RedisSentinel {
         let _ = std::fs::remove_dir_all(&self.dir);
     }
 }
+
+/// A test CA (`ca.crt`, `ca.key`) and, for each `(name, subjectAltName)`, `<name>.crt` and
+/// `<name>.key` signed by it, made with openssl in `dir`.
+pub fn make_certs(dir: &std::path::Path, certs: &[(&str, &str)]) {
+    let sh = |script: &str| {
+        let out = Command::new("sh")
+            .args(["-c", script])
+            .current_dir(dir)
+            .output()
+            .expect("run openssl");
+        assert!(
+            out.status.success(),
+            "{script}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    };
+    sh(
+        "openssl req -x509 -newkey rsa:2048 -nodes -keyout ca.key -out ca.crt -days 2 -subj /CN=slidegate-test-ca 2>/dev/null",
+    );
+    for (name, san) in certs {
+        sh(&format!(
+            "openssl req -newkey rsa:2048 -nodes -keyout {name}.key -out {name}.csr -subj /CN={name} 2>/dev/null && printf 'subjectAltName={san}\\n' > {name}.cnf && openssl x509 -req -in {name}.csr -CA ca.crt -CAkey ca.key -CAcreateserial -out {name}.crt -days 2 -extfile {name}.cnf 2>/dev/null"
+        ));
+    }
+}
+
+impl RedisProcess {
+    /// A Redis serving TLS only, with `server.crt`/`server.key` and `ca.crt` from `dir` (see
+    /// [`make_certs`]); with `client` (a certificate name in `dir`) it requires client
+    /// certificates signed by the CA. `extra` follows. Ready once a TLS connection gets an
+    /// answer to PING (`NOAUTH` counts: TLS is up, the password is the test's business).
+    pub fn start_tls(dir: &std::path::Path, client: Option<&str>, extra: &[&str]) -> RedisProcess {
+        let file = |name: &str| dir.join(name).display().to_string();
+        let (ca, cert, key) = (file("ca.crt"), file("server.crt"), file("server.key"));
+        let client_files = client.map(|c| (file(&format!("{c}.crt")), file(&format!("{c}.key"))));
+        RedisProcess::start_with(
+            |port| {
+                let mut args: Vec<String> = [
+                    "--port",
+                    "0",
+                    "--tls-port",
+                    &port.to_string(),
+                    "--tls-cert-file",
+                    &cert,
+                    "--tls-key-file",
+                    &key,
+                    "--tls-ca-cert-file",
+                    &ca,
+                    "--tls-auth-clients",
+                    if client.is_some() { "yes" } else { "no" },
+                ]
+                .map(String::from)
+                .to_vec();
+                args.extend(extra.iter().map(|a| a.to_string()));
+                args
+            },
+            |port| {
+                let mut cli = Command::new("redis-cli");
+                cli.args(["--tls", "--insecure", "--cacert", &ca]);
+                if let Some((cert, key)) = &client_files {
+                    cli.args(["--cert", cert, "--key", key]);
+                }
+                cli.args(["-h", "127.0.0.1", "-p", &port.to_string(), "PING"])
+                    .output()
+                    .is_ok_and(|o| {
+                        let reply = String::from_utf8_lossy(&o.stdout);
+                        reply.contains("PONG") || reply.contains("NOAUTH")
+                    })
+            },
+        )
+    }
+}
