@@ -115,6 +115,9 @@ pub struct GuardedStream {
     inner: TcpStream,
     _permit: OwnedSemaphorePermit,
     idle: Duration,
+    /// When data was last read. Reads only note the time; the timer is moved when it fires
+    /// early, at most once per idle period, rather than on every read of a busy connection.
+    last_read: Instant,
     deadline: Pin<Box<Sleep>>,
 }
 
@@ -124,6 +127,7 @@ impl GuardedStream {
             inner,
             _permit: permit,
             idle,
+            last_read: Instant::now(),
             deadline: Box::pin(tokio::time::sleep(idle)),
         }
     }
@@ -139,17 +143,24 @@ impl AsyncRead for GuardedStream {
         match Pin::new(&mut self.inner).poll_read(cx, buf) {
             Poll::Ready(Ok(())) => {
                 if buf.filled().len() > before {
-                    let next = Instant::now() + self.idle;
-                    self.deadline.as_mut().reset(next);
+                    self.last_read = Instant::now();
                 }
                 Poll::Ready(Ok(()))
             }
-            Poll::Pending => match self.deadline.as_mut().poll(cx) {
-                Poll::Ready(()) => Poll::Ready(Err(io::Error::new(
-                    io::ErrorKind::TimedOut,
-                    "connection idle too long",
-                ))),
-                Poll::Pending => Poll::Pending,
+            Poll::Pending => loop {
+                if self.deadline.as_mut().poll(cx).is_pending() {
+                    break Poll::Pending;
+                }
+                let due = self.last_read + self.idle;
+                if due <= Instant::now() {
+                    break Poll::Ready(Err(io::Error::new(
+                        io::ErrorKind::TimedOut,
+                        "connection idle too long",
+                    )));
+                }
+                // Read from since the timer was set: wait out the rest from the last read
+                // (polled again at once, so the moved timer registers this task).
+                self.deadline.as_mut().reset(due);
             },
             other => other,
         }

@@ -442,6 +442,35 @@ impl RedisStore {
         prefix: &str,
         final_mode: bool,
     ) -> Result<GroupReply, StoreError> {
+        let (mut keys, mut args) = self.script_input(items, group, now_ms, prefix, final_mode);
+        // TRYAGAIN: the slot is being migrated and this call's keys are split between the two
+        // masters for a moment; Redis asks to send it again shortly. The caller's deadline
+        // bounds the retries. The input is built again only then (it is moved into the call).
+        loop {
+            let sent: Result<Vec<i64>, Error> = self
+                .script
+                .evalsha_with_reload(self.pool.load().next(), keys, args)
+                .await;
+            match sent {
+                Ok(reply) => return parse_reply(&reply, items, group),
+                Err(e) if e.details().starts_with("TRYAGAIN") => {
+                    tokio::time::sleep(TRY_AGAIN_AFTER).await;
+                    (keys, args) = self.script_input(items, group, now_ms, prefix, final_mode);
+                }
+                Err(e) => return Err(call_failed(&e)),
+            }
+        }
+    }
+
+    /// The script's `KEYS` and `ARGV` for the items of `group` (layout in `lua/slidegate.lua`).
+    fn script_input(
+        &self,
+        items: &[CheckItem<'_>],
+        group: &[usize],
+        now_ms: u64,
+        prefix: &str,
+        final_mode: bool,
+    ) -> (Vec<String>, Vec<String>) {
         let mut keys = Vec::with_capacity(group.len() * 2);
         let mut args: Vec<String> = Vec::with_capacity(4 + group.len() * 8);
         args.push(match self.clock {
@@ -477,22 +506,7 @@ impl RedisStore {
                 args.push(w.length_ms.to_string());
             }
         }
-        // TRYAGAIN: the slot is being migrated and this call's keys are split between the two
-        // masters for a moment; Redis asks to send it again shortly. The caller's deadline
-        // bounds the retries.
-        loop {
-            let sent: Result<Vec<i64>, Error> = self
-                .script
-                .evalsha_with_reload(self.pool.load().next(), keys.clone(), args.clone())
-                .await;
-            match sent {
-                Ok(reply) => return parse_reply(&reply, items, group),
-                Err(e) if e.details().starts_with("TRYAGAIN") => {
-                    tokio::time::sleep(TRY_AGAIN_AFTER).await;
-                }
-                Err(e) => return Err(call_failed(&e)),
-            }
-        }
+        (keys, args)
     }
 
     async fn decide(
