@@ -205,7 +205,7 @@ impl Limiter {
         let Some(domain) = limits.domain(&request.domain) else {
             self.observer.unknown_domain();
             let statuses = vec![Status::unlimited_by_config(); request.descriptors.len()];
-            return Ok(self.finish(statuses, Code::Ok, Vec::new(), &[]));
+            return Ok(self.finish(statuses, Code::Ok, Vec::new(), Vec::new));
         };
         let debit = domain.debit
             || self
@@ -262,7 +262,7 @@ impl Limiter {
         if self.shadowed(overall) {
             self.observer.global_shadow();
         }
-        self.finish(statuses, overall, headers, &planned.rules())
+        self.finish(statuses, overall, headers, || planned.rules())
     }
 
     /// Whether global shadow mode turns this overall code into OK.
@@ -340,12 +340,13 @@ impl Limiter {
         }
     }
 
-    fn finish(
+    fn finish<'r>(
         &self,
         statuses: Vec<Status>,
         overall: Code,
         response_headers: Vec<(String, String)>,
-        rules: &[&Arc<Rule>],
+        // Asked for only when dynamic metadata is on, so other calls build no list of rules.
+        rules: impl FnOnce() -> Vec<&'r Arc<Rule>>,
     ) -> Decision {
         let overall = if self.options.global_shadow_mode {
             Code::Ok
@@ -356,7 +357,10 @@ impl Limiter {
             overall,
             statuses,
             response_headers,
-            dynamic_metadata: self.options.dynamic_metadata.then(|| rule_metadata(rules)),
+            dynamic_metadata: self
+                .options
+                .dynamic_metadata
+                .then(|| rule_metadata(&rules())),
         }
     }
 }
