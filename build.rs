@@ -7,9 +7,22 @@ use std::path::PathBuf;
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let out = PathBuf::from(std::env::var("OUT_DIR")?);
-    let files = protox::compile(["envoy/service/ratelimit/v3/rls.proto"], ["proto"])?;
+    // Reflection describes what slidegate serves: the rate-limit service and its types only.
+    let served = protox::compile(["envoy/service/ratelimit/v3/rls.proto"], ["proto"])?;
+    std::fs::write(
+        out.join("rls_descriptor.bin"),
+        prost::Message::encode_to_vec(&served),
+    )?;
+    // Code for everything: also the xDS client's stream (ADS) and the config resource it carries.
+    let files = protox::compile(
+        [
+            "envoy/service/ratelimit/v3/rls.proto",
+            "envoy/service/discovery/v3/ads.proto",
+            "ratelimit/config/ratelimit/v3/rls_conf.proto",
+        ],
+        ["proto"],
+    )?;
     let encoded = prost::Message::encode_to_vec(&files);
-    std::fs::write(out.join("rls_descriptor.bin"), &encoded)?;
     tonic_prost_build::configure()
         .build_client(true)
         // Well-known types with their proto3 JSON mapping (Duration as "1.5s", wrappers as
@@ -19,7 +32,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         .compile_fds(files)?;
     pbjson_build::Builder::new()
         .register_descriptors(&encoded)?
-        .build(&[".envoy"])?;
+        .build(&[".envoy", ".google.rpc", ".ratelimit"])?;
     println!("cargo:rerun-if-changed=proto");
     Ok(())
 }

@@ -181,6 +181,62 @@ pub struct ServeArgs {
     /// Fill the response's dynamic_metadata with the request and matched rules' metadata.
     #[arg(long, env = "SLIDEGATE_DYNAMIC_METADATA", action = ArgAction::SetTrue, value_parser = BoolishValueParser::new())]
     pub dynamic_metadata: bool,
+    /// TLS on the gRPC port: the PEM certificate chain (with --grpc-tls-key).
+    #[arg(long, env = "SLIDEGATE_GRPC_TLS_CERT", requires = "grpc_tls_key")]
+    pub grpc_tls_cert: Option<PathBuf>,
+    /// The PEM private key of --grpc-tls-cert.
+    #[arg(long, env = "SLIDEGATE_GRPC_TLS_KEY", requires = "grpc_tls_cert")]
+    pub grpc_tls_key: Option<PathBuf>,
+    /// Mutual TLS: clients must present a certificate signed by one of these PEM CAs.
+    #[arg(long, env = "SLIDEGATE_GRPC_TLS_CLIENT_CA", requires = "grpc_tls_cert")]
+    pub grpc_tls_client_ca: Option<PathBuf>,
+    /// Mutual TLS: the client certificate must also be valid for this DNS name or IP.
+    #[arg(
+        long,
+        env = "SLIDEGATE_GRPC_TLS_CLIENT_SAN",
+        requires = "grpc_tls_client_ca"
+    )]
+    pub grpc_tls_client_san: Option<String>,
+    /// How often the gRPC TLS files are checked for a new certificate (secret rotation).
+    #[arg(long, env = "SLIDEGATE_TLS_RELOAD_INTERVAL", default_value = "5s", value_parser = duration_arg)]
+    pub tls_reload_interval: Duration,
+    /// Take the config from this xDS management server (host:port) instead of files: ADS,
+    /// state of the world, RateLimitConfig resources (Envoy Gateway's way).
+    #[arg(long, env = "SLIDEGATE_XDS_SERVER", conflicts_with = "config")]
+    pub xds_server: Option<String>,
+    /// The node id slidegate subscribes as.
+    #[arg(long, env = "SLIDEGATE_XDS_NODE_ID", default_value = "default")]
+    pub xds_node_id: String,
+    /// Node metadata, `key=value,...`.
+    #[arg(long, env = "SLIDEGATE_XDS_NODE_METADATA", value_delimiter = ',', value_parser = pair_arg::<'='>)]
+    pub xds_node_metadata: Vec<(String, String)>,
+    /// Extra gRPC metadata on the xDS stream, `name:value,...`.
+    #[arg(long, env = "SLIDEGATE_XDS_HEADERS", value_delimiter = ',', value_parser = pair_arg::<':'>)]
+    pub xds_headers: Vec<(String, String)>,
+    /// TLS to the xDS server (the system's CAs unless --xds-tls-ca).
+    #[arg(long, env = "SLIDEGATE_XDS_TLS", action = ArgAction::SetTrue, value_parser = BoolishValueParser::new())]
+    pub xds_tls: bool,
+    /// PEM CAs that sign the xDS server's certificate.
+    #[arg(long, env = "SLIDEGATE_XDS_TLS_CA")]
+    pub xds_tls_ca: Option<PathBuf>,
+    /// PEM client certificate for an xDS server that requires one (with --xds-tls-key).
+    #[arg(long, env = "SLIDEGATE_XDS_TLS_CERT")]
+    pub xds_tls_cert: Option<PathBuf>,
+    /// PEM private key of --xds-tls-cert.
+    #[arg(long, env = "SLIDEGATE_XDS_TLS_KEY")]
+    pub xds_tls_key: Option<PathBuf>,
+    /// The name the xDS server's certificate must carry (default: the host of --xds-server).
+    #[arg(long, env = "SLIDEGATE_XDS_TLS_SERVER_NAME")]
+    pub xds_tls_server_name: Option<String>,
+    /// First delay before reconnecting to the xDS server; it doubles after each failure.
+    #[arg(long, env = "SLIDEGATE_XDS_RETRY_INITIAL", default_value = "3s", value_parser = duration_arg)]
+    pub xds_retry_initial: Duration,
+    /// Longest delay between reconnects.
+    #[arg(long, env = "SLIDEGATE_XDS_RETRY_MAX", default_value = "60s", value_parser = duration_arg)]
+    pub xds_retry_max: Duration,
+    /// Each delay is randomised by this fraction either way.
+    #[arg(long, env = "SLIDEGATE_XDS_RETRY_JITTER", default_value_t = 0.5, value_parser = ratio_arg)]
+    pub xds_retry_jitter: f64,
     /// Log output format.
     #[arg(long, env = "SLIDEGATE_LOG_FORMAT", value_enum, default_value_t = LogFormat::Text)]
     pub log_format: LogFormat,
@@ -220,6 +276,16 @@ fn duration_arg(text: &str) -> Result<Duration, String> {
 
 fn duration_or_zero_arg(text: &str) -> Result<Duration, String> {
     config::duration::parse_ms_or_zero(text).map(Duration::from_millis)
+}
+
+/// `name<SEP>value`.
+fn pair_arg<const SEP: char>(text: &str) -> Result<(String, String), String> {
+    match text.split_once(SEP) {
+        Some((name, value)) if !name.trim().is_empty() => {
+            Ok((name.trim().to_string(), value.trim().to_string()))
+        }
+        _ => Err(format!("'{text}' is not name{SEP}value")),
+    }
 }
 
 fn ratio_arg(text: &str) -> Result<f64, String> {

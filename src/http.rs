@@ -27,6 +27,8 @@ pub struct HttpState {
     /// Ready only once at least one domain is loaded (the reference's
     /// `HEALTHY_WITH_AT_LEAST_ONE_CONFIG_LOADED`).
     pub ready_needs_config: bool,
+    /// When set, not ready until it is true (the xDS source's first config).
+    pub config_arrived: Option<Arc<AtomicBool>>,
 }
 
 pub fn router(state: HttpState) -> Router {
@@ -68,7 +70,12 @@ async fn healthz(State(state): State<HttpState>) -> Response {
 /// Able to decide now: serving, the store answers, and a config is loaded if one is required.
 async fn is_ready(state: &HttpState) -> bool {
     let serving = || state.ready.load(Ordering::SeqCst);
-    let configured = !state.ready_needs_config || !state.limiter.limits().domains.is_empty();
+    let arrived = state
+        .config_arrived
+        .as_ref()
+        .is_none_or(|a| a.load(Ordering::SeqCst));
+    let configured =
+        arrived && (!state.ready_needs_config || !state.limiter.limits().domains.is_empty());
     if !serving() || !configured {
         return false;
     }

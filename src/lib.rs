@@ -11,6 +11,8 @@
 //! * [`server`]: `run`, which serves everything on given listeners until shutdown.
 //! * [`wire`]: protobuf messages to and from the limiter's types, for both transports.
 //! * [`net`]: accepting connections: a cap, idle timeouts, the HTTP port's serve loop.
+//! * [`tls`]: TLS as a client (Redis, xDS) and on the gRPC port (mTLS, certificate reload).
+//! * [`xds`]: the xDS config client (Envoy Gateway): ADS, ACK/NACK, reconnects.
 //!
 //! The command line (flags, environment, assembly) is the binary's, in `src/cli.rs`.
 #![forbid(unsafe_code)]
@@ -25,4 +27,6 @@ pub mod proto;
 pub mod server;
 pub mod service;
 pub mod store;
+pub mod tls;
 pub mod wire;
+pub mod xds;

@@ -38,6 +38,30 @@ pub mod envoy {
                 package!("envoy.service.ratelimit.v3");
             }
         }
+        pub mod discovery {
+            pub mod v3 {
+                package!("envoy.service.discovery.v3");
+            }
+        }
+    }
+}
+
+#[allow(clippy::all, clippy::pedantic, missing_docs)] // generated code
+pub mod google {
+    pub mod rpc {
+        package!("google.rpc");
+    }
+}
+
+/// The config resource of the xDS config source (`CONFIG_TYPE=GRPC_XDS_SOTW`).
+#[allow(clippy::all, clippy::pedantic, missing_docs)] // generated code
+pub mod ratelimit {
+    pub mod config {
+        pub mod ratelimit {
+            pub mod v3 {
+                package!("ratelimit.config.ratelimit.v3");
+            }
+        }
     }
 }
 

@@ -19,6 +19,7 @@ use crate::net::{self, ConnectionLimits, GuardedListener};
 use crate::proto::FILE_DESCRIPTOR_SET;
 use crate::proto::rate_limit_service_server::RateLimitServiceServer;
 use crate::service::RateLimitGrpc;
+use crate::tls::{self, ServerTls};
 
 #[derive(Debug, thiserror::Error)]
 pub enum ServerError {
@@ -46,6 +47,10 @@ pub struct ServerOptions {
     pub metrics_path: String,
     /// Connection cap and idle timeout, on every port.
     pub connections: ConnectionLimits,
+    /// How often the gRPC port's TLS files are checked for a rotated certificate.
+    pub tls_reload_interval: Duration,
+    /// When set, not ready until it is true (the xDS source's first config).
+    pub config_arrived: Option<Arc<AtomicBool>>,
 }
 
 impl Default for ServerOptions {
@@ -57,6 +62,8 @@ impl Default for ServerOptions {
             ready_needs_config: false,
             metrics_path: "/metrics".into(),
             connections: ConnectionLimits::default(),
+            tls_reload_interval: Duration::from_secs(5),
+            config_arrived: None,
         }
     }
 }
@@ -83,6 +90,8 @@ pub struct Listeners {
     pub http: TcpListener,
     /// A second place for `/metrics` only (the reference's `PROMETHEUS_ADDR`).
     pub metrics: Option<TcpListener>,
+    /// TLS (and with a client CA, mutual TLS) on the gRPC port.
+    pub grpc_tls: Option<Arc<ServerTls>>,
 }
 
 impl Listeners {
@@ -92,7 +101,17 @@ impl Listeners {
             grpc,
             http,
             metrics: None,
+            grpc_tls: None,
         }
+    }
+}
+
+/// Stops a background task when dropped.
+struct AbortOnDrop(tokio::task::JoinHandle<()>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
     }
 }
 
@@ -130,8 +149,17 @@ pub async fn run(
     ));
 
     let limits = app.options.connections;
+    // Aborted when `run` returns.
+    let _tls_reloader = listeners
+        .grpc_tls
+        .clone()
+        .map(|tls| AbortOnDrop(tls.spawn_reloader(app.options.tls_reload_interval)));
     let grpc_server = grpc_routes(&app, health_service)?.serve_with_incoming_shutdown(
-        GuardedListener::new(listeners.grpc, limits).into_stream(),
+        tls::server::incoming(
+            GuardedListener::new(listeners.grpc, limits),
+            listeners.grpc_tls,
+            limits.header_timeout(),
+        ),
         wait_for(stop.clone()),
     );
     let http_state = HttpState {
@@ -139,6 +167,7 @@ pub async fn run(
         metrics: app.metrics.clone(),
         ready: ready.clone(),
         ready_needs_config: app.options.ready_needs_config,
+        config_arrived: app.options.config_arrived.clone(),
     };
     let http_server = net::serve_http(
         GuardedListener::new(listeners.http, limits),

@@ -397,3 +397,55 @@ fn sidecar_container_starts_as_its_manifest_says_and_answers_its_probes() {
 fn shared_container_starts_as_its_manifest_says_and_answers_its_probes() {
     run_container("deploy/kubernetes/shared.yaml");
 }
+
+/// deploy/envoy-gateway: the EnvoyGateway configuration swaps the rate-limit image and sets a
+/// Redis backend; the BackendTrafficPolicy is the shape the end-to-end test runs through a real
+/// Envoy (tests/fixtures/envoy-gateway.yaml: x-user-id sent as `rule-0-match-0`, 3 per hour).
+#[test]
+fn envoy_gateway_manifests_say_what_the_tests_run() {
+    let file = "deploy/envoy-gateway/envoy-gateway-config.yaml";
+    let out = Command::new(tool("kubernetes-validate"))
+        .args(["--strict", "--quiet", &format!("{MANIFEST}/{file}")])
+        .output()
+        .expect("run kubernetes-validate");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stdout)
+    );
+    let map = find(&documents(file), "ConfigMap").clone();
+    assert_eq!(map["metadata"]["namespace"], "envoy-gateway-system");
+    let text = map["data"]["envoy-gateway.yaml"]
+        .as_str()
+        .expect("envoy-gateway.yaml");
+    let config: Value = serde_saphyr::from_str(text).expect("EnvoyGateway parses");
+    assert_eq!(config["kind"], "EnvoyGateway");
+    let image = &config["provider"]["kubernetes"]["rateLimitDeployment"]["container"]["image"];
+    assert!(
+        image.as_str().is_some_and(|i| i.contains("slidegate")),
+        "{image}"
+    );
+    assert_eq!(config["rateLimit"]["backend"]["type"], "Redis");
+    assert!(config["rateLimit"]["backend"]["redis"]["url"].is_string());
+
+    let policy = find(
+        &documents("deploy/envoy-gateway/backend-traffic-policy.yaml"),
+        "BackendTrafficPolicy",
+    )
+    .clone();
+    assert_eq!(policy["spec"]["targetRefs"][0]["kind"], "HTTPRoute");
+    assert_eq!(policy["spec"]["rateLimit"]["type"], "Global");
+    let rule = &policy["spec"]["rateLimit"]["global"]["rules"][0];
+    let header = &rule["clientSelectors"][0]["headers"][0];
+    assert_eq!(header["name"], "x-user-id");
+    assert_eq!(header["type"], "Distinct");
+    assert_eq!(rule["limit"]["requests"], 3);
+    assert_eq!(rule["limit"]["unit"], "Hour");
+    let fixture = std::fs::read_to_string(format!("{MANIFEST}/tests/fixtures/envoy-gateway.yaml"))
+        .expect("fixture");
+    assert!(
+        fixture.contains("header_name: x-user-id")
+            && fixture.contains("descriptor_key: rule-0-match-0"),
+        "the end-to-end fixture sends the header as Envoy Gateway does"
+    );
+}

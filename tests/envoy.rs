@@ -154,8 +154,22 @@ fn with_fresh_ports(make: impl Fn(u16, u16, u16) -> (String, Vec<String>)) -> En
 /// Envoy on a config of tests/fixtures, whose ports are the placeholders LISTEN_PORT,
 /// UPSTREAM_PORT, SLIDEGATE_PORT and ADMIN_PORT.
 fn start_fixture_envoy(name: &str, upstream: u16, slidegate_grpc: u16, extra: &[&str]) -> Envoy {
-    let template = std::fs::read_to_string(format!("{MANIFEST}/tests/fixtures/{name}"))
+    start_fixture_envoy_with(name, upstream, slidegate_grpc, extra, &[])
+}
+
+/// [`start_fixture_envoy`], with more placeholders replaced (`(placeholder, value)`).
+fn start_fixture_envoy_with(
+    name: &str,
+    upstream: u16,
+    slidegate_grpc: u16,
+    extra: &[&str],
+    more: &[(&str, String)],
+) -> Envoy {
+    let mut template = std::fs::read_to_string(format!("{MANIFEST}/tests/fixtures/{name}"))
         .unwrap_or_else(|e| panic!("read {name}: {e}"));
+    for (placeholder, value) in more {
+        template = template.replace(placeholder, value);
+    }
     let extra: Vec<String> = extra.iter().map(|a| a.to_string()).collect();
     with_fresh_ports(|listen, admin, _| {
         let config = template
@@ -718,4 +732,85 @@ async fn token_budget_through_envoy() {
     }
     let fourth = send(envoy.port, "GET", "/chat", &headers).await;
     assert_eq!(fourth.status, 429, "the budget is spent");
+}
+
+/// Envoy Gateway's contract end to end: slidegate started with exactly the environment Envoy
+/// Gateway gives its rate-limit container (files and ports pointing at this test's), its
+/// config pushed over xDS with mutual TLS by the test's management server, Redis, and a real
+/// Envoy configured as Envoy Gateway configures the proxy (fixtures/envoy-gateway.yaml,
+/// mutual TLS to `ratelimit_cluster`): 3 requests per user pass, the 4th gets 429; readiness
+/// answers on /healthcheck; a client without a certificate is refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn envoy_gateway_contract_end_to_end() {
+    use common::xds::{Snapshot, XdsServer, gateway_certs, gateway_config, mtls_files};
+    use slidegate::proto::ratelimit::config::ratelimit::v3::RateLimitUnit;
+    const DOMAIN: &str = "default/eg/http";
+    const ROUTE: &str = "httproute/default/backend/rule/0/match/0/www_example_com";
+
+    let scratch = common::temp_dir("gateway");
+    let dir = scratch.0.as_path();
+    gateway_certs(dir);
+    let xds = XdsServer::start("127.0.0.1:0".parse().unwrap(), Some(mtls_files(dir, "xds"))).await;
+    xds.push(Snapshot {
+        version: "1".into(),
+        configs: vec![gateway_config(DOMAIN, ROUTE, 3, RateLimitUnit::Hour)],
+    });
+    let redis = shared_standalone();
+    let log = dir.join("slidegate.log");
+    let (grpc, http, _slidegate) = common::xds::start_as_gateway_ratelimit(
+        dir,
+        &xds,
+        "envoy-ratelimit",
+        true,
+        &log,
+        &[
+            ("REDIS_SOCKET_TYPE", "tcp".to_string()),
+            ("REDIS_URL", format!("127.0.0.1:{}", redis.port)),
+        ],
+    );
+    xds.wait_for_ack("1").await;
+    wait_until("/healthcheck answers 200", Duration::from_secs(10), || {
+        common::redis::command(http, "GET /healthcheck HTTP/1.0\r\n")
+            .is_ok_and(|r| r.contains(" 200 "))
+    });
+    let upstream = start_upstream().await;
+    let envoy = start_fixture_envoy_with(
+        "envoy-gateway.yaml",
+        upstream,
+        grpc,
+        &[],
+        &[("CERT_DIR", dir.display().to_string())],
+    );
+    let user = common::unique_domain("gw-user");
+    for n in 1..=3 {
+        let reply = get(envoy.port, "/", Some(&user)).await;
+        assert_eq!(reply.status, 200, "request {n} passes");
+        assert_eq!(
+            reply.headers.get("x-ratelimit-limit").map(String::as_str),
+            Some("3, 3;w=3600"),
+            "Envoy's draft-03 headers carry the limit from xDS"
+        );
+    }
+    let fourth = get(envoy.port, "/", Some(&user)).await;
+    assert_eq!(fourth.status, 429, "the 4th request of the hour is limited");
+    let other = get(envoy.port, "/", Some(&common::unique_domain("gw-other"))).await;
+    assert_eq!(other.status, 200, "per user");
+
+    // Without a client certificate the rate-limit port does not serve.
+    let refused =
+        match common::xds::tls_channel(format!("127.0.0.1:{grpc}").parse().unwrap(), dir, None)
+            .await
+        {
+            Err(_) => true,
+            Ok(channel) => {
+                slidegate::proto::rate_limit_service_client::RateLimitServiceClient::new(channel)
+                    .should_rate_limit(common::request(
+                        DOMAIN,
+                        vec![common::descriptor(&[(ROUTE, ROUTE)])],
+                    ))
+                    .await
+                    .is_err()
+            }
+        };
+    assert!(refused, "a client without a certificate was served");
 }

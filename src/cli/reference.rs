@@ -16,9 +16,20 @@ pub type Given<'a> = &'a dyn Fn(&str) -> bool;
 
 /// Whether the environment says where the config is, so no arguments are needed.
 pub fn configured(var: Var<'_>) -> bool {
-    ["SLIDEGATE_CONFIG", "RUNTIME_ROOT", "RUNTIME_SUBDIRECTORY"]
-        .iter()
-        .any(|name| var(name).is_some())
+    [
+        "SLIDEGATE_CONFIG",
+        "SLIDEGATE_XDS_SERVER",
+        "RUNTIME_ROOT",
+        "RUNTIME_SUBDIRECTORY",
+    ]
+    .iter()
+    .any(|name| var(name).is_some())
+        || xds_config(var)
+}
+
+/// `CONFIG_TYPE=GRPC_XDS_SOTW`: the config comes from an xDS server.
+fn xds_config(var: Var<'_>) -> bool {
+    var("CONFIG_TYPE").is_some_and(|k| k.eq_ignore_ascii_case("GRPC_XDS_SOTW"))
 }
 
 /// The reference's variables slidegate has no use for, and why.
@@ -39,78 +50,6 @@ const WARNED: &[(&str, &str)] = &[
     (
         "GRPC_MAX_CONNECTION_AGE_GRACE",
         "connections are kept until the client or shutdown closes them",
-    ),
-    (
-        "GRPC_SERVER_TLS_CERT",
-        "gRPC TLS is not supported yet (GRPC_SERVER_USE_TLS is off)",
-    ),
-    (
-        "GRPC_SERVER_TLS_KEY",
-        "gRPC TLS is not supported yet (GRPC_SERVER_USE_TLS is off)",
-    ),
-    (
-        "GRPC_CLIENT_TLS_CACERT",
-        "gRPC TLS is not supported yet (GRPC_SERVER_USE_TLS is off)",
-    ),
-    (
-        "GRPC_CLIENT_TLS_SAN",
-        "gRPC TLS is not supported yet (GRPC_SERVER_USE_TLS is off)",
-    ),
-    (
-        "CONFIG_GRPC_XDS_NODE_ID",
-        "config comes from files (CONFIG_TYPE=FILE)",
-    ),
-    (
-        "CONFIG_GRPC_XDS_NODE_METADATA",
-        "config comes from files (CONFIG_TYPE=FILE)",
-    ),
-    (
-        "CONFIG_GRPC_XDS_SERVER_URL",
-        "config comes from files (CONFIG_TYPE=FILE)",
-    ),
-    (
-        "CONFIG_GRPC_XDS_SERVER_CONNECT_RETRY_INTERVAL",
-        "config comes from files (CONFIG_TYPE=FILE)",
-    ),
-    (
-        "CONFIG_GRPC_XDS_CLIENT_ADDITIONAL_HEADERS",
-        "config comes from files (CONFIG_TYPE=FILE)",
-    ),
-    (
-        "CONFIG_GRPC_XDS_SERVER_USE_TLS",
-        "config comes from files (CONFIG_TYPE=FILE)",
-    ),
-    (
-        "CONFIG_GRPC_XDS_CLIENT_TLS_CERT",
-        "config comes from files (CONFIG_TYPE=FILE)",
-    ),
-    (
-        "CONFIG_GRPC_XDS_CLIENT_TLS_KEY",
-        "config comes from files (CONFIG_TYPE=FILE)",
-    ),
-    (
-        "CONFIG_GRPC_XDS_SERVER_TLS_CACERT",
-        "config comes from files (CONFIG_TYPE=FILE)",
-    ),
-    (
-        "CONFIG_GRPC_XDS_SERVER_TLS_SAN",
-        "config comes from files (CONFIG_TYPE=FILE)",
-    ),
-    (
-        "XDS_CLIENT_BACKOFF_INITIAL_INTERVAL",
-        "config comes from files (CONFIG_TYPE=FILE)",
-    ),
-    (
-        "XDS_CLIENT_BACKOFF_MAX_INTERVAL",
-        "config comes from files (CONFIG_TYPE=FILE)",
-    ),
-    (
-        "XDS_CLIENT_BACKOFF_RANDOM_FACTOR",
-        "config comes from files (CONFIG_TYPE=FILE)",
-    ),
-    (
-        "XDS_CLIENT_BACKOFF_JITTER",
-        "config comes from files (CONFIG_TYPE=FILE)",
     ),
     (
         "USE_DOG_STATSD",
@@ -279,7 +218,12 @@ pub fn apply(
     };
     let mut notes = Vec::new();
     listeners(args, env)?;
-    config_dir(args, env, &mut notes)?;
+    grpc_tls(args, env, &mut notes)?;
+    if xds_config(var) {
+        xds(args, env, &mut notes)?;
+    } else {
+        config_dir(args, env, &mut notes)?;
+    }
     redis(args, env, &mut notes)?;
     switches(args, env)?;
     logging(args, env)?;
@@ -305,13 +249,10 @@ fn refuse(var: Var<'_>) -> Result<(), String> {
     if var("GRPC_UDS").is_some() {
         return Err("GRPC_UDS: slidegate listens on TCP only (GRPC_HOST, GRPC_PORT)".into());
     }
-    if flag(var, "GRPC_SERVER_USE_TLS")? == Some(true) {
-        return Err("GRPC_SERVER_USE_TLS=true: gRPC TLS is not supported yet; terminate TLS in front of slidegate (for example in an Envoy sidecar)".into());
-    }
-    if let Some(kind) = var("CONFIG_TYPE").filter(|k| !k.eq_ignore_ascii_case("FILE")) {
-        return Err(format!(
-            "CONFIG_TYPE={kind}: slidegate reads its config from files only (CONFIG_TYPE=FILE)"
-        ));
+    if let Some(kind) = var("CONFIG_TYPE")
+        .filter(|k| !k.eq_ignore_ascii_case("FILE") && !k.eq_ignore_ascii_case("GRPC_XDS_SOTW"))
+    {
+        return Err(format!("CONFIG_TYPE={kind}: use FILE or GRPC_XDS_SOTW"));
     }
     if let Some(backend) = var("BACKEND_TYPE").filter(|b| !b.eq_ignore_ascii_case("redis")) {
         return Err(format!(
@@ -372,6 +313,208 @@ fn address(
             .map_err(|_| format!("{port_name}={text:?} is not a port number"))?,
     };
     Ok(Some(SocketAddr::new(ip, port)))
+}
+
+/// Sets `field` from the variable `name` unless the flag `id` was given.
+fn path_var(var: Var<'_>, given: Given<'_>, name: &str, id: &str, field: &mut Option<PathBuf>) {
+    if let Some(path) = var(name)
+        && !given(id)
+    {
+        *field = Some(PathBuf::from(path));
+    }
+}
+
+/// `GRPC_SERVER_USE_TLS` with `GRPC_SERVER_TLS_CERT`/`_KEY`; mutual TLS with the reference's
+/// `GRPC_CLIENT_TLS_CACERT` or Envoy Gateway's `GRPC_SERVER_TLS_CA_CERT` (the reference
+/// ignores the latter; slidegate honours both, so Envoy Gateway's deployment gets the mutual
+/// TLS it asks for), and `GRPC_CLIENT_TLS_SAN`.
+fn grpc_tls(
+    args: &mut ServeArgs,
+    Env { var, given, .. }: Env<'_>,
+    notes: &mut Vec<String>,
+) -> Result<(), String> {
+    let names = [
+        "GRPC_SERVER_TLS_CERT",
+        "GRPC_SERVER_TLS_KEY",
+        "GRPC_CLIENT_TLS_CACERT",
+        "GRPC_SERVER_TLS_CA_CERT",
+        "GRPC_CLIENT_TLS_SAN",
+    ];
+    if flag(var, "GRPC_SERVER_USE_TLS")? != Some(true) {
+        for name in names.iter().filter(|n| var(n).is_some()) {
+            notes.push(format!(
+                "{name} is set but GRPC_SERVER_USE_TLS is not: the gRPC port is plaintext"
+            ));
+        }
+        return Ok(());
+    }
+    if var("GRPC_SERVER_TLS_CERT").is_none() || var("GRPC_SERVER_TLS_KEY").is_none() {
+        return Err(
+            "GRPC_SERVER_USE_TLS=true needs GRPC_SERVER_TLS_CERT and GRPC_SERVER_TLS_KEY".into(),
+        );
+    }
+    path_var(
+        var,
+        given,
+        "GRPC_SERVER_TLS_CERT",
+        "grpc_tls_cert",
+        &mut args.grpc_tls_cert,
+    );
+    path_var(
+        var,
+        given,
+        "GRPC_SERVER_TLS_KEY",
+        "grpc_tls_key",
+        &mut args.grpc_tls_key,
+    );
+    path_var(
+        var,
+        given,
+        "GRPC_SERVER_TLS_CA_CERT",
+        "grpc_tls_client_ca",
+        &mut args.grpc_tls_client_ca,
+    );
+    path_var(
+        var,
+        given,
+        "GRPC_CLIENT_TLS_CACERT",
+        "grpc_tls_client_ca",
+        &mut args.grpc_tls_client_ca,
+    );
+    if let Some(san) = var("GRPC_CLIENT_TLS_SAN")
+        && !given("grpc_tls_client_san")
+    {
+        if args.grpc_tls_client_ca.is_none() {
+            return Err(
+                "GRPC_CLIENT_TLS_SAN needs GRPC_CLIENT_TLS_CACERT (client certificates)".into(),
+            );
+        }
+        args.grpc_tls_client_san = Some(san);
+    }
+    Ok(())
+}
+
+/// `CONFIG_TYPE=GRPC_XDS_SOTW` and the `CONFIG_GRPC_XDS_*` and `XDS_CLIENT_BACKOFF_*` settings.
+fn xds(args: &mut ServeArgs, env: Env<'_>, notes: &mut Vec<String>) -> Result<(), String> {
+    let Env { var, given, .. } = env;
+    if given("config") {
+        return Err(
+            "CONFIG_TYPE=GRPC_XDS_SOTW and --config both say where the config is: choose one"
+                .into(),
+        );
+    }
+    if !given("xds_server") {
+        args.xds_server =
+            Some(var("CONFIG_GRPC_XDS_SERVER_URL").unwrap_or_else(|| "localhost:18000".into()));
+    }
+    if let Some(id) = var("CONFIG_GRPC_XDS_NODE_ID")
+        && !given("xds_node_id")
+    {
+        args.xds_node_id = id;
+    }
+    if let Some(list) = var("CONFIG_GRPC_XDS_NODE_METADATA")
+        && !given("xds_node_metadata")
+    {
+        args.xds_node_metadata = pairs(&list, '=', "CONFIG_GRPC_XDS_NODE_METADATA", notes);
+    }
+    if let Some(list) = var("CONFIG_GRPC_XDS_CLIENT_ADDITIONAL_HEADERS")
+        && !given("xds_headers")
+    {
+        args.xds_headers = pairs(
+            &list,
+            ':',
+            "CONFIG_GRPC_XDS_CLIENT_ADDITIONAL_HEADERS",
+            notes,
+        );
+    }
+    if let Some(tls) = flag(var, "CONFIG_GRPC_XDS_SERVER_USE_TLS")?
+        && !given("xds_tls")
+    {
+        args.xds_tls = tls;
+    }
+    path_var(
+        var,
+        given,
+        "CONFIG_GRPC_XDS_SERVER_TLS_CACERT",
+        "xds_tls_ca",
+        &mut args.xds_tls_ca,
+    );
+    path_var(
+        var,
+        given,
+        "CONFIG_GRPC_XDS_CLIENT_TLS_CERT",
+        "xds_tls_cert",
+        &mut args.xds_tls_cert,
+    );
+    path_var(
+        var,
+        given,
+        "CONFIG_GRPC_XDS_CLIENT_TLS_KEY",
+        "xds_tls_key",
+        &mut args.xds_tls_key,
+    );
+    if let Some(name) = var("CONFIG_GRPC_XDS_SERVER_TLS_SAN")
+        && !given("xds_tls_server_name")
+    {
+        args.xds_tls_server_name = Some(name);
+    }
+    xds_backoff(args, env)
+}
+
+/// The reconnect delays: the first is `CONFIG_GRPC_XDS_SERVER_CONNECT_RETRY_INTERVAL` (else
+/// `XDS_CLIENT_BACKOFF_INITIAL_INTERVAL`), doubling up to `XDS_CLIENT_BACKOFF_MAX_INTERVAL`,
+/// randomised by `XDS_CLIENT_BACKOFF_RANDOM_FACTOR` unless `XDS_CLIENT_BACKOFF_JITTER=false`.
+fn xds_backoff(args: &mut ServeArgs, Env { var, given, .. }: Env<'_>) -> Result<(), String> {
+    let duration = |name: &str| -> Result<Option<std::time::Duration>, String> {
+        var(name)
+            .map(|text| {
+                slidegate::config::duration::parse_ms(&text)
+                    .map(std::time::Duration::from_millis)
+                    .map_err(|e| format!("{name}={text:?}: {e}"))
+            })
+            .transpose()
+    };
+    let initial = match duration("CONFIG_GRPC_XDS_SERVER_CONNECT_RETRY_INTERVAL")? {
+        Some(d) => Some(d),
+        None => duration("XDS_CLIENT_BACKOFF_INITIAL_INTERVAL")?,
+    };
+    if let Some(initial) = initial
+        && !given("xds_retry_initial")
+    {
+        args.xds_retry_initial = initial;
+    }
+    if let Some(max) = duration("XDS_CLIENT_BACKOFF_MAX_INTERVAL")?
+        && !given("xds_retry_max")
+    {
+        args.xds_retry_max = max;
+    }
+    if !given("xds_retry_jitter") {
+        if let Some(text) = var("XDS_CLIENT_BACKOFF_RANDOM_FACTOR") {
+            args.xds_retry_jitter = text
+                .parse::<f64>()
+                .ok()
+                .filter(|f| (0.0..=1.0).contains(f))
+                .ok_or_else(|| {
+                    format!("XDS_CLIENT_BACKOFF_RANDOM_FACTOR={text:?} is not between 0 and 1")
+                })?;
+        }
+        if flag(var, "XDS_CLIENT_BACKOFF_JITTER")? == Some(false) {
+            args.xds_retry_jitter = 0.0;
+        }
+    }
+    Ok(())
+}
+
+/// `a<sep>1,b<sep>2`; malformed entries are skipped with a note, as the reference skips them.
+fn pairs(list: &str, sep: char, name: &str, notes: &mut Vec<String>) -> Vec<(String, String)> {
+    let mut out = Vec::new();
+    for entry in list.split(',').map(str::trim).filter(|e| !e.is_empty()) {
+        match entry.split_once(sep) {
+            Some((k, v)) if !k.trim().is_empty() => out.push((k.trim().into(), v.trim().into())),
+            _ => notes.push(format!("{name}: '{entry}' is not name{sep}value; skipped")),
+        }
+    }
+    out
 }
 
 /// `$RUNTIME_ROOT/$RUNTIME_SUBDIRECTORY/$RUNTIME_APPDIRECTORY`, with the reference's defaults.
@@ -804,9 +947,26 @@ mod tests {
                 "REDIS_SOCKET_TYPE=unix",
             ),
             (vec![("BACKEND_TYPE", "memcache")], "BACKEND_TYPE=memcache"),
+            (vec![("CONFIG_TYPE", "CONSUL")], "CONFIG_TYPE=CONSUL"),
             (
-                vec![("CONFIG_TYPE", "GRPC_XDS_SOTW")],
-                "CONFIG_TYPE=GRPC_XDS_SOTW",
+                vec![("GRPC_SERVER_USE_TLS", "true")],
+                "needs GRPC_SERVER_TLS_CERT",
+            ),
+            (
+                vec![
+                    ("GRPC_SERVER_USE_TLS", "true"),
+                    ("GRPC_SERVER_TLS_CERT", "/c"),
+                    ("GRPC_SERVER_TLS_KEY", "/k"),
+                    ("GRPC_CLIENT_TLS_SAN", "envoy"),
+                ],
+                "GRPC_CLIENT_TLS_SAN needs",
+            ),
+            (
+                vec![
+                    ("CONFIG_TYPE", "GRPC_XDS_SOTW"),
+                    ("XDS_CLIENT_BACKOFF_RANDOM_FACTOR", "2"),
+                ],
+                "XDS_CLIENT_BACKOFF_RANDOM_FACTOR",
             ),
             (vec![("GRPC_UDS", "/tmp/s")], "GRPC_UDS"),
             (vec![("PORT", "http")], "PORT=\"http\""),
@@ -816,5 +976,118 @@ mod tests {
             let error = run(&[], &env).expect_err("refused");
             assert!(error.contains(expected), "{env:?}: {error}");
         }
+    }
+
+    /// What Envoy Gateway's rate-limit Deployment sets (internal/infrastructure/kubernetes/
+    /// ratelimit), which must give xDS over mutual TLS and a mutual-TLS gRPC port.
+    #[test]
+    fn envoy_gateways_environment_gives_xds_and_mutual_tls() {
+        let (args, notes) = run(
+            &[],
+            &[
+                ("RUNTIME_ROOT", "/data"),
+                ("RUNTIME_SUBDIRECTORY", "ratelimit"),
+                ("RUNTIME_IGNOREDOTFILES", "true"),
+                ("RUNTIME_WATCH_ROOT", "false"),
+                ("LOG_LEVEL", "info"),
+                ("USE_STATSD", "false"),
+                ("CONFIG_TYPE", "GRPC_XDS_SOTW"),
+                ("CONFIG_GRPC_XDS_SERVER_URL", "envoy-gateway:18001"),
+                ("CONFIG_GRPC_XDS_NODE_ID", "envoy-ratelimit"),
+                ("GRPC_SERVER_USE_TLS", "true"),
+                ("GRPC_SERVER_TLS_CERT", "/certs/tls.crt"),
+                ("GRPC_SERVER_TLS_KEY", "/certs/tls.key"),
+                ("GRPC_SERVER_TLS_CA_CERT", "/certs/ca.crt"),
+                ("CONFIG_GRPC_XDS_SERVER_USE_TLS", "true"),
+                ("CONFIG_GRPC_XDS_CLIENT_TLS_CERT", "/certs/tls.crt"),
+                ("CONFIG_GRPC_XDS_CLIENT_TLS_KEY", "/certs/tls.key"),
+                ("CONFIG_GRPC_XDS_SERVER_TLS_CACERT", "/certs/ca.crt"),
+                ("FORCE_START_WITHOUT_INITIAL_CONFIG", "true"),
+                ("REDIS_SOCKET_TYPE", "tcp"),
+                ("REDIS_URL", "redis.redis.svc:6379"),
+            ],
+        )
+        .expect("starts");
+        assert_eq!(args.config, None, "RUNTIME_ROOT is not the config with xDS");
+        assert_eq!(args.xds_server.as_deref(), Some("envoy-gateway:18001"));
+        assert_eq!(args.xds_node_id, "envoy-ratelimit");
+        assert!(args.xds_tls);
+        assert_eq!(args.xds_tls_ca, Some(PathBuf::from("/certs/ca.crt")));
+        assert_eq!(args.xds_tls_cert, Some(PathBuf::from("/certs/tls.crt")));
+        assert_eq!(args.xds_tls_key, Some(PathBuf::from("/certs/tls.key")));
+        assert_eq!(args.grpc_tls_cert, Some(PathBuf::from("/certs/tls.crt")));
+        assert_eq!(args.grpc_tls_key, Some(PathBuf::from("/certs/tls.key")));
+        assert_eq!(
+            args.grpc_tls_client_ca,
+            Some(PathBuf::from("/certs/ca.crt"))
+        );
+        assert!(args.force_start_without_initial_config);
+        assert_eq!(
+            args.redis_url.as_deref(),
+            Some("redis://redis.redis.svc:6379")
+        );
+        assert!(notes.is_empty(), "{notes:?}");
+    }
+
+    #[test]
+    fn xds_settings_map_onto_the_flags() {
+        let (args, notes) = run(
+            &[],
+            &[
+                ("CONFIG_TYPE", "grpc_xds_sotw"),
+                ("CONFIG_GRPC_XDS_NODE_METADATA", "zone=a,bad,team=rl"),
+                (
+                    "CONFIG_GRPC_XDS_CLIENT_ADDITIONAL_HEADERS",
+                    "authorization:Bearer x",
+                ),
+                ("CONFIG_GRPC_XDS_SERVER_TLS_SAN", "xds.example"),
+                ("CONFIG_GRPC_XDS_SERVER_CONNECT_RETRY_INTERVAL", "500ms"),
+                ("XDS_CLIENT_BACKOFF_MAX_INTERVAL", "5s"),
+                ("XDS_CLIENT_BACKOFF_JITTER", "false"),
+                ("GRPC_SERVER_TLS_KEY", "/k"),
+            ],
+        )
+        .expect("starts");
+        assert_eq!(args.xds_server.as_deref(), Some("localhost:18000"));
+        assert_eq!(args.xds_node_id, "default");
+        assert_eq!(
+            args.xds_node_metadata,
+            vec![("zone".into(), "a".into()), ("team".into(), "rl".into())]
+        );
+        assert_eq!(
+            args.xds_headers,
+            vec![("authorization".into(), "Bearer x".into())]
+        );
+        assert!(!args.xds_tls);
+        assert_eq!(args.xds_tls_server_name.as_deref(), Some("xds.example"));
+        assert_eq!(
+            args.xds_retry_initial,
+            std::time::Duration::from_millis(500)
+        );
+        assert_eq!(args.xds_retry_max, std::time::Duration::from_secs(5));
+        assert_eq!(args.xds_retry_jitter, 0.0);
+        assert_eq!(args.grpc_tls_key, None);
+        assert!(notes.iter().any(|n| n.contains("'bad'")), "{notes:?}");
+        assert!(
+            notes
+                .iter()
+                .any(|n| n.starts_with("GRPC_SERVER_TLS_KEY is set but GRPC_SERVER_USE_TLS")),
+            "{notes:?}"
+        );
+        // The reference's mutual-TLS name and the SAN check.
+        let (args, _) = run(
+            &["--xds-server", "x:1"],
+            &[
+                ("GRPC_SERVER_USE_TLS", "1"),
+                ("GRPC_SERVER_TLS_CERT", "/c"),
+                ("GRPC_SERVER_TLS_KEY", "/k"),
+                ("GRPC_CLIENT_TLS_CACERT", "/ca"),
+                ("GRPC_CLIENT_TLS_SAN", "envoy"),
+            ],
+        )
+        .expect("starts");
+        assert_eq!(args.grpc_tls_client_ca, Some(PathBuf::from("/ca")));
+        assert_eq!(args.grpc_tls_client_san.as_deref(), Some("envoy"));
+        assert_eq!(args.xds_server.as_deref(), Some("x:1"));
     }
 }

@@ -12,8 +12,10 @@ use slidegate::limiter::{
 use slidegate::metrics::{MetricNames, Metrics};
 use slidegate::net::ConnectionLimits;
 use slidegate::server::{App, Listeners, ServerOptions};
-use slidegate::store::redis::{TlsFiles, redact};
+use slidegate::store::redis::redact;
 use slidegate::store::{ClockSource, MemoryStore, RedisOptions, RedisStore, Store};
+use slidegate::tls::{ServerTls, ServerTlsFiles, TlsFiles};
+use slidegate::xds::{XdsOptions, XdsTls};
 
 use super::{ClockArg, FailureArg, LogFormat, MetricNamesArg, ServeArgs};
 
@@ -60,53 +62,37 @@ pub fn serve(args: ServeArgs, notes: Vec<String>) -> ExitCode {
 }
 
 async fn serve_async(args: ServeArgs) -> Result<(), String> {
-    let Some(config_path) = &args.config else {
-        return Err(
-            "--config (or SLIDEGATE_CONFIG, or the reference's RUNTIME_ROOT) is required: a YAML file or a directory".into(),
-        );
-    };
     let load_options = LoadOptions {
         merge_domains: args.merge_domain_config,
         allow_no_domains: args.allow_empty_config,
     };
-    let loaded = initial_config(
-        config_path,
-        load_options,
-        args.force_start_without_initial_config,
-    )?;
+    let initial = match (&args.config, &args.xds_server) {
+        (_, Some(_)) => Loaded::default(),
+        (Some(path), None) => {
+            initial_config(path, load_options, args.force_start_without_initial_config)?
+        }
+        (None, None) => {
+            return Err(
+                "--config (or SLIDEGATE_CONFIG, or the reference's RUNTIME_ROOT) or --xds-server (CONFIG_TYPE=GRPC_XDS_SOTW) is required".into(),
+            );
+        }
+    };
+    let grpc_tls = grpc_tls(&args)?;
     let clock = Arc::new(SystemClock);
     let store = open_store(&args, clock.clone()).await?;
     let metrics = Arc::new(Metrics::with_names(match args.metric_names {
         MetricNamesArg::Slidegate => MetricNames::Slidegate,
         MetricNamesArg::Reference => MetricNames::Reference,
     }));
-    metrics.config_loaded(loaded.fingerprint != 0);
+    metrics.config_loaded(initial.fingerprint != 0);
     let limiter = Arc::new(
-        Limiter::new(loaded.limits, store, clock, limiter_options(&args))
+        Limiter::new(initial.limits, store, clock, limiter_options(&args))
             .with_observer(metrics.clone()),
     );
-    let watch = config::watch::spawn(
-        config_path.clone(),
-        load_options,
-        limiter.clone(),
-        metrics.clone(),
-        loaded.fingerprint,
-        args.reload_debounce,
-        !args.no_watch,
-    );
-    let _watch = match watch {
-        Ok(watch) => Some(watch),
-        Err(e) if args.force_start_without_initial_config => {
-            tracing::warn!(
-                "cannot watch {}: {e}; serving without reload",
-                config_path.display()
-            );
-            None
-        }
-        Err(e) => return Err(format!("cannot watch {}: {e}", config_path.display())),
-    };
-    let listeners = bind(&args).await?;
-    tracing::info!(grpc = %args.grpc_addr, http = %args.http_addr, store = limiter.store_name(), "serving");
+    let source = config_source(&args, load_options, initial.fingerprint, &limiter, &metrics)?;
+    let mut listeners = bind(&args).await?;
+    listeners.grpc_tls = grpc_tls;
+    tracing::info!(grpc = %args.grpc_addr, http = %args.http_addr, store = limiter.store_name(), tls = listeners.grpc_tls.is_some(), "serving");
     let app = App {
         limiter,
         metrics,
@@ -119,12 +105,111 @@ async fn serve_async(args: ServeArgs) -> Result<(), String> {
                 max_connections: args.max_connections,
                 idle_timeout: args.idle_timeout,
             },
+            tls_reload_interval: args.tls_reload_interval,
+            // From xDS without FORCE_START_WITHOUT_INITIAL_CONFIG: not ready before the
+            // first config, as the reference does not serve before it.
+            config_arrived: match &source {
+                ConfigSource::Xds(client) if !args.force_start_without_initial_config => {
+                    Some(client.received.clone())
+                }
+                _ => None,
+            },
             ..ServerOptions::default()
         },
     };
-    slidegate::server::run(listeners, app, shutdown_signal())
-        .await
-        .map_err(|e| e.to_string())
+    let result = slidegate::server::run(listeners, app, shutdown_signal()).await;
+    drop(source);
+    result.map_err(|e| e.to_string())
+}
+
+/// What keeps the config current; dropping it stops it (hence the field nothing reads).
+enum ConfigSource {
+    Files(#[allow(dead_code)] Option<config::watch::ConfigWatch>),
+    Xds(slidegate::xds::XdsClient),
+}
+
+fn config_source(
+    args: &ServeArgs,
+    load_options: LoadOptions,
+    fingerprint: u64,
+    limiter: &Arc<Limiter>,
+    metrics: &Arc<Metrics>,
+) -> Result<ConfigSource, String> {
+    if let Some(server) = &args.xds_server {
+        let options = xds_options(args, server, load_options);
+        tracing::info!(server = %server, node = %args.xds_node_id, tls = options.tls.is_some(), "config from xDS");
+        return Ok(ConfigSource::Xds(slidegate::xds::spawn(
+            options,
+            limiter.clone(),
+            metrics.clone(),
+        )));
+    }
+    let Some(config_path) = &args.config else {
+        return Ok(ConfigSource::Files(None));
+    };
+    let watch = config::watch::spawn(
+        config_path.clone(),
+        load_options,
+        limiter.clone(),
+        metrics.clone(),
+        fingerprint,
+        args.reload_debounce,
+        !args.no_watch,
+    );
+    match watch {
+        Ok(watch) => Ok(ConfigSource::Files(Some(watch))),
+        Err(e) if args.force_start_without_initial_config => {
+            tracing::warn!(
+                "cannot watch {}: {e}; serving without reload",
+                config_path.display()
+            );
+            Ok(ConfigSource::Files(None))
+        }
+        Err(e) => Err(format!("cannot watch {}: {e}", config_path.display())),
+    }
+}
+
+fn xds_options(args: &ServeArgs, server: &str, load: LoadOptions) -> XdsOptions {
+    let tls = args.xds_tls.then(|| XdsTls {
+        files: TlsFiles {
+            ca: args.xds_tls_ca.clone(),
+            cert: args.xds_tls_cert.clone(),
+            key: args.xds_tls_key.clone(),
+            skip_hostname_verification: false,
+        },
+        server_name: args.xds_tls_server_name.clone(),
+    });
+    XdsOptions {
+        server: server.to_string(),
+        node_id: args.xds_node_id.clone(),
+        node_metadata: args.xds_node_metadata.clone(),
+        headers: args.xds_headers.clone(),
+        tls,
+        connect_timeout: Duration::from_secs(5),
+        retry_initial: args.xds_retry_initial,
+        retry_max: args.xds_retry_max,
+        jitter: args.xds_retry_jitter,
+        load: LoadOptions {
+            // The server's set is the whole truth: an empty one means no limits.
+            allow_no_domains: true,
+            ..load
+        },
+    }
+}
+
+/// The gRPC port's TLS, if configured; files that do not load stop the start.
+fn grpc_tls(args: &ServeArgs) -> Result<Option<Arc<ServerTls>>, String> {
+    let (Some(cert), Some(key)) = (&args.grpc_tls_cert, &args.grpc_tls_key) else {
+        return Ok(None);
+    };
+    let files = ServerTlsFiles {
+        cert: cert.clone(),
+        key: key.clone(),
+        client_ca: args.grpc_tls_client_ca.clone(),
+        client_san: args.grpc_tls_client_san.clone(),
+    };
+    let tls = ServerTls::load(files).map_err(|e| format!("gRPC TLS: {e}"))?;
+    Ok(Some(Arc::new(tls)))
 }
 
 /// The config at start. With `force_start`, a missing or invalid one serves no limits (and
@@ -244,6 +329,7 @@ async fn bind(args: &ServeArgs) -> Result<Listeners, String> {
         grpc,
         http,
         metrics,
+        grpc_tls: None,
     })
 }
 

@@ -20,8 +20,7 @@ use fred::prelude::*;
 use fred::types::scripts::Script;
 use futures_util::future::join_all;
 
-mod tls;
-pub use tls::TlsFiles;
+pub use crate::tls::TlsFiles;
 
 use super::{
     Algorithm, CheckItem, CheckOutcome, ItemOutcome, Role, Store, StoreError, StoreFuture,
@@ -315,7 +314,11 @@ impl RedisStore {
                 ));
             }
             config.tls = Some(
-                fred::types::config::TlsConnector::from(tls::client_config(&options.tls)?).into(),
+                fred::types::config::TlsConnector::from(
+                    crate::tls::client_config(&options.tls)
+                        .map_err(|e| StoreError::unavailable(format!("Redis TLS: {e}")))?,
+                )
+                .into(),
             );
         }
         let cluster = config.server.is_clustered();

@@ -22,6 +22,7 @@ use tokio::sync::oneshot;
 use tonic::transport::Channel;
 
 pub mod redis;
+pub mod xds;
 
 /// A running server and a client connected to it.
 pub struct TestServer {

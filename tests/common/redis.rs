@@ -310,26 +310,36 @@ impl Drop for RedisSentinel {
 /// A test CA (`ca.crt`, `ca.key`) and, for each `(name, subjectAltName)`, `<name>.crt` and
 /// `<name>.key` signed by it, made with openssl in `dir`.
 pub fn make_certs(dir: &std::path::Path, certs: &[(&str, &str)]) {
-    let sh = |script: &str| {
-        let out = Command::new("sh")
-            .args(["-c", script])
-            .current_dir(dir)
-            .output()
-            .expect("run openssl");
-        assert!(
-            out.status.success(),
-            "{script}: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-    };
-    sh(
+    openssl(
+        dir,
         "openssl req -x509 -newkey rsa:2048 -nodes -keyout ca.key -out ca.crt -days 2 -subj /CN=slidegate-test-ca 2>/dev/null",
     );
     for (name, san) in certs {
-        sh(&format!(
-            "openssl req -newkey rsa:2048 -nodes -keyout {name}.key -out {name}.csr -subj /CN={name} 2>/dev/null && printf 'subjectAltName={san}\\n' > {name}.cnf && openssl x509 -req -in {name}.csr -CA ca.crt -CAkey ca.key -CAcreateserial -out {name}.crt -days 2 -extfile {name}.cnf 2>/dev/null"
-        ));
+        sign_cert(dir, name, san);
     }
+}
+
+/// A new key and certificate `<name>.key`/`<name>.crt` in `dir`, signed by its `ca.crt`.
+pub fn sign_cert(dir: &std::path::Path, name: &str, san: &str) {
+    openssl(
+        dir,
+        &format!(
+            "openssl req -newkey rsa:2048 -nodes -keyout {name}.key -out {name}.csr -subj /CN={name} 2>/dev/null && printf 'subjectAltName={san}\\n' > {name}.cnf && openssl x509 -req -in {name}.csr -CA ca.crt -CAkey ca.key -CAcreateserial -out {name}.crt -days 2 -extfile {name}.cnf 2>/dev/null"
+        ),
+    );
+}
+
+fn openssl(dir: &std::path::Path, script: &str) {
+    let out = Command::new("sh")
+        .args(["-c", script])
+        .current_dir(dir)
+        .output()
+        .expect("run openssl");
+    assert!(
+        out.status.success(),
+        "{script}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
 }
 
 impl RedisProcess {

@@ -1,21 +1,21 @@
-//! TLS to Redis beyond the system's CAs: a CA file, a client certificate (mutual TLS), and
-//! optionally no hostname check (the reference's `REDIS_TLS_CACERT`, `REDIS_TLS_CLIENT_CERT`,
-//! `REDIS_TLS_CLIENT_KEY`, `REDIS_TLS_SKIP_HOSTNAME_VERIFICATION`).
+//! TLS as a client (to Redis, to the xDS server) beyond the system's CAs: a CA file, a client
+//! certificate (mutual TLS), and optionally no hostname check (the reference's
+//! `REDIS_TLS_CACERT`, `REDIS_TLS_CLIENT_CERT`, `REDIS_TLS_CLIENT_KEY`,
+//! `REDIS_TLS_SKIP_HOSTNAME_VERIFICATION`, and the `CONFIG_GRPC_XDS_*` twins).
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use rustls::client::WebPkiServerVerifier;
 use rustls::client::danger::{HandshakeSignatureValid, ServerCertVerified, ServerCertVerifier};
-use rustls::pki_types::pem::PemObject;
-use rustls::pki_types::{CertificateDer, PrivateKeyDer, ServerName, UnixTime};
+use rustls::pki_types::{CertificateDer, ServerName, UnixTime};
 use rustls::{
     CertificateError, ClientConfig, DigitallySignedStruct, RootCertStore, SignatureScheme,
 };
 
-use crate::store::StoreError;
+use super::{TlsError, read_certs, read_key};
 
-/// The TLS material for `rediss://` connections; empty means the system's CAs only.
+/// The TLS material of a client; empty means the system's CAs only.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct TlsFiles {
     /// PEM CA certificates that may sign Redis' certificate (instead of the system's).
@@ -33,21 +33,17 @@ impl TlsFiles {
     }
 }
 
-fn tls_error(what: &str, path: &Path, error: impl std::fmt::Display) -> StoreError {
-    StoreError::unavailable(format!("Redis TLS: {what} {}: {error}", path.display()))
-}
-
 /// A rustls client configuration from the files.
-pub fn client_config(files: &TlsFiles) -> Result<ClientConfig, StoreError> {
+pub fn client_config(files: &TlsFiles) -> Result<ClientConfig, TlsError> {
     let roots = Arc::new(root_store(files.ca.as_deref())?);
     let provider = Arc::new(rustls::crypto::ring::default_provider());
     let builder = ClientConfig::builder_with_provider(provider.clone())
         .with_safe_default_protocol_versions()
-        .map_err(|e| StoreError::unavailable(format!("Redis TLS: {e}")))?;
+        .map_err(TlsError::Rustls)?;
     let builder = if files.skip_hostname_verification {
         let inner = WebPkiServerVerifier::builder_with_provider(roots, provider)
             .build()
-            .map_err(|e| StoreError::unavailable(format!("Redis TLS: {e}")))?;
+            .map_err(|e| TlsError::Other(e.to_string()))?;
         builder
             .dangerous()
             .with_custom_certificate_verifier(Arc::new(AnyName(inner)))
@@ -56,32 +52,23 @@ pub fn client_config(files: &TlsFiles) -> Result<ClientConfig, StoreError> {
     };
     match (&files.cert, &files.key) {
         (None, None) => Ok(builder.with_no_client_auth()),
-        (Some(cert), Some(key)) => {
-            let chain = CertificateDer::pem_file_iter(cert)
-                .and_then(|certs| certs.collect::<Result<Vec<_>, _>>())
-                .map_err(|e| tls_error("cannot read the client certificate", cert, e))?;
-            let key_der = PrivateKeyDer::from_pem_file(key)
-                .map_err(|e| tls_error("cannot read the client key", key, e))?;
-            builder
-                .with_client_auth_cert(chain, key_der)
-                .map_err(|e| tls_error("the client certificate does not fit its key", cert, e))
-        }
-        _ => Err(StoreError::unavailable(
-            "Redis TLS: a client certificate needs both the certificate and the key",
+        (Some(cert), Some(key)) => builder
+            .with_client_auth_cert(read_certs(cert)?, read_key(key)?)
+            .map_err(|e| TlsError::file("the certificate does not fit its key", cert, e)),
+        _ => Err(TlsError::Other(
+            "a client certificate needs both the certificate and the key".into(),
         )),
     }
 }
 
-fn root_store(ca: Option<&Path>) -> Result<RootCertStore, StoreError> {
+/// The CAs in `ca`, or the system's.
+pub(crate) fn root_store(ca: Option<&Path>) -> Result<RootCertStore, TlsError> {
     let mut roots = RootCertStore::empty();
     match ca {
         Some(path) => {
-            let certs = CertificateDer::pem_file_iter(path)
-                .and_then(|certs| certs.collect::<Result<Vec<_>, _>>())
-                .map_err(|e| tls_error("cannot read the CA file", path, e))?;
-            let (added, _) = roots.add_parsable_certificates(certs);
+            let (added, _) = roots.add_parsable_certificates(read_certs(path)?);
             if added == 0 {
-                return Err(tls_error("no CA certificate in", path, "empty"));
+                return Err(TlsError::file("no CA certificate in", path, "empty"));
             }
         }
         None => {
