@@ -1,45 +1,39 @@
-//! Load benchmark: throughput and latency of `ShouldRateLimit` over gRPC on loopback, for the
-//! embedded store, standalone Redis and a 3-master Redis Cluster (each started here, on free
-//! ports), with CPU per decision (this process from `/proc`, Redis from `INFO`) and Redis commands
-//! per decision, plus Redis memory per log entry (one per call, whatever its hits) and per idle key.
+//! Load benchmark. Starts its own Redis (standalone and a 3-master cluster) and the slidegate
+//! binary (a separate process, so its CPU is its own), drives it over many HTTP/2 connections
+//! from this process, and prints one line per scenario: decisions/s, latency percentiles,
+//! errors, admitted against the limit where there is one, slidegate CPU and Redis CPU per
+//! decision (`/proc/<pid>/stat`, `INFO cpu`), and Redis commands per decision
+//! (`INFO commandstats`, the script's own calls included). Then the ceiling: calls per second
+//! of the script alone on one Redis core (`redis-benchmark` running `EVALSHA` with the
+//! arguments slidegate sends), and Redis memory per log entry.
 //!
-//!     cargo bench --bench load                      # defaults: 64 callers, 5 s per scenario
-//!     SLIDEGATE_BENCH_SECS=10 SLIDEGATE_BENCH_CALLERS=128 cargo bench --bench load
+//!     cargo bench --bench load
+//!     SLIDEGATE_BENCH_SECS=10 SLIDEGATE_BENCH_CONNECTIONS=16 SLIDEGATE_BENCH_STREAMS=16 cargo bench --bench load
+//!     SLIDEGATE_BENCH_ONLY=hot cargo bench --bench load     # scenarios whose name contains "hot"
 //!
-//! Figures from one run on one machine are comparable with each other; across machines or runs
-//! on a shared machine, compare ratios.
+//! The load generator shares the machine with slidegate and Redis: compare figures from one
+//! run, as ratios.
 // Tests and benchmarks may panic on a broken set-up, read the wall clock and run long.
 #![allow(
     clippy::unwrap_used,
     clippy::expect_used,
     clippy::disallowed_methods,
     clippy::too_many_lines,
-    clippy::cast_possible_truncation
+    clippy::cast_possible_truncation,
+    clippy::cast_precision_loss
 )]
 
 #[allow(dead_code)] // shared with the tests; the bench uses part of it
 #[path = "../tests/common/redis.rs"]
 mod redis_proc;
 
-use std::sync::Arc;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use slidegate::limiter::{Limiter, LimiterOptions, SystemClock};
 use slidegate::proto::envoy::extensions::common::ratelimit::v3::rate_limit_descriptor::Entry;
 use slidegate::proto::rate_limit_service_client::RateLimitServiceClient;
 use slidegate::proto::{RateLimitDescriptor, RateLimitRequest};
-use slidegate::store::{ClockSource, MemoryStore, RedisOptions, RedisStore, Store};
-use tokio::net::TcpListener;
-
-const CONFIG: &str = "domain: bench
-descriptors:
-  - key: user
-    rate_limit: {unit: minute, requests_per_unit: 1000000}
-  - key: api
-    rate_limits:
-      - {unit: second, requests_per_unit: 50}
-      - {unit: minute, requests_per_unit: 1000}
-";
 
 fn env_or(name: &str, default: u64) -> u64 {
     std::env::var(name)
@@ -48,66 +42,76 @@ fn env_or(name: &str, default: u64) -> u64 {
         .unwrap_or(default)
 }
 
-struct Report {
-    calls: usize,
-    errors: usize,
-    over: usize,
-    elapsed: Duration,
-    latencies_us: Vec<u64>,
-    /// Usage over the timed phase: the end's snapshot minus the start's.
-    usage: Usage,
-}
-
-/// CPU seconds and command counts, read from `/proc` and Redis's `INFO`.
-#[derive(Default, Clone, Copy)]
-struct Usage {
-    /// This process: the server and the load generator together (they share one runtime).
-    process_cpu_s: f64,
-    redis_cpu_s: f64,
-    /// Commands Redis ran, those a script calls included (`INFO commandstats`).
-    redis_commands: u64,
-}
-
-impl Usage {
-    fn now(redis_ports: &[u16]) -> Usage {
-        let mut usage = Usage {
-            process_cpu_s: process_cpu_s(),
-            ..Usage::default()
-        };
-        for &port in redis_ports {
-            let cpu = redis_proc::command(port, "INFO cpu").unwrap_or_default();
-            usage.redis_cpu_s +=
-                info_field(&cpu, "used_cpu_sys:") + info_field(&cpu, "used_cpu_user:");
-            let stats = redis_proc::command(port, "INFO commandstats").unwrap_or_default();
-            usage.redis_commands += stats
-                .lines()
-                .filter_map(|l| l.split("calls=").nth(1))
-                .filter_map(|rest| rest.split(',').next()?.parse::<u64>().ok())
-                .sum::<u64>();
-        }
-        usage
+/// The limits every scenario runs against.
+fn config() -> String {
+    let mut yaml = String::from(
+        "domain: bench
+descriptors:
+  # 100,000 users, each far within its limit: the common case.
+  - key: user
+    rate_limit: {unit: minute, requests_per_unit: 1000000}
+  # One descriptor under attack: 100 a minute.
+  - key: attack
+    rate_limit: {unit: minute, requests_per_unit: 100}
+  # Three descriptors per request (user, tenant, route), each its own slot.
+  - key: tenant
+    rate_limit: {unit: minute, requests_per_unit: 1000000}
+  - key: route
+    rate_limit: {unit: minute, requests_per_unit: 1000000}
+",
+    );
+    // 1,000 wildcard rules on one key: /svc<n>/* each with its own limit.
+    for n in 0..1000 {
+        yaml.push_str(&format!(
+            "  - key: path\n    value: \"/svc{n}/*\"\n    rate_limit: {{unit: minute, requests_per_unit: 1000000}}\n"
+        ));
     }
+    yaml
+}
 
-    fn since(self, start: Usage) -> Usage {
-        Usage {
-            process_cpu_s: self.process_cpu_s - start.process_cpu_s,
-            redis_cpu_s: self.redis_cpu_s - start.redis_cpu_s,
-            redis_commands: self.redis_commands.saturating_sub(start.redis_commands),
-        }
+/// What one request of a scenario sends.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Shape {
+    Users,
+    Attack,
+    ThreeSlots,
+    Wildcards,
+}
+
+fn request(shape: Shape, n: u64) -> RateLimitRequest {
+    let entry = |key: &str, value: String| Entry {
+        key: key.into(),
+        value,
+    };
+    let one = |entries: Vec<Entry>| RateLimitDescriptor {
+        entries,
+        ..Default::default()
+    };
+    let user = n.wrapping_mul(2_654_435_761) % 100_000;
+    let descriptors = match shape {
+        Shape::Users => vec![one(vec![entry("user", format!("u{user}"))])],
+        Shape::Attack => vec![one(vec![entry("attack", "hot".into())])],
+        Shape::ThreeSlots => vec![
+            one(vec![entry("user", format!("u{user}"))]),
+            one(vec![entry("tenant", format!("t{}", user % 97))]),
+            one(vec![entry("route", format!("r{}", user % 13))]),
+        ],
+        Shape::Wildcards => vec![one(vec![entry(
+            "path",
+            format!("/svc{}/items/{user}", user % 1000),
+        )])],
+    };
+    RateLimitRequest {
+        domain: "bench".into(),
+        descriptors,
+        hits_addend: 0,
     }
 }
 
-fn info_field(info: &str, name: &str) -> f64 {
-    info.lines()
-        .find_map(|l| l.strip_prefix(name))
-        .and_then(|v| v.trim().parse().ok())
-        .unwrap_or(0.0)
-}
-
-/// User plus system CPU of this process, from `/proc/self/stat` (fields 14 and 15, in clock
-/// ticks of 1/100 s, the value on Linux for x86-64 and arm64).
-fn process_cpu_s() -> f64 {
-    let stat = std::fs::read_to_string("/proc/self/stat").unwrap_or_default();
+/// CPU seconds of a process, user plus system, from `/proc/<pid>/stat` (fields 14 and 15, in
+/// clock ticks of 1/100 s, the value on Linux for x86-64 and arm64).
+fn cpu_s(pid: u32) -> f64 {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
     // The command name (field 2) may hold spaces; the fields after it start past its ')'.
     let fields: Vec<&str> = stat
         .rsplit_once(')')
@@ -118,8 +122,84 @@ fn process_cpu_s() -> f64 {
             .and_then(|v| v.parse::<f64>().ok())
             .unwrap_or(0.0)
     };
-    // fields[0] is field 3 (state): utime is field 14, stime field 15.
     (ticks(11) + ticks(12)) / 100.0
+}
+
+fn info_field(info: &str, name: &str) -> f64 {
+    info.lines()
+        .find_map(|l| l.strip_prefix(name))
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or(0.0)
+}
+
+/// Redis CPU seconds and commands run, summed over `ports`.
+fn redis_usage(ports: &[u16]) -> (f64, u64) {
+    let mut cpu = 0.0;
+    let mut commands = 0;
+    for &port in ports {
+        let info = redis_proc::command(port, "INFO cpu").unwrap_or_default();
+        cpu += info_field(&info, "used_cpu_sys:") + info_field(&info, "used_cpu_user:");
+        let stats = redis_proc::command(port, "INFO commandstats").unwrap_or_default();
+        commands += stats
+            .lines()
+            .filter(|l| !l.starts_with("cmdstat_info:"))
+            .filter_map(|l| l.split("calls=").nth(1))
+            .filter_map(|rest| rest.split(',').next()?.parse::<u64>().ok())
+            .sum::<u64>();
+    }
+    (cpu, commands)
+}
+
+/// The slidegate binary, started on `config` with `args`.
+struct Server {
+    child: Child,
+    grpc: u16,
+}
+
+impl Server {
+    fn start(config: &Path, args: &[String]) -> Server {
+        let (grpc, http) = (redis_proc::free_port(), redis_proc::free_port());
+        let child = Command::new(env!("CARGO_BIN_EXE_slidegate"))
+            .arg("--config")
+            .arg(config)
+            .args(["--grpc-addr", &format!("127.0.0.1:{grpc}")])
+            .args(["--http-addr", &format!("127.0.0.1:{http}")])
+            .args(args)
+            .stdout(Stdio::null())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .expect("start slidegate");
+        redis_proc::wait_until("slidegate ready", Duration::from_secs(20), || {
+            redis_proc::command(http, "GET /readyz HTTP/1.0\r\n").is_ok_and(|r| r.contains("200"))
+        });
+        Server { child, grpc }
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+struct Load {
+    connections: u64,
+    streams: u64,
+    secs: u64,
+}
+
+struct Report {
+    name: String,
+    calls: usize,
+    errors: usize,
+    admitted: usize,
+    limit: Option<usize>,
+    elapsed: Duration,
+    latencies_us: Vec<u64>,
+    server_cpu_s: f64,
+    redis_cpu_s: f64,
+    redis_commands: u64,
 }
 
 impl Report {
@@ -128,166 +208,208 @@ impl Report {
             return 0.0;
         }
         let i = ((self.latencies_us.len() as f64 - 1.0) * p).round() as usize;
-        self.latencies_us[i] as f64 / 1000.0
+        self.latencies_us[i] as f64
     }
 
-    fn print(&self, name: &str) {
+    fn print(&self) {
+        let per = |x: f64| x / self.calls.max(1) as f64;
+        let admitted = match self.limit {
+            Some(limit) => format!("{} / {limit}", self.admitted),
+            None => "-".into(),
+        };
+        let redis = if self.redis_commands > 0 {
+            format!(
+                "{:>6.1} | {:>5.2}",
+                per(self.redis_cpu_s) * 1e6,
+                per(self.redis_commands as f64)
+            )
+        } else {
+            format!("{:>6} | {:>5}", "-", "-")
+        };
         println!(
-            "{name:<34} {:>9.0} req/s  p50 {:>6.2} ms  p99 {:>6.2} ms  max {:>7.2} ms  ({} calls, {} over limit, {} errors)",
+            "| {:<44} | {:>8.0} | {:>7.0} | {:>7.0} | {:>7.0} | {:>6} | {:>9} | {:>6.1} | {redis} |",
+            self.name,
             self.calls as f64 / self.elapsed.as_secs_f64(),
             self.percentile(0.50),
             self.percentile(0.99),
-            self.percentile(1.0),
-            self.calls,
-            self.over,
-            self.errors
-        );
-        let per = |x: f64| x / self.calls.max(1) as f64;
-        println!(
-            "{:<34} cpu per decision: {:>5.1} us process (server + load generator), {:>5.1} us Redis; {:.2} Redis commands per decision",
-            "",
-            per(self.usage.process_cpu_s) * 1e6,
-            per(self.usage.redis_cpu_s) * 1e6,
-            per(self.usage.redis_commands as f64)
+            self.percentile(0.999),
+            self.errors,
+            admitted,
+            per(self.server_cpu_s) * 1e6,
         );
     }
 }
 
-/// `callers` tasks over `connections` HTTP/2 connections, each calling as fast as it can.
-async fn drive(
-    store: Arc<dyn Store>,
-    redis_ports: &[u16],
-    secs: u64,
-    callers: u64,
-    scenario: &'static str,
-) -> Report {
-    let limits = slidegate::config::compile_sources(&[("bench.yaml".into(), CONFIG.into())])
-        .expect("bench config");
-    let metrics = Arc::new(slidegate::metrics::Metrics::new());
-    let limiter = Arc::new(
-        Limiter::new(
-            limits,
-            store,
-            Arc::new(SystemClock),
-            LimiterOptions::default(),
-        )
-        .with_observer(metrics.clone()),
+fn header() {
+    println!(
+        "| {:<44} | {:>8} | {:>7} | {:>7} | {:>7} | {:>6} | {:>9} | {:>6} | {:>6} | {:>5} |",
+        "scenario",
+        "calls/s",
+        "p50 us",
+        "p99 us",
+        "p99.9us",
+        "errors",
+        "admitted",
+        "sg cpu",
+        "rd cpu",
+        "cmds"
     );
-    let app = slidegate::server::App {
-        limiter,
-        metrics,
-        options: slidegate::server::ServerOptions::default(),
-    };
-    let grpc = TcpListener::bind("127.0.0.1:0").await.expect("bind");
-    let http = TcpListener::bind("127.0.0.1:0").await.expect("bind");
-    let addr = grpc.local_addr().expect("addr");
-    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let server = tokio::spawn(slidegate::server::run(
-        slidegate::server::Listeners::new(grpc, http),
-        app,
-        async {
-            let _ = stopped.await;
-        },
-    ));
-    let connections = 8.min(callers);
+    println!(
+        "|{:-<46}|{:->10}|{:->9}|{:->9}|{:->9}|{:->8}|{:->11}|{:->8}|{:->8}|{:->7}|",
+        "", ":", ":", ":", ":", ":", ":", ":", ":", ":"
+    );
+}
+
+/// Drives `server` with `load` requests of `shape`.
+async fn drive(
+    name: &str,
+    server: &Server,
+    redis_ports: &[u16],
+    load: &Load,
+    shape: Shape,
+    limit: Option<usize>,
+) -> Report {
     let mut clients = Vec::new();
-    for _ in 0..connections {
-        clients.push(
-            RateLimitServiceClient::connect(format!("http://{addr}"))
+    for _ in 0..load.connections {
+        let channel =
+            tonic::transport::Endpoint::from_shared(format!("http://127.0.0.1:{}", server.grpc))
+                .expect("uri")
+                .tcp_nodelay(true)
+                .connect()
                 .await
-                .expect("connect"),
-        );
+                .expect("connect");
+        clients.push(RateLimitServiceClient::new(channel));
     }
-    let deadline = Instant::now() + Duration::from_secs(secs);
-    let usage_at_start = Usage::now(redis_ports);
+    // A short warm-up: connections open, the script loaded, caches of the allocator warm.
+    for (n, client) in clients.iter().enumerate() {
+        let _ = client
+            .clone()
+            .should_rate_limit(request(Shape::Users, n as u64))
+            .await;
+    }
+    let deadline = Instant::now() + Duration::from_secs(load.secs);
+    let (redis_cpu0, commands0) = redis_usage(redis_ports);
+    let server_cpu0 = cpu_s(server.child.id());
     let started = Instant::now();
     let mut tasks = Vec::new();
-    for n in 0..callers {
-        let mut client = clients[(n % connections) as usize].clone();
-        tasks.push(tokio::spawn(async move {
-            let mut latencies = Vec::new();
-            let (mut errors, mut over, mut i) = (0usize, 0usize, 0u64);
-            while Instant::now() < deadline {
-                i += 1;
-                let entries = match scenario {
-                    // Many users, each well within its limit: the common case.
-                    "spread" => vec![("user", format!("u{}", (n * 7919 + i) % 10_000))],
-                    // Every caller on one descriptor with two windows: contention and rejections.
-                    _ => vec![("api", "hot".to_string())],
-                };
-                let request = RateLimitRequest {
-                    domain: "bench".into(),
-                    descriptors: vec![RateLimitDescriptor {
-                        entries: entries
-                            .into_iter()
-                            .map(|(k, v)| Entry {
-                                key: k.into(),
-                                value: v,
-                            })
-                            .collect(),
-                        ..Default::default()
-                    }],
-                    hits_addend: 0,
-                };
-                let t = Instant::now();
-                match client.should_rate_limit(request).await {
-                    Ok(r) => over += usize::from(r.into_inner().overall_code == 2),
-                    Err(_) => errors += 1,
+    for c in 0..load.connections {
+        for s in 0..load.streams {
+            let mut client = clients[c as usize].clone();
+            let seed = (c * load.streams + s) * 1_000_003;
+            tasks.push(tokio::spawn(async move {
+                let mut latencies = Vec::with_capacity(100_000);
+                let (mut errors, mut admitted, mut i) = (0usize, 0usize, 0u64);
+                while Instant::now() < deadline {
+                    i += 1;
+                    let r = request(shape, seed + i);
+                    let t = Instant::now();
+                    match client.should_rate_limit(r).await {
+                        Ok(r) => admitted += usize::from(r.into_inner().overall_code == 1),
+                        Err(_) => errors += 1,
+                    }
+                    latencies.push(t.elapsed().as_micros() as u64);
                 }
-                latencies.push(t.elapsed().as_micros() as u64);
-            }
-            (latencies, errors, over)
-        }));
+                (latencies, errors, admitted)
+            }));
+        }
     }
     let mut report = Report {
+        name: name.into(),
         calls: 0,
         errors: 0,
-        over: 0,
+        admitted: 0,
+        limit,
         elapsed: Duration::ZERO,
         latencies_us: Vec::new(),
-        usage: Usage::default(),
+        server_cpu_s: 0.0,
+        redis_cpu_s: 0.0,
+        redis_commands: 0,
     };
     for t in tasks {
-        let (latencies, errors, over) = t.await.expect("caller");
+        let (latencies, errors, admitted) = t.await.expect("caller");
         report.calls += latencies.len();
         report.errors += errors;
-        report.over += over;
+        report.admitted += admitted;
         report.latencies_us.extend(latencies);
     }
     report.elapsed = started.elapsed();
-    report.usage = Usage::now(redis_ports).since(usage_at_start);
+    report.server_cpu_s = cpu_s(server.child.id()) - server_cpu0;
+    let (redis_cpu1, commands1) = redis_usage(redis_ports);
+    report.redis_cpu_s = redis_cpu1 - redis_cpu0;
+    report.redis_commands = commands1.saturating_sub(commands0);
     report.latencies_us.sort_unstable();
-    let _ = stop.send(());
-    let _ = server.await;
     report
 }
 
-async fn redis_store(url: String) -> Arc<dyn Store> {
-    Arc::new(
-        RedisStore::connect(RedisOptions {
-            url,
-            pool_size: 4,
-            // The shipped default (`--redis-timeout`), so errors from our own deadline show.
-            timeout: Duration::from_millis(15),
-            connect_timeout: Duration::from_secs(5),
-            clock: ClockSource::Server,
-            tls: Default::default(),
-        })
-        .await
-        .expect("connect to bench Redis"),
-    )
+/// Calls per second of the script alone on one Redis core, and Redis CPU per call: the
+/// arguments of one `user` descriptor as slidegate sends them, a fresh user per call.
+fn script_ceiling(redis: &redis_proc::RedisProcess) {
+    let sha = redis_cli(
+        redis.port,
+        &["SCRIPT", "LOAD", slidegate::store::redis::SCRIPT],
+    );
+    let (cpu0, commands0) = redis_usage(&[redis.port]);
+    let requests = 200_000;
+    let out = Command::new("redis-benchmark")
+        .args([
+            "-p",
+            &redis.port.to_string(),
+            "-c",
+            "16",
+            "-n",
+            &requests.to_string(),
+        ])
+        .args(["-r", "100000", "--csv"])
+        .args([
+            "EVALSHA",
+            &sha,
+            "3",
+            "rl:{bench:user=u__rand_int__}:log",
+            "rl:{bench:user=u__rand_int__}:ban",
+            "rl:{bench:user=u__rand_int__}:cnt",
+            "1767225600000",
+            "bench0000-0000",
+            "1",
+            "1",
+            "1",
+            "0",
+            "0",
+            "0",
+            "0",
+            "1",
+            "1000000",
+            "60000",
+        ])
+        .output()
+        .expect("run redis-benchmark (Debian's redis-tools)");
+    let text = String::from_utf8_lossy(&out.stdout);
+    let rps = text
+        .lines()
+        .filter_map(|l| l.split("\",\"").nth(1))
+        .find_map(|v| v.trim_matches('"').parse::<f64>().ok())
+        .unwrap_or(0.0);
+    let (cpu1, commands1) = redis_usage(&[redis.port]);
+    println!(
+        "\nThe script alone on one Redis core (redis-benchmark, 16 clients, EVALSHA as slidegate sends it for one descriptor): {rps:.0} calls/s, {:.1} us Redis CPU and {:.2} commands per call",
+        (cpu1 - cpu0) / requests as f64 * 1e6,
+        commands1.saturating_sub(commands0) as f64 / requests as f64
+    );
+}
+
+fn redis_cli(port: u16, args: &[&str]) -> String {
+    let out = Command::new("redis-cli")
+        .args(["-p", &port.to_string()])
+        .args(args)
+        .output()
+        .expect("redis-cli");
+    String::from_utf8_lossy(&out.stdout).trim().to_string()
 }
 
 fn memory_usage(redis: &redis_proc::RedisProcess) {
-    let cli = |args: &[&str]| {
-        let out = std::process::Command::new("redis-cli")
-            .args(["-p", &redis.port.to_string()])
-            .args(args)
-            .output()
-            .expect("redis-cli");
-        String::from_utf8_lossy(&out.stdout).trim().to_string()
-    };
-    let sha = cli(&["SCRIPT", "LOAD", slidegate::store::redis::SCRIPT]);
+    let sha = redis_cli(
+        redis.port,
+        &["SCRIPT", "LOAD", slidegate::store::redis::SCRIPT],
+    );
     let now = 1_767_225_600_000u64;
     println!(
         "\nRedis memory (MEMORY USAGE, redis-server 7, default zset-max-listpack-entries 128):"
@@ -301,10 +423,10 @@ fn memory_usage(redis: &redis_proc::RedisProcess) {
     };
     let run = |lines: String| {
         use std::io::Write;
-        let mut child = std::process::Command::new("redis-cli")
+        let mut child = Command::new("redis-cli")
             .args(["-p", &redis.port.to_string()])
-            .stdin(std::process::Stdio::piped())
-            .stdout(std::process::Stdio::piped())
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
             .spawn()
             .expect("redis-cli");
         // Written from another thread: the replies fill the output pipe while commands go in.
@@ -319,9 +441,12 @@ fn memory_usage(redis: &redis_proc::RedisProcess) {
         let base = format!("rl:{{bench:m{entries}}}");
         // One entry per call, whatever its hits: `entries` calls of 5 hits each.
         run((0..entries).map(|n| line(&base, now + n, 5, "0")).collect());
-        let bytes: f64 = cli(&["MEMORY", "USAGE", &format!("{base}:log"), "SAMPLES", "0"])
-            .parse()
-            .unwrap_or(0.0);
+        let bytes: f64 = redis_cli(
+            redis.port,
+            &["MEMORY", "USAGE", &format!("{base}:log"), "SAMPLES", "0"],
+        )
+        .parse()
+        .unwrap_or(0.0);
         println!(
             "  log with {entries:>6} entries: {bytes:>9.0} bytes, {:>6.1} bytes per entry",
             bytes / entries as f64
@@ -335,51 +460,216 @@ fn memory_usage(redis: &redis_proc::RedisProcess) {
         .collect());
     println!(
         "  sliding_counter, 10 buckets: {} bytes, whatever the limit and the hits",
-        cli(&["MEMORY", "USAGE", &format!("{base}:cnt"), "SAMPLES", "0"])
+        redis_cli(
+            redis.port,
+            &["MEMORY", "USAGE", &format!("{base}:cnt"), "SAMPLES", "0"]
+        )
     );
     let ban = "rl:{bench:banned}:ban";
-    cli(&["SET", ban, &(now + 900_000).to_string(), "PX", "900000"]);
+    redis_cli(
+        redis.port,
+        &["SET", ban, &(now + 900_000).to_string(), "PX", "900000"],
+    );
     println!(
         "  ban key (idle descriptor): {} bytes",
-        cli(&["MEMORY", "USAGE", ban, "SAMPLES", "0"])
+        redis_cli(redis.port, &["MEMORY", "USAGE", ban, "SAMPLES", "0"])
     );
 }
 
+struct Scenario {
+    name: &'static str,
+    shape: Shape,
+    store: Store,
+    limit: Option<usize>,
+    /// One call in flight instead of the configured load.
+    single: bool,
+}
+
+#[derive(Clone, Copy)]
+enum Store {
+    Embedded,
+    Standalone,
+    Cluster,
+}
+
+fn scenarios() -> Vec<Scenario> {
+    let s = |name, shape, store, limit, single| Scenario {
+        name,
+        shape,
+        store,
+        limit,
+        single,
+    };
+    vec![
+        s(
+            "embedded, 100k users",
+            Shape::Users,
+            Store::Embedded,
+            None,
+            false,
+        ),
+        s(
+            "standalone, 100k users",
+            Shape::Users,
+            Store::Standalone,
+            None,
+            false,
+        ),
+        s(
+            "cluster, 100k users",
+            Shape::Users,
+            Store::Cluster,
+            None,
+            false,
+        ),
+        s(
+            "embedded, one call in flight",
+            Shape::Users,
+            Store::Embedded,
+            None,
+            true,
+        ),
+        s(
+            "standalone, one call in flight",
+            Shape::Users,
+            Store::Standalone,
+            None,
+            true,
+        ),
+        s(
+            "embedded, hot key under attack (100/min)",
+            Shape::Attack,
+            Store::Embedded,
+            Some(100),
+            false,
+        ),
+        s(
+            "standalone, hot key under attack (100/min)",
+            Shape::Attack,
+            Store::Standalone,
+            Some(100),
+            false,
+        ),
+        s(
+            "cluster, hot key under attack (100/min)",
+            Shape::Attack,
+            Store::Cluster,
+            Some(100),
+            false,
+        ),
+        s(
+            "cluster, three descriptors in three slots",
+            Shape::ThreeSlots,
+            Store::Cluster,
+            None,
+            false,
+        ),
+        s(
+            "standalone, three descriptors",
+            Shape::ThreeSlots,
+            Store::Standalone,
+            None,
+            false,
+        ),
+        s(
+            "standalone, 1,000 wildcard rules",
+            Shape::Wildcards,
+            Store::Standalone,
+            None,
+            false,
+        ),
+        s(
+            "embedded, 1,000 wildcard rules",
+            Shape::Wildcards,
+            Store::Embedded,
+            None,
+            false,
+        ),
+    ]
+}
+
 fn main() {
-    let secs = env_or("SLIDEGATE_BENCH_SECS", 5);
-    let callers = env_or("SLIDEGATE_BENCH_CALLERS", 64);
+    let load = Load {
+        connections: env_or("SLIDEGATE_BENCH_CONNECTIONS", 16),
+        streams: env_or("SLIDEGATE_BENCH_STREAMS", 16),
+        secs: env_or("SLIDEGATE_BENCH_SECS", 5),
+    };
+    let only = std::env::var("SLIDEGATE_BENCH_ONLY").unwrap_or_default();
+    let extra: Vec<String> = std::env::var("SLIDEGATE_BENCH_ARGS")
+        .unwrap_or_default()
+        .split_whitespace()
+        .map(str::to_owned)
+        .collect();
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
         .expect("runtime");
-    println!("slidegate load benchmark: {callers} callers, {secs} s per scenario, loopback gRPC");
+    let scratch = std::env::temp_dir().join(format!("slidegate-bench-{}", std::process::id()));
+    std::fs::create_dir_all(&scratch).expect("scratch dir");
+    let config_path: PathBuf = scratch.join("bench.yaml");
+    std::fs::write(&config_path, config()).expect("write config");
+    println!(
+        "slidegate load benchmark: {} connections x {} streams ({} in flight), {} s per scenario, loopback gRPC, slidegate as its own process{}",
+        load.connections,
+        load.streams,
+        load.connections * load.streams,
+        load.secs,
+        if extra.is_empty() {
+            String::new()
+        } else {
+            format!(", extra flags: {}", extra.join(" "))
+        }
+    );
+    println!(
+        "latencies in microseconds; CPU per decision in microseconds (sg: slidegate, rd: Redis); cmds: Redis commands per decision\n"
+    );
     let standalone = redis_proc::RedisProcess::start(&[]);
     let cluster = redis_proc::RedisCluster::start();
     let cluster_ports: Vec<u16> = cluster.nodes.iter().map(|n| n.port).collect();
-    runtime.block_on(async {
-        for scenario in ["spread", "hot"] {
-            drive(Arc::new(MemoryStore::new()), &[], secs, callers, scenario)
-                .await
-                .print(&format!("embedded, {scenario}"));
-            drive(
-                redis_store(standalone.url()).await,
-                &[standalone.port],
-                secs,
-                callers,
-                scenario,
-            )
-            .await
-            .print(&format!("redis standalone, {scenario}"));
-            drive(
-                redis_store(cluster.url()).await,
-                &cluster_ports,
-                secs,
-                callers,
-                scenario,
-            )
-            .await
-            .print(&format!("redis cluster (3 masters), {scenario}"));
+    header();
+    for scenario in scenarios()
+        .into_iter()
+        .filter(|s| s.name.contains(only.as_str()))
+    {
+        // Every scenario starts from empty stores.
+        let _ = redis_cli(standalone.port, &["FLUSHALL"]);
+        for port in &cluster_ports {
+            let _ = redis_cli(*port, &["FLUSHALL"]);
         }
-    });
-    memory_usage(&standalone);
+        let (mut args, ports) = match scenario.store {
+            Store::Embedded => (Vec::new(), Vec::new()),
+            Store::Standalone => (
+                vec!["--redis".to_string(), standalone.url()],
+                vec![standalone.port],
+            ),
+            Store::Cluster => (
+                vec!["--redis".to_string(), cluster.url()],
+                cluster_ports.clone(),
+            ),
+        };
+        args.extend(extra.iter().cloned());
+        if !args.iter().any(|a| a == "--log-level") {
+            args.extend(["--log-level".to_string(), "error".to_string()]);
+        }
+        let server = Server::start(&config_path, &args);
+        let single = Load {
+            connections: 1,
+            streams: 1,
+            secs: load.secs,
+        };
+        let report = runtime.block_on(drive(
+            scenario.name,
+            &server,
+            &ports,
+            if scenario.single { &single } else { &load },
+            scenario.shape,
+            scenario.limit,
+        ));
+        report.print();
+    }
+    if only.is_empty() || "ceiling".contains(only.as_str()) {
+        script_ceiling(&standalone);
+        memory_usage(&standalone);
+    }
+    let _ = std::fs::remove_dir_all(&scratch);
 }

@@ -27,6 +27,8 @@
 --            0 = tentative (a request spread over several slots): record if every enforcing
 --                descriptor of this call fits; the caller combines the slots' answers and
 --                removes the entries again if the request is rejected
+--            2 = rejected (another descriptor of the request is known to be over, so the
+--                caller did not send it): record nothing but debits, set bans, report
 --   ARGV[4]  n, the number of descriptors
 --   then per descriptor: hits, role (0 enforce, 1 shadow, 2 quota), ban_ms (0: no ban),
 --   buckets (0: sliding_log; else sliding_counter with that many buckets per window),
@@ -82,8 +84,8 @@ if prefix == nil or prefix == '' then
   return fail('ARGV[2] (member prefix) is missing')
 end
 local mode = whole(ARGV[3])
-if mode ~= 0 and mode ~= 1 then
-  return fail('ARGV[3] (mode) must be 0 or 1')
+if mode ~= 0 and mode ~= 1 and mode ~= 2 then
+  return fail('ARGV[3] (mode) must be 0, 1 or 2')
 end
 local n = whole(ARGV[4])
 if n == nil or n < 1 then
@@ -280,12 +282,28 @@ for i, it in ipairs(items) do
     records[i] = false
   else
     if it.buckets == 0 then
-      redis.call('ZREMRANGEBYSCORE', it.log, '-inf', ms(now - it.longest))
-      last[it.log] = last[it.log] or last_entry(it.log)
+      -- The newest entry first: an empty log, or one whose newest entry is older than a
+      -- window, has nothing in that window, so it needs no count (and, for the longest
+      -- window, no trim: every entry is stale, and the whole log goes).
+      if last[it.log] == nil then
+        last[it.log] = last_entry(it.log)
+        local newest = last[it.log]
+        if newest.cum > 0 then
+          if newest.time <= now - it.longest then
+            redis.call('DEL', it.log)
+          else
+            redis.call('ZREMRANGEBYSCORE', it.log, '-inf', ms(now - it.longest))
+          end
+        end
+      end
+      local newest = last[it.log]
       for w, win in ipairs(it.windows) do
-        local first = first_inside(it.log, win)
+        local first = nil
+        if newest.cum > 0 and newest.time > now - win.length then
+          first = first_inside(it.log, win)
+        end
         it.firsts[w] = first
-        it.counts[w] = first and (last[it.log].cum - first.before) or 0
+        it.counts[w] = first and (newest.cum - first.before) or 0
       end
     else
       drop_stale_buckets(it)
@@ -338,6 +356,8 @@ end
 local admitted = enforced_fit
 if mode == 1 then
   admitted = enforced_fit and (quota_fit or not quota_seen)
+elseif mode == 2 then
+  admitted = false
 end
 
 -- 3. Record: every fitting descriptor of an admitted call, and every debit that records
@@ -346,6 +366,8 @@ end
 --    sliding_counter: the hits go into the current bucket of every distinct bucket length.
 local recorded = false
 local recorded_hits = {}
+-- The first entry this call records in each log: { before, time }.
+local first_recorded = {}
 for i, it in ipairs(items) do
   if records[i] and (admitted or it.debit) then
     recorded = true
@@ -355,6 +377,7 @@ for i, it in ipairs(items) do
       it.cum = newest.cum + it.hits
       local stamp = math.max(now, newest.time)
       redis.call('ZADD', it.log, ms(stamp), member(it.cum, it.hits, i))
+      first_recorded[it.log] = first_recorded[it.log] or { before = newest.cum, time = stamp }
       last[it.log] = { cum = it.cum, time = stamp }
     else
       local done = {}
@@ -392,8 +415,10 @@ end
 -- The reset of one window of a sliding_log descriptor, from its count after the call.
 local function log_reset(it, i, w, win, count)
   local first = it.firsts[w]
-  if first == nil and (recorded_hits[it.log] or 0) > 0 then
-    first = first_inside(it.log, win)
+  if first == nil then
+    -- The window held nothing before this call: its first entry is the first this call
+    -- recorded in the log, if any.
+    first = first_recorded[it.log]
   end
   if fits[i] then
     return first and (first.time + win.length - now) or 0

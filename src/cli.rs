@@ -178,6 +178,10 @@ pub struct ServeArgs {
     /// Longest window a request's limit override may ask for.
     #[arg(long, env = "SLIDEGATE_MAX_OVERRIDE_WINDOW", default_value = "365d", value_parser = duration_arg)]
     pub max_override_window: Duration,
+    /// Descriptors the exact over-limit cache holds at most: a descriptor the store found over
+    /// is answered without the store until its reset (0: off).
+    #[arg(long, env = "SLIDEGATE_OVER_LIMIT_CACHE", default_value_t = slidegate::limiter::DEFAULT_OVER_LIMIT_CACHE)]
+    pub over_limit_cache: usize,
     /// Fill the response's dynamic_metadata with the request and matched rules' metadata.
     #[arg(long, env = "SLIDEGATE_DYNAMIC_METADATA", action = ArgAction::SetTrue, value_parser = BoolishValueParser::new())]
     pub dynamic_metadata: bool,

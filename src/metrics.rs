@@ -5,8 +5,8 @@
 //! metrics.
 //!
 //! Per rule, with labels `domain`, `key1` (first level of the rule's path) and `key2` (the rest):
-//! `ratelimit_service_rate_limit_{total_hits,over_limit,near_limit,within_limit,shadow_mode}_total`
-//! as the reference server names them, plus `..._bans_total`. Descriptor values appear in labels
+//! `ratelimit_service_rate_limit_{total_hits,over_limit,near_limit,within_limit,shadow_mode,
+//! over_limit_with_local_cache}_total` as the reference server names them, plus `..._bans_total`. Descriptor values appear in labels
 //! only for rules with `detailed_metric`/`value_to_metric`, and only up to
 //! [`DETAILED_SERIES_CAP`] label sets; past that, hits count under the rule's own path, so a
 //! flood of distinct values cannot grow memory.
@@ -85,6 +85,7 @@ pub struct Metrics {
     call_errors: Family<ErrorLabels, Counter>,
     total_hits: Family<RuleLabels, Counter>,
     over_limit: Family<RuleLabels, Counter>,
+    over_limit_with_local_cache: Family<RuleLabels, Counter>,
     near_limit: Family<RuleLabels, Counter>,
     within_limit: Family<RuleLabels, Counter>,
     shadow_mode: Family<RuleLabels, Counter>,
@@ -133,6 +134,7 @@ impl Metrics {
             call_errors: Family::default(),
             total_hits: Family::default(),
             over_limit: Family::default(),
+            over_limit_with_local_cache: Family::default(),
             near_limit: Family::default(),
             within_limit: Family::default(),
             shadow_mode: Family::default(),
@@ -162,6 +164,11 @@ impl Metrics {
         let counters = [
             ("total_hits", "Hits asked for", &self.total_hits),
             ("over_limit", "Hits over the limit", &self.over_limit),
+            (
+                "over_limit_with_local_cache",
+                "Hits over the limit answered from the over-limit cache, without the store (also in over_limit)",
+                &self.over_limit_with_local_cache,
+            ),
             (
                 "near_limit",
                 "Admitted hits above the near-limit ratio",
@@ -398,6 +405,11 @@ impl Observer for Metrics {
             if n > 0 {
                 family.get_or_create(&labels).inc_by(n);
             }
+        }
+        if report.from_cache && report.over > 0 {
+            self.over_limit_with_local_cache
+                .get_or_create(&labels)
+                .inc_by(report.over);
         }
         if report.ban_set {
             self.bans.get_or_create(&labels).inc();

@@ -102,6 +102,11 @@ async fn metrics_count_known_traffic_exactly() {
     // login: 1 admitted, then over (ban set once), then banned.
     assert_eq!(rule("over_limit", "login"), Some(2.0));
     assert_eq!(rule("bans", "login"), Some(1.0));
+    // The second over-limit call of api and the banned call of login were answered by the
+    // over-limit cache, without the store (the shadow rule is never cached).
+    assert_eq!(rule("over_limit_with_local_cache", "api"), Some(1.0));
+    assert_eq!(rule("over_limit_with_local_cache", "login"), Some(1.0));
+    assert_eq!(rule("over_limit_with_local_cache", "shadowed"), None);
     assert_eq!(
         sample(&text, "slidegate_requests_total{result=\"ok\"}"),
         Some(15.0)
@@ -127,7 +132,8 @@ async fn metrics_count_known_traffic_exactly() {
             &text,
             "slidegate_store_duration_seconds_count{store=\"memory\"}"
         ),
-        Some(18.0)
+        Some(16.0),
+        "18 calls reached the limiter with a rule, 2 answered from the over-limit cache"
     );
     s.stop().await;
 }

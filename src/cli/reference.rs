@@ -76,10 +76,6 @@ const WARNED: &[(&str, &str)] = &[
         "keys expire exactly when no window needs them",
     ),
     (
-        "LOCAL_CACHE_SIZE_IN_BYTES",
-        "there is no local over-limit cache yet",
-    ),
-    (
         "CACHE_KEY_PREFIX",
         "keys are rl:{<tag>}:..., one key space per Redis",
     ),
@@ -681,7 +677,26 @@ fn encode(text: &str) -> String {
 }
 
 /// Boolean modes and the header names.
-fn switches(args: &mut ServeArgs, Env { var, given, .. }: Env<'_>) -> Result<(), String> {
+/// Bytes per over-limit cache entry, to read `LOCAL_CACHE_SIZE_IN_BYTES` as a count.
+const CACHE_ENTRY_BYTES: usize = 200;
+
+/// `LOCAL_CACHE_SIZE_IN_BYTES`: the reference's over-limit cache, off by default there. Set,
+/// it bounds slidegate's (exact, on by default) cache; `0` turns it off.
+fn local_cache(args: &mut ServeArgs, Env { var, given, .. }: Env<'_>) -> Result<(), String> {
+    if let Some(bytes) = var("LOCAL_CACHE_SIZE_IN_BYTES")
+        && !given("over_limit_cache")
+    {
+        let bytes: usize = bytes
+            .parse()
+            .map_err(|_| format!("LOCAL_CACHE_SIZE_IN_BYTES={bytes:?} is not a number"))?;
+        args.over_limit_cache = bytes / CACHE_ENTRY_BYTES;
+    }
+    Ok(())
+}
+
+fn switches(args: &mut ServeArgs, env: Env<'_>) -> Result<(), String> {
+    local_cache(args, env)?;
+    let Env { var, given, .. } = env;
     let booleans: [(&str, &str, &mut bool); 7] = [
         ("SHADOW_MODE", "shadow_mode", &mut args.shadow_mode),
         ("QUOTA_MODE", "quota_mode", &mut args.quota_mode),

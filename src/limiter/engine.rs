@@ -11,6 +11,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use arc_swap::ArcSwap;
 
 use super::bounds::RequestBounds;
+use super::cache::OverLimitCache;
 use super::clock::Stopwatch;
 use super::headers::{self, LimitHeaderNames};
 use super::key::{self, Variant};
@@ -44,7 +45,13 @@ pub struct LimiterOptions {
     pub debit_domains: Vec<String>,
     /// What one request may ask for.
     pub bounds: RequestBounds,
+    /// Descriptors the exact local over-limit cache holds at most (0: off); see
+    /// [`super::cache`].
+    pub over_limit_cache: usize,
 }
+
+/// The over-limit cache's default bound (about 200 bytes each).
+pub const DEFAULT_OVER_LIMIT_CACHE: usize = 65_536;
 
 impl Default for LimiterOptions {
     fn default() -> Self {
@@ -58,6 +65,7 @@ impl Default for LimiterOptions {
             limit_headers: None,
             debit_domains: Vec::new(),
             bounds: RequestBounds::default(),
+            over_limit_cache: DEFAULT_OVER_LIMIT_CACHE,
         }
     }
 }
@@ -72,6 +80,8 @@ pub struct Limiter {
     store_errors: AtomicU64,
     /// When a store error was last logged: failures are logged once per burst, not per call.
     last_error_log_ms: AtomicU64,
+    /// Descriptors known to be over, answered without the store.
+    cache: OverLimitCache,
 }
 
 /// Store errors are logged at most this often.
@@ -118,6 +128,7 @@ impl Limiter {
             limits: ArcSwap::from_pointee(limits),
             store,
             clock,
+            cache: OverLimitCache::new(options.over_limit_cache),
             options,
             observer: Arc::new(NoObserver),
             store_errors: AtomicU64::new(0),
@@ -134,6 +145,13 @@ impl Limiter {
     /// Replaces the limits at once: a request sees either the old or the new set, never a mix.
     pub fn replace_limits(&self, limits: Limits) {
         self.limits.store(Arc::new(limits));
+        // What was over under the old rules says nothing about the new ones.
+        self.cache.clear();
+    }
+
+    /// Descriptors the over-limit cache holds now.
+    pub fn over_limit_cached(&self) -> usize {
+        self.cache.len()
     }
 
     pub fn limits(&self) -> Arc<Limits> {
@@ -218,16 +236,94 @@ impl Limiter {
             debit,
         };
         let planned = plan(request, &domain.root, modes);
-        let outcome = if planned.items.is_empty() {
-            CheckOutcome {
+        let (outcome, cached) = if planned.items.is_empty() {
+            let none = CheckOutcome {
                 admitted: true,
                 items: Vec::new(),
-            }
+            };
+            (none, Vec::new())
         } else {
             let policy = domain.store_failure.unwrap_or(self.options.failure_policy);
-            self.check(&planned.items, now_ms, policy).await?
+            self.check_cached(&planned.items, now_ms, policy).await?
         };
-        Ok(self.respond(request, &planned, &outcome))
+        Ok(self.respond(request, &planned, &outcome, &cached))
+    }
+
+    /// Asks the store, unless a descriptor is known to be over (the over-limit cache): then the
+    /// request is rejected without sending that descriptor, and the store is asked only about
+    /// the others, recording nothing. Returns the outcome and which items the cache answered.
+    async fn check_cached(
+        &self,
+        items: &[CheckItem<'_>],
+        now_ms: u64,
+        policy: FailurePolicy,
+    ) -> Result<(CheckOutcome, Vec<bool>), LimiterError> {
+        let generation = self.cache.generation();
+        // A debit records even when its request is rejected: such requests always go to the
+        // store.
+        let known: Vec<Option<ItemOutcome>> =
+            if self.cache.is_empty() || items.iter().any(|i| i.debit) {
+                Vec::new()
+            } else {
+                items.iter().map(|i| self.cache.get(i, now_ms)).collect()
+            };
+        if !known.iter().any(Option::is_some) {
+            let outcome = self.check(items, now_ms, policy).await?;
+            self.remember(items, &outcome.items, now_ms, generation);
+            return Ok((outcome, vec![false; items.len()]));
+        }
+        let rest: Vec<CheckItem<'_>> = items
+            .iter()
+            .zip(&known)
+            .filter(|(_, k)| k.is_none())
+            .map(|(i, _)| i.clone())
+            .collect();
+        let mut rest_outcomes = if rest.is_empty() {
+            Vec::new()
+        } else {
+            let started = Stopwatch::start();
+            let result = self.store.check_rejected(&rest, now_ms).await;
+            self.observer
+                .store_call(self.store.name(), started.elapsed(), result.is_ok());
+            match result {
+                Ok(outcome) => {
+                    self.remember(&rest, &outcome.items, now_ms, generation);
+                    outcome.items
+                }
+                // The request is over whatever the store says about the others.
+                Err(e) => {
+                    self.note_store_error(&e, now_ms, policy);
+                    vec![ItemOutcome::default(); rest.len()]
+                }
+            }
+        }
+        .into_iter();
+        let cached: Vec<bool> = known.iter().map(Option::is_some).collect();
+        let outcomes = known
+            .into_iter()
+            .map(|k| k.or_else(|| rest_outcomes.next()).unwrap_or_default())
+            .collect();
+        let outcome = CheckOutcome {
+            admitted: false,
+            items: outcomes,
+        };
+        Ok((outcome, cached))
+    }
+
+    /// Caches the items the store found over.
+    fn remember(
+        &self,
+        items: &[CheckItem<'_>],
+        outcomes: &[ItemOutcome],
+        now_ms: u64,
+        generation: u64,
+    ) {
+        if !self.cache.enabled() {
+            return;
+        }
+        for (item, outcome) in items.iter().zip(outcomes) {
+            self.cache.insert(item, outcome, now_ms, generation);
+        }
     }
 
     /// Shapes the answer from the store's outcome and reports each checked descriptor.
@@ -236,6 +332,7 @@ impl Limiter {
         request: &Request,
         planned: &Planned<'_>,
         outcome: &CheckOutcome,
+        cached: &[bool],
     ) -> Decision {
         let overall = if outcome.admitted {
             Code::Ok
@@ -247,7 +344,7 @@ impl Limiter {
             .iter()
             .map(|plan| status_of_plan(plan, outcome))
             .collect();
-        self.report(request, planned, outcome);
+        self.report(request, planned, outcome, cached);
         // When global shadow mode turns a rejection into OK the client is not limited, so it
         // gets no Retry-After and no zero-remaining RateLimit either.
         let mut headers = Vec::new();
@@ -270,7 +367,13 @@ impl Limiter {
         self.options.global_shadow_mode && overall == Code::OverLimit
     }
 
-    fn report(&self, request: &Request, planned: &Planned<'_>, outcome: &CheckOutcome) {
+    fn report(
+        &self,
+        request: &Request,
+        planned: &Planned<'_>,
+        outcome: &CheckOutcome,
+        cached: &[bool],
+    ) {
         for plan in &planned.plans {
             if let Plan::Check {
                 item,
@@ -280,7 +383,7 @@ impl Limiter {
             } = plan
                 && let Some(found) = outcome.items.get(*item)
             {
-                self.observer.descriptor(&report(
+                let mut report = report(
                     &request.domain,
                     rule.map(|r| &**r),
                     segments,
@@ -288,7 +391,9 @@ impl Limiter {
                     found,
                     outcome.admitted,
                     self.options.near_limit_ratio,
-                ));
+                );
+                report.from_cache = cached.get(*item).copied().unwrap_or(false);
+                self.observer.descriptor(&report);
             }
         }
     }
@@ -574,6 +679,7 @@ fn report<'a>(
         over: 0,
         shadow: 0,
         ban_set: outcome.ban_set,
+        from_cache: false,
     };
     if !outcome.fits {
         report.over = hits;
@@ -861,6 +967,9 @@ mod tests {
 
     impl Store for Broken {
         fn check<'a>(&'a self, _: &'a [CheckItem<'a>], _: u64) -> StoreFuture<'a> {
+            Box::pin(async { Err(StoreError::unavailable("down")) })
+        }
+        fn check_rejected<'a>(&'a self, _: &'a [CheckItem<'a>], _: u64) -> StoreFuture<'a> {
             Box::pin(async { Err(StoreError::unavailable("down")) })
         }
         fn name(&self) -> &'static str {

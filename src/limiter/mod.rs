@@ -4,6 +4,7 @@
 //! contract below it) to decide its batch.
 
 pub mod bounds;
+pub mod cache;
 pub mod clock;
 pub mod engine;
 pub mod headers;
@@ -14,7 +15,7 @@ pub mod unit;
 
 pub use bounds::RequestBounds;
 pub use clock::{Clock, ManualClock, SystemClock};
-pub use engine::{FailurePolicy, Limiter, LimiterOptions};
+pub use engine::{DEFAULT_OVER_LIMIT_CACHE, FailurePolicy, Limiter, LimiterOptions};
 pub use headers::LimitHeaderNames;
 pub use observe::{CallResult, DescriptorReport, NoObserver, Observer};
 pub use unit::Unit;

@@ -23,6 +23,8 @@ pub struct DescriptorReport<'a> {
     pub shadow: u64,
     /// This request set a ban.
     pub ban_set: bool,
+    /// Answered over the limit from the over-limit cache, without the store.
+    pub from_cache: bool,
 }
 
 /// How a whole call ended.

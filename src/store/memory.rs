@@ -160,7 +160,13 @@ impl MemoryStore {
     }
 
     /// Decides a batch atomically: lock its shards, see what fits, record if admitted, report.
-    fn decide(&self, items: &[CheckItem<'_>], now_ms: u64) -> Result<CheckOutcome, StoreError> {
+    /// With `rejected`, the request is already rejected elsewhere (see `Store::check_rejected`).
+    fn decide(
+        &self,
+        items: &[CheckItem<'_>],
+        now_ms: u64,
+        rejected: bool,
+    ) -> Result<CheckOutcome, StoreError> {
         let shard_of: Vec<usize> = items
             .iter()
             .map(|i| self.shards.shard_of(i.key.as_str()))
@@ -171,7 +177,7 @@ impl MemoryStore {
         }
         self.check_room(&mut locked, items, &shard_of)?;
         let fits = fit_all(&mut locked, items, &shard_of, now_ms);
-        let admitted = admits(items.iter().zip(&fits).map(|(i, f)| (i.role, f.fits)));
+        let admitted = !rejected && admits(items.iter().zip(&fits).map(|(i, f)| (i.role, f.fits)));
         record_all(&mut locked, items, &shard_of, &fits, admitted, now_ms);
         let outcomes = items
             .iter()
@@ -404,7 +410,12 @@ fn item_outcome(
 
 impl Store for MemoryStore {
     fn check<'a>(&'a self, items: &'a [CheckItem<'a>], now_ms: u64) -> StoreFuture<'a> {
-        let outcome = self.decide(items, now_ms);
+        let outcome = self.decide(items, now_ms, false);
+        Box::pin(async move { outcome })
+    }
+
+    fn check_rejected<'a>(&'a self, items: &'a [CheckItem<'a>], now_ms: u64) -> StoreFuture<'a> {
+        let outcome = self.decide(items, now_ms, true);
         Box::pin(async move { outcome })
     }
 
@@ -637,7 +648,9 @@ mod tests {
     }
 
     fn decide(store: &MemoryStore, items: &[CheckItem<'_>], now_ms: u64) -> CheckOutcome {
-        store.decide(items, now_ms).expect("room in the store")
+        store
+            .decide(items, now_ms, false)
+            .expect("room in the store")
     }
 
     #[test]
@@ -645,7 +658,11 @@ mod tests {
         let store = MemoryStore::bounded(640);
         let mut refused = 0;
         for n in 0..2_000 {
-            match store.decide(&[item(&format!("v{n}"), vec![window(5, 60_000)], 1)], 0) {
+            match store.decide(
+                &[item(&format!("v{n}"), vec![window(5, 60_000)], 1)],
+                0,
+                false,
+            ) {
                 Ok(outcome) => assert!(outcome.admitted),
                 Err(e) => {
                     assert!(e.to_string().contains("--memory-max-keys"), "{e}");
@@ -660,7 +677,7 @@ mod tests {
             .map(|n| format!("v{n}"))
             .find(|v| {
                 store
-                    .decide(&[item(v, vec![window(5, 60_000)], 0)], 1)
+                    .decide(&[item(v, vec![window(5, 60_000)], 0)], 1, false)
                     .is_ok_and(|o| o.items[0].windows[0].count == 1)
             })
             .expect("one held descriptor");
@@ -683,7 +700,11 @@ mod tests {
         let store = MemoryStore::new();
         let w = vec![window(100, 60_000)];
         for n in 0..1_000_000u64 {
-            let _ = store.decide(&[item(&n.to_string(), w.clone(), 1)], 1_000 + n / 100);
+            let _ = store.decide(
+                &[item(&n.to_string(), w.clone(), 1)],
+                1_000 + n / 100,
+                false,
+            );
         }
         assert!(store.len() <= DEFAULT_MAX_KEYS, "{} held", store.len());
         assert!(

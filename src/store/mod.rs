@@ -217,6 +217,12 @@ pub trait Store: Send + Sync + 'static {
     /// window had room for one more hit. Items that do not fit and have a ban get banned.
     fn check<'a>(&'a self, items: &'a [CheckItem<'a>], now_ms: u64) -> StoreFuture<'a>;
 
+    /// Decides a batch whose request is already rejected by a descriptor known to be over (not
+    /// among `items`; the limiter's over-limit cache): as [`Store::check`] with one more
+    /// enforcing item that does not fit. Nothing is recorded but debits, and items that do not
+    /// fit and have a ban get banned; the outcome says how the others stand.
+    fn check_rejected<'a>(&'a self, items: &'a [CheckItem<'a>], now_ms: u64) -> StoreFuture<'a>;
+
     /// A short name for logs and metrics.
     fn name(&self) -> &'static str;
 

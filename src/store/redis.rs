@@ -70,6 +70,38 @@ pub struct RedisStore {
     /// Makes members unique across replicas: a random id per process plus a call counter.
     instance: String,
     calls: AtomicU64,
+    /// When Redis last answered a call, in ms since `epoch`: a call past its deadline while
+    /// Redis keeps answering others is queued, not lost (see `decide_in_time`).
+    last_reply_ms: AtomicU64,
+    epoch: tokio::time::Instant,
+}
+
+/// The longest a call waits behind others while Redis keeps answering (past that, or past
+/// `--redis-timeout` if longer, it fails whatever the reason). A caller's own deadline (Envoy's filter timeout, sent as
+/// `grpc-timeout`) ends the call sooner.
+const QUEUED_AT_MOST: Duration = Duration::from_secs(1);
+
+/// How a script call decides (`ARGV[3]` of `lua/slidegate.lua`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Mode {
+    /// One slot of a request spread over several: record if this slot fits; the caller
+    /// combines the slots and removes the entries of a rejected request.
+    Tentative,
+    /// The whole request in one call: admit and record, or record nothing.
+    Final,
+    /// The request is already rejected (a descriptor known to be over): record nothing but
+    /// debits, set bans, report.
+    Rejected,
+}
+
+impl Mode {
+    fn arg(self) -> &'static str {
+        match self {
+            Mode::Tentative => "0",
+            Mode::Final => "1",
+            Mode::Rejected => "2",
+        }
+    }
 }
 
 /// How long to wait before sending a call Redis answered `TRYAGAIN` (a slot mid-migration).
@@ -142,7 +174,11 @@ impl PoolRecipe {
                 c.unresponsive.max_timeout = Some(options.connect_timeout);
                 c.unresponsive.interval = options.connect_timeout / 4;
             })
-            .with_performance_config(|p| p.default_command_timeout = options.timeout)
+            // The store's own deadline (`RedisStore::decide_in_time`) decides when a call has
+            // waited too long; the client's only bounds a command that outlived it.
+            .with_performance_config(|p| {
+                p.default_command_timeout = QUEUED_AT_MOST.max(options.timeout);
+            })
             // Retries at most every half second, so calls resume soon after Redis returns.
             .set_policy(ReconnectPolicy::new_exponential(0, 50, 500, 2))
             .build_pool(options.pool_size.max(1))
@@ -368,6 +404,8 @@ impl RedisStore {
                 )
             ),
             calls: AtomicU64::new(0),
+            last_reply_ms: AtomicU64::new(0),
+            epoch: tokio::time::Instant::now(),
         })
     }
 
@@ -437,32 +475,110 @@ impl RedisStore {
         });
     }
 
+    fn note_reply(&self) {
+        let since = u64::try_from(self.epoch.elapsed().as_millis()).unwrap_or(u64::MAX);
+        self.last_reply_ms.fetch_max(since, Ordering::Relaxed);
+    }
+
+    /// Whether Redis answered some call within the last `timeout`.
+    fn answering(&self) -> bool {
+        let last = self.epoch + Duration::from_millis(self.last_reply_ms.load(Ordering::Relaxed));
+        tokio::time::Instant::now().saturating_duration_since(last) < self.timeout
+    }
+
+    /// The client's options for one call. While Redis answers, a call may wait in the queue
+    /// (see `decide_in_time`); while it does not, the client gives the command up at the store
+    /// deadline, as the store does, so a command held through a reconnection is not sent
+    /// later, when its call was long answered with an error.
+    fn call_options(&self) -> fred::types::config::Options {
+        fred::types::config::Options {
+            timeout: Some(if self.answering() {
+                QUEUED_AT_MOST.max(self.timeout)
+            } else {
+                self.timeout
+            }),
+            ..fred::types::config::Options::default()
+        }
+    }
+
+    /// [`RedisStore::decide`] under the store deadline, which is for Redis being slow or gone,
+    /// not for waiting behind other calls: when it passes while Redis has answered some call
+    /// within the last `timeout` (so the wait is a queue, here or in Redis, not a dead link),
+    /// the call keeps waiting, up to [`QUEUED_AT_MOST`] in all. A Redis that answers nothing for
+    /// `timeout` fails the call at its deadline. (In a cluster, an answer from any master
+    /// counts, so a call to a master that alone stopped answering fails only after
+    /// [`QUEUED_AT_MOST`].)
+    async fn decide_in_time(
+        &self,
+        items: &[CheckItem<'_>],
+        now_ms: u64,
+        rejected: bool,
+    ) -> Result<CheckOutcome, StoreError> {
+        let started = tokio::time::Instant::now();
+        let work = self.decide(items, now_ms, rejected);
+        tokio::pin!(work);
+        let mut deadline = started + self.timeout;
+        loop {
+            tokio::select! {
+                result = &mut work => return result,
+                () = tokio::time::sleep_until(deadline) => {
+                    let last = self.epoch
+                        + Duration::from_millis(self.last_reply_ms.load(Ordering::Relaxed));
+                    let now = tokio::time::Instant::now();
+                    let answering = now.saturating_duration_since(last) < self.timeout;
+                    let cap = started + QUEUED_AT_MOST.max(self.timeout);
+                    if !answering || now >= cap {
+                        return Err(StoreError::Timeout(now.saturating_duration_since(started)));
+                    }
+                    deadline = (last + self.timeout).min(cap);
+                }
+            }
+        }
+    }
+
     async fn call_group(
         &self,
         items: &[CheckItem<'_>],
         group: &[usize],
         now_ms: u64,
         prefix: &str,
-        final_mode: bool,
+        mode: Mode,
     ) -> Result<GroupReply, StoreError> {
-        let (mut keys, mut args) = self.script_input(items, group, now_ms, prefix, final_mode);
+        let (mut keys, mut args) = self.script_input(items, group, now_ms, prefix, mode);
         // TRYAGAIN: the slot is being migrated and this call's keys are split between the two
         // masters for a moment; Redis asks to send it again shortly. The caller's deadline
-        // bounds the retries. The input is built again only then (it is moved into the call).
+        // bounds the retries. NOSCRIPT (a restart, a failover, SCRIPT FLUSH): load it and send
+        // again, once. The input is built again only then (it is moved into the call).
+        let mut loaded = false;
         loop {
-            let sent: Result<Vec<i64>, Error> = self
-                .script
-                .evalsha_with_reload(self.pool.load().next(), keys, args)
-                .await;
+            let sent = self.evalsha(keys, args).await;
             match sent {
-                Ok(reply) => return parse_reply(&reply, items, group),
+                Ok(reply) => {
+                    self.note_reply();
+                    return parse_reply(&reply, items, group);
+                }
                 Err(e) if e.details().starts_with("TRYAGAIN") => {
                     tokio::time::sleep(TRY_AGAIN_AFTER).await;
-                    (keys, args) = self.script_input(items, group, now_ms, prefix, final_mode);
+                    (keys, args) = self.script_input(items, group, now_ms, prefix, mode);
+                }
+                Err(e) if e.details().starts_with("NOSCRIPT") && !loaded => {
+                    loaded = true;
+                    let pool = self.pool.load();
+                    if let Err(e) = self.script.load(pool.next()).await {
+                        return Err(call_failed(&e));
+                    }
+                    (keys, args) = self.script_input(items, group, now_ms, prefix, mode);
                 }
                 Err(e) => return Err(call_failed(&e)),
             }
         }
+    }
+
+    /// Runs the script with this call's options.
+    async fn evalsha(&self, keys: Vec<String>, args: Vec<String>) -> Result<Vec<i64>, Error> {
+        let pool = self.pool.load();
+        let with = pool.next().with_options(&self.call_options());
+        with.evalsha(self.script.sha1().clone(), keys, args).await
     }
 
     /// The script's `KEYS` and `ARGV` for the items of `group` (layout in `lua/slidegate.lua`).
@@ -472,7 +588,7 @@ impl RedisStore {
         group: &[usize],
         now_ms: u64,
         prefix: &str,
-        final_mode: bool,
+        mode: Mode,
     ) -> (Vec<String>, Vec<String>) {
         let mut keys = Vec::with_capacity(group.len() * 2);
         let mut args: Vec<String> = Vec::with_capacity(4 + group.len() * 8);
@@ -481,7 +597,7 @@ impl RedisStore {
             ClockSource::Redis => String::new(),
         });
         args.push(prefix.to_string());
-        args.push(if final_mode { "1" } else { "0" }.to_string());
+        args.push(mode.arg().to_string());
         args.push(group.len().to_string());
         for &i in group {
             let item = &items[i];
@@ -512,10 +628,12 @@ impl RedisStore {
         (keys, args)
     }
 
+    /// With `rejected`, the request is already rejected elsewhere (`Store::check_rejected`).
     async fn decide(
         &self,
         items: &[CheckItem<'_>],
         now_ms: u64,
+        rejected: bool,
     ) -> Result<CheckOutcome, StoreError> {
         let prefix = format!(
             "{}-{}",
@@ -523,11 +641,15 @@ impl RedisStore {
             self.calls.fetch_add(1, Ordering::Relaxed)
         );
         let groups = self.groups(items);
-        let final_mode = groups.len() == 1;
+        let mode = match (rejected, groups.len()) {
+            (true, _) => Mode::Rejected,
+            (false, 1) => Mode::Final,
+            (false, _) => Mode::Tentative,
+        };
         let replies = join_all(
             groups
                 .iter()
-                .map(|g| self.call_group(items, g, now_ms, &prefix, final_mode)),
+                .map(|g| self.call_group(items, g, now_ms, &prefix, mode)),
         )
         .await;
         let mut outcomes = vec![ItemOutcome::default(); items.len()];
@@ -549,8 +671,9 @@ impl RedisStore {
             }
         }
         let admitted = first_error.is_none()
+            && !rejected
             && admits(items.iter().zip(&outcomes).map(|(i, o)| (i.role, o.fits)));
-        if !final_mode && !admitted && !recorded_groups.is_empty() {
+        if mode == Mode::Tentative && !admitted && !recorded_groups.is_empty() {
             self.undo(items, &recorded_groups, &prefix, &mut outcomes)
                 .await;
         }
@@ -716,21 +839,30 @@ fn parse_reply(
     })
 }
 
+impl RedisStore {
+    async fn checked(
+        &self,
+        items: &[CheckItem<'_>],
+        now_ms: u64,
+        rejected: bool,
+    ) -> Result<CheckOutcome, StoreError> {
+        let result = self.decide_in_time(items, now_ms, rejected).await;
+        // A protocol error is an answer: the client works.
+        self.note(!matches!(
+            result,
+            Err(StoreError::Timeout(_) | StoreError::Unavailable { .. })
+        ));
+        result
+    }
+}
+
 impl Store for RedisStore {
     fn check<'a>(&'a self, items: &'a [CheckItem<'a>], now_ms: u64) -> StoreFuture<'a> {
-        Box::pin(async move {
-            let result = match tokio::time::timeout(self.timeout, self.decide(items, now_ms)).await
-            {
-                Ok(result) => result,
-                Err(_) => Err(StoreError::Timeout(self.timeout)),
-            };
-            // A protocol error is an answer: the client works.
-            self.note(!matches!(
-                result,
-                Err(StoreError::Timeout(_) | StoreError::Unavailable { .. })
-            ));
-            result
-        })
+        Box::pin(self.checked(items, now_ms, false))
+    }
+
+    fn check_rejected<'a>(&'a self, items: &'a [CheckItem<'a>], now_ms: u64) -> StoreFuture<'a> {
+        Box::pin(self.checked(items, now_ms, true))
     }
 
     fn name(&self) -> &'static str {

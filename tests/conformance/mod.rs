@@ -1228,6 +1228,137 @@ pub async fn debits_under_concurrency_match_a_sequential_model(b: &dyn Backend) 
     assert!(!recorded.is_empty(), "some debits were charged");
 }
 
+const CACHED: &str = r#"
+domain: DOMAIN
+descriptors:
+  - key: k
+    rate_limit: {unit: minute, requests_per_unit: 3}
+  - key: other
+    rate_limit: {unit: minute, requests_per_unit: 10}
+  - key: banned
+    rate_limit: {unit: minute, requests_per_unit: 1}
+    ban: 10m
+"#;
+
+/// Store calls so far, from the server's own metrics.
+async fn store_calls(s: &TestServer) -> f64 {
+    let (_, text) = http(s.http_addr, "GET", "/metrics", "").await;
+    text.lines()
+        .filter(|l| l.starts_with("slidegate_store_duration_seconds_count"))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
+
+/// A descriptor the store found over is answered without the store until the moment the store
+/// said it would fit again, with the store's answer counted down; then the store decides
+/// again. The other descriptors of such a request are still asked about, recording nothing.
+pub async fn known_over_descriptors_skip_the_store(b: &dyn Backend) {
+    let (s, d) = start(b, "cached", CACHED).await;
+    let k = || descriptor(&[("k", "a")]);
+    for n in 0..3 {
+        assert_eq!(
+            s.call(request(&d, vec![k()])).await.overall_code,
+            ok(),
+            "{n}"
+        );
+        s.clock.advance(1_000);
+    }
+    // 3 admitted at T0, T0+1s, T0+2s; the 4th (T0+3s) fits when the first leaves: T0+60s.
+    let r = s.call(request(&d, vec![k()])).await;
+    assert_eq!(r.overall_code, over());
+    assert_eq!(reset_ms(&r.statuses[0]), Some(57_000));
+    assert_eq!(s.limiter.over_limit_cached(), 1);
+
+    let before = store_calls(&s).await;
+    s.clock.advance(7_000);
+    let r = s.call(request(&d, vec![k()])).await;
+    assert_eq!(r.overall_code, over());
+    assert_eq!(r.statuses[0].limit_remaining, 0);
+    assert_eq!(
+        reset_ms(&r.statuses[0]),
+        Some(50_000),
+        "the store's reset, counted down"
+    );
+    assert_eq!(store_calls(&s).await, before, "answered without the store");
+
+    // With another descriptor: rejected, the other asked about, nothing recorded for it.
+    let r = s
+        .call(request(&d, vec![k(), descriptor(&[("other", "x")])]))
+        .await;
+    assert_eq!(r.overall_code, over());
+    assert_eq!(r.statuses[0].code, over());
+    assert_eq!(
+        (r.statuses[1].code, r.statuses[1].limit_remaining),
+        (ok(), 10),
+        "as in any rejected request: the room it has, nothing taken"
+    );
+    let r = s
+        .call(request(&d, vec![descriptor(&[("other", "x")])]))
+        .await;
+    assert_eq!(
+        r.statuses[0].limit_remaining, 9,
+        "the rejected request recorded nothing"
+    );
+
+    // A request for more hits is the store's to answer (its reset is later).
+    let r = s.call(request(&d, vec![with_hits(k(), 2)])).await;
+    assert_eq!(r.overall_code, over());
+    assert_eq!(
+        reset_ms(&r.statuses[0]),
+        Some(51_000),
+        "until two entries leave"
+    );
+
+    // Up to the reset, over; at it, the store admits.
+    s.clock.advance(49_999);
+    assert_eq!(s.call(request(&d, vec![k()])).await.overall_code, over());
+    s.clock.advance(1);
+    let r = s.call(request(&d, vec![k()])).await;
+    assert_eq!(r.overall_code, ok(), "admitted the moment the store said");
+
+    // A reload forgets what was over.
+    s.call(request(&d, vec![k()])).await;
+    assert!(s.limiter.over_limit_cached() >= 1);
+    s.limiter.replace_limits((*s.limiter.limits()).clone());
+    assert_eq!(s.limiter.over_limit_cached(), 0);
+    s.stop().await;
+}
+
+/// A ban is cached for its whole length; a banned request with another descriptor still sets
+/// that descriptor's own ban when it is over too.
+pub async fn cached_bans_and_bans_of_the_others(b: &dyn Backend) {
+    let (s, d) = start(b, "cached-ban", CACHED).await;
+    let banned = || descriptor(&[("banned", "u")]);
+    assert_eq!(s.call(request(&d, vec![banned()])).await.overall_code, ok());
+    let r = s.call(request(&d, vec![banned()])).await;
+    assert_eq!(
+        (r.overall_code, reset_ms(&r.statuses[0])),
+        (over(), Some(600_000))
+    );
+    let before = store_calls(&s).await;
+    s.clock.advance(100_000);
+    let r = s.call(request(&d, vec![banned()])).await;
+    assert_eq!(
+        (r.overall_code, reset_ms(&r.statuses[0])),
+        (over(), Some(500_000))
+    );
+    assert_eq!(store_calls(&s).await, before);
+    // Another user of the banned rule, over its own limit in a request rejected by the cached
+    // ban: its ban is set all the same.
+    let other = || descriptor(&[("banned", "v")]);
+    assert_eq!(s.call(request(&d, vec![other()])).await.overall_code, ok());
+    let r = s.call(request(&d, vec![banned(), other()])).await;
+    assert_eq!(r.overall_code, over());
+    assert_eq!(reset_ms(&r.statuses[1]), Some(600_000), "v's ban was set");
+    s.clock.advance(500_000);
+    assert_eq!(
+        s.call(request(&d, vec![banned()])).await.overall_code,
+        ok(),
+        "the ban is over"
+    );
+    s.stop().await;
+}
+
 /// Generates one test per scenario for a backend expression.
 #[macro_export]
 macro_rules! conformance_suite {
@@ -1244,7 +1375,8 @@ macro_rules! conformance_suite {
             exact_under_concurrency, sliding_counter_is_bounded_by_one_bucket,
             sliding_counter_takes_large_hits, sliding_counter_exact_under_concurrency,
             sliding_counter_windows_sharing_a_bucket_count_once, weighted_hits_count_as_tokens,
-            debits_charge_usage_that_happened, debits_under_concurrency_match_a_sequential_model);
+            debits_charge_usage_that_happened, debits_under_concurrency_match_a_sequential_model,
+            known_over_descriptors_skip_the_store, cached_bans_and_bans_of_the_others);
     };
     (@tests $backend:expr; $($name:ident),* $(,)?) => {
         $(
