@@ -10,6 +10,7 @@
 //!     cargo bench --bench load
 //!     SLIDEGATE_BENCH_SECS=10 SLIDEGATE_BENCH_CONNECTIONS=16 SLIDEGATE_BENCH_STREAMS=16 cargo bench --bench load
 //!     SLIDEGATE_BENCH_ONLY=hot cargo bench --bench load     # scenarios whose name contains "hot"
+//!     SLIDEGATE_BENCH_BINARY=/tmp/old-slidegate cargo bench --bench load   # another build
 //!
 //! The load generator shares the machine with slidegate and Redis: compare figures from one
 //! run, as ratios.
@@ -159,7 +160,12 @@ struct Server {
 impl Server {
     fn start(config: &Path, args: &[String]) -> Server {
         let (grpc, http) = (redis_proc::free_port(), redis_proc::free_port());
-        let child = Command::new(env!("CARGO_BIN_EXE_slidegate"))
+        // SLIDEGATE_BENCH_BINARY: another build to compare with, in the same run.
+        let binary = std::env::var_os("SLIDEGATE_BENCH_BINARY").map_or_else(
+            || PathBuf::from(env!("CARGO_BIN_EXE_slidegate")),
+            PathBuf::from,
+        );
+        let child = Command::new(binary)
             .arg("--config")
             .arg(config)
             .args(["--grpc-addr", &format!("127.0.0.1:{grpc}")])

@@ -3,6 +3,12 @@
 
 mod cli;
 
+/// mimalloc instead of the C library's allocator: a decision allocates and frees many small
+/// buffers on every thread, and glibc's malloc spent about a fifth of slidegate's time on them
+/// under load (`perf`); see the README's *Performance* for the measurement.
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 fn main() -> std::process::ExitCode {
     cli::main()
 }
