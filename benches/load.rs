@@ -11,6 +11,7 @@
 //!     SLIDEGATE_BENCH_SECS=10 SLIDEGATE_BENCH_CONNECTIONS=16 SLIDEGATE_BENCH_STREAMS=16 cargo bench --bench load
 //!     SLIDEGATE_BENCH_ONLY=hot cargo bench --bench load     # scenarios whose name contains "hot"
 //!     SLIDEGATE_BENCH_BINARY=/tmp/old-slidegate cargo bench --bench load   # another build
+//!     SLIDEGATE_BENCH_SCRIPT=/tmp/old.lua SLIDEGATE_BENCH_ONLY=ceiling cargo bench --bench load
 //!
 //! The load generator shares the machine with slidegate and Redis: compare figures from one
 //! run, as ratios.
@@ -349,11 +350,8 @@ async fn drive(
 
 /// Calls per second of the script alone on one Redis core, and Redis CPU per call: the
 /// arguments of one `user` descriptor as slidegate sends them, a fresh user per call.
-fn script_ceiling(redis: &redis_proc::RedisProcess) {
-    let sha = redis_cli(
-        redis.port,
-        &["SCRIPT", "LOAD", slidegate::store::redis::SCRIPT],
-    );
+fn script_ceiling(redis: &redis_proc::RedisProcess, script: &str, name: &str) {
+    let sha = redis_cli(redis.port, &["SCRIPT", "LOAD", script]);
     let (cpu0, commands0) = redis_usage(&[redis.port]);
     let requests = 200_000;
     let out = Command::new("redis-benchmark")
@@ -396,7 +394,7 @@ fn script_ceiling(redis: &redis_proc::RedisProcess) {
         .unwrap_or(0.0);
     let (cpu1, commands1) = redis_usage(&[redis.port]);
     println!(
-        "\nThe script alone on one Redis core (redis-benchmark, 16 clients, EVALSHA as slidegate sends it for one descriptor): {rps:.0} calls/s, {:.1} us Redis CPU and {:.2} commands per call",
+        "\n{name} alone on one Redis core (redis-benchmark, 16 clients, EVALSHA as slidegate sends it for one descriptor): {rps:.0} calls/s, {:.1} us Redis CPU and {:.2} commands per call",
         (cpu1 - cpu0) / requests as f64 * 1e6,
         commands1.saturating_sub(commands0) as f64 / requests as f64
     );
@@ -674,7 +672,17 @@ fn main() {
         report.print();
     }
     if only.is_empty() || "ceiling".contains(only.as_str()) {
-        script_ceiling(&standalone);
+        script_ceiling(&standalone, slidegate::store::redis::SCRIPT, "The script");
+        // SLIDEGATE_BENCH_SCRIPT: another version of the script, measured the same way.
+        if let Some(path) = std::env::var_os("SLIDEGATE_BENCH_SCRIPT") {
+            let other = std::fs::read_to_string(&path).expect("read SLIDEGATE_BENCH_SCRIPT");
+            let _ = redis_cli(standalone.port, &["FLUSHALL"]);
+            script_ceiling(
+                &standalone,
+                &other,
+                &format!("{}", Path::new(&path).display()),
+            );
+        }
         memory_usage(&standalone);
     }
     let _ = std::fs::remove_dir_all(&scratch);

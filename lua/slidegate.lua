@@ -53,26 +53,31 @@
 -- rewritten in this format, weight 1 each, the first time this script reads them.
 -- Bad arguments get an error reply whose code is SLIDEGATE, never a Lua runtime error.
 
+-- Library functions as locals: a local is a register, a global a table lookup, and this body
+-- runs on every call.
+local tonumber, format, floor, max, min, call = tonumber, string.format, math.floor, math.max,
+  math.min, redis.call
+
 local function fail(message)
   return redis.error_reply('SLIDEGATE ' .. message)
 end
 
 local function whole(text)
   local v = tonumber(text)
-  if v == nil or v < 0 or v ~= math.floor(v) then
+  if v == nil or v < 0 or v % 1 ~= 0 then
     return nil
   end
   return v
 end
 
 local function ms(v)
-  return string.format('%d', v)
+  return format('%d', v)
 end
 
 local now
 if ARGV[1] == '' then
-  local t = redis.call('TIME')
-  now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+  local t = call('TIME')
+  now = tonumber(t[1]) * 1000 + floor(tonumber(t[2]) / 1000)
 else
   now = whole(ARGV[1])
 end
@@ -113,8 +118,8 @@ for i = 1, n do
     end
     windows[w] = { limit = limit, length = length }
     if buckets > 0 then
-      windows[w].size = math.max(math.floor(length / buckets), 1)
-      windows[w].oldest = math.floor(math.max(now - length, 0) / windows[w].size)
+      windows[w].size = max(floor(length / buckets), 1)
+      windows[w].oldest = floor(max(now - length, 0) / windows[w].size)
     end
     if length > longest then
       longest = length
@@ -141,41 +146,41 @@ local function parse_member(member)
 end
 
 local function member(cum, weight, i)
-  return string.format('%020d', cum) .. ':' .. ms(weight) .. ':' .. prefix .. ':' .. i
+  return format('%020d:%d:%s:%d', cum, weight, prefix, i)
 end
 
 -- Rewrites a log that holds members of the previous format: every entry keeps its time, an
 -- old member weighs 1, and running totals are recomputed in time order.
 local function migrate(log)
-  local all = redis.call('ZRANGE', log, 0, -1, 'WITHSCORES')
-  redis.call('DEL', log)
+  local all = call('ZRANGE', log, 0, -1, 'WITHSCORES')
+  call('DEL', log)
   local cum, args = 0, {}
   for e = 1, #all, 2 do
     local _, weight = parse_member(all[e])
     weight = weight or 1
     cum = cum + weight
     args[#args + 1] = all[e + 1]
-    args[#args + 1] = string.format('%020d', cum) .. ':' .. ms(weight) .. ':m:' .. ms((e + 1) / 2)
+    args[#args + 1] = format('%020d', cum) .. ':' .. ms(weight) .. ':m:' .. ms((e + 1) / 2)
     if #args >= 2000 then
-      redis.call('ZADD', log, unpack(args))
+      call('ZADD', log, unpack(args))
       args = {}
     end
   end
   if #args > 0 then
-    redis.call('ZADD', log, unpack(args))
+    call('ZADD', log, unpack(args))
   end
 end
 
 -- The log's newest entry: { cum, time } ({ 0, 0 } when empty). Migrates an old log first.
 local function last_entry(log)
-  local last = redis.call('ZRANGE', log, -1, -1, 'WITHSCORES')
+  local last = call('ZRANGE', log, -1, -1, 'WITHSCORES')
   if last[1] == nil then
     return { cum = 0, time = 0 }
   end
   local cum = parse_member(last[1])
   if cum == nil then
     migrate(log)
-    last = redis.call('ZRANGE', log, -1, -1, 'WITHSCORES')
+    last = call('ZRANGE', log, -1, -1, 'WITHSCORES')
     cum = parse_member(last[1])
   end
   return { cum = cum, time = tonumber(last[2]) }
@@ -183,7 +188,7 @@ end
 
 -- The first entry inside a window: { before = cum before it, time } or nil when none.
 local function first_inside(log, win)
-  local first = redis.call('ZRANGEBYSCORE', log, '(' .. ms(now - win.length), '+inf', 'WITHSCORES', 'LIMIT', 0, 1)
+  local first = call('ZRANGEBYSCORE', log, '(' .. ms(now - win.length), '+inf', 'WITHSCORES', 'LIMIT', 0, 1)
   if first[1] == nil then
     return nil
   end
@@ -196,16 +201,16 @@ end
 -- most need - 1 ranks past the window's first entry; when every entry weighs 1 (requests) the
 -- first probe there finds it. Otherwise a binary search by rank.
 local function time_reaching(log, win, total, need)
-  local low = redis.call('ZCOUNT', log, '-inf', ms(now - win.length))
-  local high = math.min(redis.call('ZCARD', log) - 1, low + need - 1)
-  local probe = redis.call('ZRANGE', log, high, high, 'WITHSCORES')
+  local low = call('ZCOUNT', log, '-inf', ms(now - win.length))
+  local high = min(call('ZCARD', log) - 1, low + need - 1)
+  local probe = call('ZRANGE', log, high, high, 'WITHSCORES')
   if probe[1] ~= nil and parse_member(probe[1]) == total then
     return tonumber(probe[2])
   end
   local found = nil
   while low <= high do
-    local mid = math.floor((low + high) / 2)
-    local entry = redis.call('ZRANGE', log, mid, mid, 'WITHSCORES')
+    local mid = floor((low + high) / 2)
+    local entry = call('ZRANGE', log, mid, mid, 'WITHSCORES')
     if entry[1] == nil then
       break
     end
@@ -223,7 +228,7 @@ end
 
 -- The buckets stored for a descriptor, as { size, index, hits, field }.
 local function read_buckets(it)
-  local raw = redis.call('HGETALL', it.cnt)
+  local raw = call('HGETALL', it.cnt)
   local found = {}
   for f = 1, #raw, 2 do
     local size, index = string.match(raw[f], '^(%d+):(%d+)$')
@@ -260,7 +265,7 @@ local function drop_stale_buckets(it)
     end
   end
   if #stale > 0 then
-    redis.call('HDEL', it.cnt, unpack(stale))
+    call('HDEL', it.cnt, unpack(stale))
   end
 end
 
@@ -274,7 +279,7 @@ for i, it in ipairs(items) do
   ban_set[i] = 0
   local ban_end = 0
   if it.ban_ms > 0 then
-    ban_end = tonumber(redis.call('GET', it.ban) or '0') or 0
+    ban_end = tonumber(call('GET', it.ban) or '0') or 0
   end
   if ban_end > now then
     banned[i] = ban_end - now
@@ -290,9 +295,9 @@ for i, it in ipairs(items) do
         local newest = last[it.log]
         if newest.cum > 0 then
           if newest.time <= now - it.longest then
-            redis.call('DEL', it.log)
+            call('DEL', it.log)
           else
-            redis.call('ZREMRANGEBYSCORE', it.log, '-inf', ms(now - it.longest))
+            call('ZREMRANGEBYSCORE', it.log, '-inf', ms(now - it.longest))
           end
         end
       end
@@ -332,7 +337,7 @@ for i, it in ipairs(items) do
     fits[i] = ok
     records[i] = it.hits > 0 and (ok or (it.debit and has_room))
     if not ok and it.ban_ms > 0 then
-      redis.call('SET', it.ban, ms(now + it.ban_ms), 'PX', ms(it.ban_ms))
+      call('SET', it.ban, ms(now + it.ban_ms), 'PX', ms(it.ban_ms))
       banned[i] = it.ban_ms
       ban_set[i] = 1
       records[i] = false
@@ -375,8 +380,8 @@ for i, it in ipairs(items) do
     if it.buckets == 0 then
       local newest = last[it.log]
       it.cum = newest.cum + it.hits
-      local stamp = math.max(now, newest.time)
-      redis.call('ZADD', it.log, ms(stamp), member(it.cum, it.hits, i))
+      local stamp = max(now, newest.time)
+      call('ZADD', it.log, ms(stamp), member(it.cum, it.hits, i))
       first_recorded[it.log] = first_recorded[it.log] or { before = newest.cum, time = stamp }
       last[it.log] = { cum = it.cum, time = stamp }
     else
@@ -384,7 +389,7 @@ for i, it in ipairs(items) do
       for _, win in ipairs(it.windows) do
         if not done[win.size] then
           done[win.size] = true
-          redis.call('HINCRBY', it.cnt, ms(win.size) .. ':' .. ms(math.floor(now / win.size)), it.hits)
+          call('HINCRBY', it.cnt, ms(win.size) .. ':' .. ms(floor(now / win.size)), it.hits)
         end
       end
     end
@@ -398,9 +403,9 @@ end
 --    replica clocks.)
 for _, it in ipairs(items) do
   if it.buckets == 0 then
-    redis.call('PEXPIRE', it.log, ms(it.longest + 1000))
+    call('PEXPIRE', it.log, ms(it.longest + 1000))
   else
-    redis.call('PEXPIRE', it.cnt, ms(it.longest + math.ceil(it.longest / it.buckets) + 1000))
+    call('PEXPIRE', it.cnt, ms(it.longest + math.ceil(it.longest / it.buckets) + 1000))
   end
 end
 
@@ -459,34 +464,39 @@ end
 
 -- 5. Report: each window's count after the call (with every hit this call recorded on the same
 --    key) and its reset.
-local reply = { now, recorded and 1 or 0 }
+local reply, r = { now, recorded and 1 or 0 }, 2
 for i, it in ipairs(items) do
-  reply[#reply + 1] = fits[i] and 1 or 0
-  reply[#reply + 1] = banned[i]
-  reply[#reply + 1] = ban_set[i]
-  reply[#reply + 1] = records[i] and 1 or 0
-  reply[#reply + 1] = it.cum
+  reply[r + 1] = fits[i] and 1 or 0
+  reply[r + 2] = banned[i]
+  reply[r + 3] = ban_set[i]
+  reply[r + 4] = records[i] and 1 or 0
+  reply[r + 5] = it.cum
+  r = r + 5
   if banned[i] > 0 then
-    reply[#reply + 1] = 0
+    reply[r + 1] = 0
+    r = r + 1
   else
     local added = recorded_hits[it.log] or 0
     if it.buckets > 0 and added > 0 then
       it.state = read_buckets(it)
     end
-    reply[#reply + 1] = #it.windows
+    reply[r + 1] = #it.windows
+    r = r + 1
     for w, win in ipairs(it.windows) do
       local c = it.counts[w] + added
+      local reset
       if it.buckets > 0 then
         c = 0
         for _, b in ipairs(counted(it.state, win)) do
           c = c + b.hits
         end
-        reply[#reply + 1] = c
-        reply[#reply + 1] = counter_reset(it, i, win, c)
+        reset = counter_reset(it, i, win, c)
       else
-        reply[#reply + 1] = c
-        reply[#reply + 1] = log_reset(it, i, w, win, c)
+        reset = log_reset(it, i, w, win, c)
       end
+      reply[r + 1] = c
+      reply[r + 2] = reset
+      r = r + 2
     end
   end
 end
