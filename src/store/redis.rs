@@ -165,6 +165,9 @@ impl PoolRecipe {
         Builder::from_config(self.config.clone())
             .with_connection_config(|c| {
                 c.connection_timeout = options.connect_timeout;
+                // Small commands, sent as they come: Nagle's algorithm would hold one back
+                // waiting for the ACK of the previous (and delayed ACKs make that tens of ms).
+                c.tcp.nodelay = Some(true);
                 // Cluster topology changes (a slot moved, a failover) need room: a MOVED makes
                 // the client re-read the slots and send again, and a connection that stops
                 // answering is replaced rather than waited on.
