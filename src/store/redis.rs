@@ -578,7 +578,7 @@ impl RedisStore {
     }
 
     /// Runs the script with this call's options.
-    async fn evalsha(&self, keys: Vec<String>, args: Vec<String>) -> Result<Vec<i64>, Error> {
+    async fn evalsha(&self, keys: Vec<String>, args: Vec<Value>) -> Result<Vec<i64>, Error> {
         let pool = self.pool.load();
         let with = pool.next().with_options(&self.call_options());
         with.evalsha(self.script.sha1().clone(), keys, args).await
@@ -592,40 +592,41 @@ impl RedisStore {
         now_ms: u64,
         prefix: &str,
         mode: Mode,
-    ) -> (Vec<String>, Vec<String>) {
-        let mut keys = Vec::with_capacity(group.len() * 2);
-        let mut args: Vec<String> = Vec::with_capacity(4 + group.len() * 8);
+    ) -> (Vec<String>, Vec<Value>) {
+        // Numbers go as integers and fixed words as static strings: the client writes both
+        // straight into the command, with no string made per argument.
+        let int = |n: u64| Value::Integer(i64::try_from(n).unwrap_or(i64::MAX));
+        let word = Value::from_static_str;
+        let mut keys = Vec::with_capacity(group.len() * 3);
+        let mut args: Vec<Value> = Vec::with_capacity(4 + group.len() * 8);
         args.push(match self.clock {
-            ClockSource::Server => now_ms.to_string(),
-            ClockSource::Redis => String::new(),
+            ClockSource::Server => int(now_ms),
+            ClockSource::Redis => word(""),
         });
-        args.push(prefix.to_string());
-        args.push(mode.arg().to_string());
-        args.push(group.len().to_string());
+        args.push(Value::String(prefix.into()));
+        args.push(word(mode.arg()));
+        args.push(int(group.len() as u64));
         for &i in group {
             let item = &items[i];
             keys.push(item.key.log());
             keys.push(item.key.ban());
             keys.push(item.key.counters());
-            args.push(item.hits.to_string());
-            args.push(
-                match item.role {
-                    Role::Enforce => "0",
-                    Role::Shadow => "1",
-                    Role::Quota => "2",
-                }
-                .to_string(),
-            );
-            args.push(item.ban_ms.unwrap_or(0).to_string());
+            args.push(int(item.hits));
+            args.push(word(match item.role {
+                Role::Enforce => "0",
+                Role::Shadow => "1",
+                Role::Quota => "2",
+            }));
+            args.push(int(item.ban_ms.unwrap_or(0)));
             args.push(match item.algorithm {
-                Algorithm::SlidingLog => "0".to_string(),
-                Algorithm::SlidingCounter { buckets } => buckets.to_string(),
+                Algorithm::SlidingLog => word("0"),
+                Algorithm::SlidingCounter { buckets } => int(u64::from(buckets)),
             });
-            args.push(if item.debit { "1" } else { "0" }.to_string());
-            args.push(item.windows.len().to_string());
+            args.push(word(if item.debit { "1" } else { "0" }));
+            args.push(int(item.windows.len() as u64));
             for w in item.windows.iter() {
-                args.push(w.limit.to_string());
-                args.push(w.length_ms.to_string());
+                args.push(int(u64::from(w.limit)));
+                args.push(int(w.length_ms));
             }
         }
         (keys, args)
