@@ -70,16 +70,18 @@ pub struct RedisStore {
     /// Makes members unique across replicas: a random id per process plus a call counter.
     instance: String,
     calls: AtomicU64,
-    /// When Redis last answered a call, in ms since `epoch`: a call past its deadline while
-    /// Redis keeps answering others is queued, not lost (see `decide_in_time`).
-    last_reply_ms: AtomicU64,
-    epoch: tokio::time::Instant,
+    /// Decisions handed to the client at once; the rest wait here (see `decide_in_time`).
+    in_flight: tokio::sync::Semaphore,
 }
 
-/// The longest a call waits behind others while Redis keeps answering (past that, or past
-/// `--redis-timeout` if longer, it fails whatever the reason). A caller's own deadline (Envoy's filter timeout, sent as
-/// `grpc-timeout`) ends the call sooner.
+/// The longest a decision waits for its turn to be sent (a caller's own deadline, Envoy's
+/// filter timeout sent as `grpc-timeout`, ends it sooner).
 const QUEUED_AT_MOST: Duration = Duration::from_secs(1);
+
+/// Decisions sent to Redis at once, per connection of the pool: enough to keep the
+/// connections' pipelines full, few enough that a command's time with the client and Redis is
+/// its own and not a queue's.
+const IN_FLIGHT_PER_CONNECTION: usize = 16;
 
 /// How a script call decides (`ARGV[3]` of `lua/slidegate.lua`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -179,9 +181,10 @@ impl PoolRecipe {
             })
             // The store's own deadline (`RedisStore::decide_in_time`) decides when a call has
             // waited too long; the client's only bounds a command that outlived it.
-            .with_performance_config(|p| {
-                p.default_command_timeout = QUEUED_AT_MOST.max(options.timeout);
-            })
+            // The client gives a command up at the store deadline and marks it so, which keeps
+            // it from being sent after a reconnection once its call has failed (see
+            // `decide_in_time`).
+            .with_performance_config(|p| p.default_command_timeout = options.timeout)
             // Retries at most every half second, so calls resume soon after Redis returns.
             .set_policy(ReconnectPolicy::new_exponential(0, 50, 500, 2))
             .build_pool(options.pool_size.max(1))
@@ -407,8 +410,9 @@ impl RedisStore {
                 )
             ),
             calls: AtomicU64::new(0),
-            last_reply_ms: AtomicU64::new(0),
-            epoch: tokio::time::Instant::now(),
+            in_flight: tokio::sync::Semaphore::new(
+                options.pool_size.max(1) * IN_FLIGHT_PER_CONNECTION,
+            ),
         })
     }
 
@@ -478,65 +482,24 @@ impl RedisStore {
         });
     }
 
-    fn note_reply(&self) {
-        let since = u64::try_from(self.epoch.elapsed().as_millis()).unwrap_or(u64::MAX);
-        self.last_reply_ms.fetch_max(since, Ordering::Relaxed);
-    }
-
-    /// Whether Redis answered some call within the last `timeout`.
-    fn answering(&self) -> bool {
-        let last = self.epoch + Duration::from_millis(self.last_reply_ms.load(Ordering::Relaxed));
-        tokio::time::Instant::now().saturating_duration_since(last) < self.timeout
-    }
-
-    /// The client's options for one call. While Redis answers, a call may wait in the queue
-    /// (see `decide_in_time`); while it does not, the client gives the command up at the store
-    /// deadline, as the store does, so a command held through a reconnection is not sent
-    /// later, when its call was long answered with an error.
-    fn call_options(&self) -> fred::types::config::Options {
-        fred::types::config::Options {
-            timeout: Some(if self.answering() {
-                QUEUED_AT_MOST.max(self.timeout)
-            } else {
-                self.timeout
-            }),
-            ..fred::types::config::Options::default()
-        }
-    }
-
-    /// [`RedisStore::decide`] under the store deadline, which is for Redis being slow or gone,
-    /// not for waiting behind other calls: when it passes while Redis has answered some call
-    /// within the last `timeout` (so the wait is a queue, here or in Redis, not a dead link),
-    /// the call keeps waiting, up to [`QUEUED_AT_MOST`] in all. A Redis that answers nothing for
-    /// `timeout` fails the call at its deadline. (In a cluster, an answer from any master
-    /// counts, so a call to a master that alone stopped answering fails only after
-    /// [`QUEUED_AT_MOST`].)
+    /// [`RedisStore::decide`] when its turn comes. `--redis-timeout` bounds each command from
+    /// the moment it is handed to the client: the client's own timeout, which also marks the
+    /// command so that it is never sent after a reconnection once its caller was told it
+    /// failed (a timer of ours dropping the call would leave it unmarked, and Redis would
+    /// record hits for a call long answered with an error). Under load, decisions wait for
+    /// their turn here, where waiting sends nothing, up to [`QUEUED_AT_MOST`]: time spent
+    /// behind other calls is not Redis being slow.
     async fn decide_in_time(
         &self,
         items: &[CheckItem<'_>],
         now_ms: u64,
         rejected: bool,
     ) -> Result<CheckOutcome, StoreError> {
-        let started = tokio::time::Instant::now();
-        let work = self.decide(items, now_ms, rejected);
-        tokio::pin!(work);
-        let mut deadline = started + self.timeout;
-        loop {
-            tokio::select! {
-                result = &mut work => return result,
-                () = tokio::time::sleep_until(deadline) => {
-                    let last = self.epoch
-                        + Duration::from_millis(self.last_reply_ms.load(Ordering::Relaxed));
-                    let now = tokio::time::Instant::now();
-                    let answering = now.saturating_duration_since(last) < self.timeout;
-                    let cap = started + QUEUED_AT_MOST.max(self.timeout);
-                    if !answering || now >= cap {
-                        return Err(StoreError::Timeout(now.saturating_duration_since(started)));
-                    }
-                    deadline = (last + self.timeout).min(cap);
-                }
-            }
-        }
+        let turn = tokio::time::timeout(QUEUED_AT_MOST, self.in_flight.acquire()).await;
+        let Ok(Ok(_permit)) = turn else {
+            return Err(StoreError::Timeout(QUEUED_AT_MOST));
+        };
+        self.decide(items, now_ms, rejected).await
     }
 
     async fn call_group(
@@ -556,10 +519,7 @@ impl RedisStore {
         loop {
             let sent = self.evalsha(keys, args).await;
             match sent {
-                Ok(reply) => {
-                    self.note_reply();
-                    return parse_reply(&reply, items, group);
-                }
+                Ok(reply) => return parse_reply(&reply, items, group),
                 Err(e) if e.details().starts_with("TRYAGAIN") => {
                     tokio::time::sleep(TRY_AGAIN_AFTER).await;
                     (keys, args) = self.script_input(items, group, now_ms, prefix, mode);
@@ -580,8 +540,9 @@ impl RedisStore {
     /// Runs the script with this call's options.
     async fn evalsha(&self, keys: Vec<String>, args: Vec<Value>) -> Result<Vec<i64>, Error> {
         let pool = self.pool.load();
-        let with = pool.next().with_options(&self.call_options());
-        with.evalsha(self.script.sha1().clone(), keys, args).await
+        pool.next()
+            .evalsha(self.script.sha1().clone(), keys, args)
+            .await
     }
 
     /// The script's `KEYS` and `ARGV` for the items of `group` (layout in `lua/slidegate.lua`).

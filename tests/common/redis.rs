@@ -6,6 +6,7 @@ use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
+use std::sync::Mutex;
 use std::sync::OnceLock;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
@@ -27,15 +28,28 @@ fn scratch_dir(port: u16) -> PathBuf {
     dir
 }
 
-/// A port whose cluster bus port (+10000) is free too, both at or below 55535.
+/// A port whose cluster bus port (+10000) is free too, both at or below 55535. A port is handed
+/// out once per test process: a server stopped to be restarted on its port (a Redis restart, a
+/// management server's) must not find another test's server there meanwhile.
 pub fn free_port() -> u16 {
     static NEXT: AtomicU64 = AtomicU64::new(0);
+    static GIVEN: Mutex<Vec<u16>> = Mutex::new(Vec::new());
     let seed = std::process::id() as u64 * 7919 + NEXT.fetch_add(1, Ordering::SeqCst) * 104_729;
+    let mut given = GIVEN.lock().unwrap_or_else(|p| p.into_inner());
     for attempt in 0..2000u64 {
         let port = 20_000 + ((seed + attempt * 7_877) % 25_000) as u16;
+        let taken = |p: u16| {
+            given
+                .iter()
+                .any(|g| *g == p || *g + 10_000 == p || *g == p + 10_000)
+        };
+        if taken(port) {
+            continue;
+        }
         let a = TcpListener::bind(("127.0.0.1", port));
         let b = TcpListener::bind(("127.0.0.1", port + 10_000));
         if a.is_ok() && b.is_ok() {
+            given.push(port);
             return port;
         }
     }
