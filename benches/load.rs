@@ -497,99 +497,149 @@ enum Store {
 }
 
 fn scenarios() -> Vec<Scenario> {
-    let s = |name, shape, store, limit, single| Scenario {
-        name,
-        shape,
-        store,
-        limit,
-        single,
-    };
-    vec![
-        s(
-            "embedded, 100k users",
-            Shape::Users,
-            Store::Embedded,
-            None,
-            false,
-        ),
-        s(
-            "standalone, 100k users",
-            Shape::Users,
-            Store::Standalone,
-            None,
-            false,
-        ),
-        s(
-            "cluster, 100k users",
-            Shape::Users,
-            Store::Cluster,
-            None,
-            false,
-        ),
-        s(
-            "embedded, one call in flight",
-            Shape::Users,
-            Store::Embedded,
-            None,
-            true,
-        ),
-        s(
+    use Shape::*;
+    use Store::*;
+    // (name, shape, store, limit, one call in flight)
+    let table: [(&'static str, Shape, Store, Option<usize>, bool); 12] = [
+        ("embedded, 100k users", Users, Embedded, None, false),
+        ("standalone, 100k users", Users, Standalone, None, false),
+        ("cluster, 100k users", Users, Cluster, None, false),
+        ("embedded, one call in flight", Users, Embedded, None, true),
+        (
             "standalone, one call in flight",
-            Shape::Users,
-            Store::Standalone,
+            Users,
+            Standalone,
             None,
             true,
         ),
-        s(
+        (
             "embedded, hot key under attack (100/min)",
-            Shape::Attack,
-            Store::Embedded,
+            Attack,
+            Embedded,
             Some(100),
             false,
         ),
-        s(
+        (
             "standalone, hot key under attack (100/min)",
-            Shape::Attack,
-            Store::Standalone,
+            Attack,
+            Standalone,
             Some(100),
             false,
         ),
-        s(
+        (
             "cluster, hot key under attack (100/min)",
-            Shape::Attack,
-            Store::Cluster,
+            Attack,
+            Cluster,
             Some(100),
             false,
         ),
-        s(
+        (
             "cluster, three descriptors in three slots",
-            Shape::ThreeSlots,
-            Store::Cluster,
+            ThreeSlots,
+            Cluster,
             None,
             false,
         ),
-        s(
+        (
             "standalone, three descriptors",
-            Shape::ThreeSlots,
-            Store::Standalone,
+            ThreeSlots,
+            Standalone,
             None,
             false,
         ),
-        s(
+        (
             "standalone, 1,000 wildcard rules",
-            Shape::Wildcards,
-            Store::Standalone,
+            Wildcards,
+            Standalone,
             None,
             false,
         ),
-        s(
+        (
             "embedded, 1,000 wildcard rules",
-            Shape::Wildcards,
-            Store::Embedded,
+            Wildcards,
+            Embedded,
             None,
             false,
         ),
-    ]
+    ];
+    table
+        .into_iter()
+        .map(|(name, shape, store, limit, single)| Scenario {
+            name,
+            shape,
+            store,
+            limit,
+            single,
+        })
+        .collect()
+}
+
+/// The Redis instances every scenario shares (emptied before each).
+struct Stores {
+    standalone: redis_proc::RedisProcess,
+    cluster: redis_proc::RedisCluster,
+    cluster_ports: Vec<u16>,
+}
+
+impl Stores {
+    fn start() -> Stores {
+        let standalone = redis_proc::RedisProcess::start(&[]);
+        let cluster = redis_proc::RedisCluster::start();
+        let cluster_ports = cluster.nodes.iter().map(|n| n.port).collect();
+        Stores {
+            standalone,
+            cluster,
+            cluster_ports,
+        }
+    }
+}
+
+/// Starts slidegate on the scenario's store and prints its line.
+fn run_scenario(
+    scenario: &Scenario,
+    stores: &Stores,
+    config_path: &Path,
+    extra: &[String],
+    load: &Load,
+    runtime: &tokio::runtime::Runtime,
+) {
+    let (standalone, cluster, cluster_ports) =
+        (&stores.standalone, &stores.cluster, &stores.cluster_ports);
+    // Every scenario starts from empty stores.
+    let _ = redis_cli(standalone.port, &["FLUSHALL"]);
+    for port in cluster_ports {
+        let _ = redis_cli(*port, &["FLUSHALL"]);
+    }
+    let (mut args, ports) = match scenario.store {
+        Store::Embedded => (Vec::new(), Vec::new()),
+        Store::Standalone => (
+            vec!["--redis".to_string(), standalone.url()],
+            vec![standalone.port],
+        ),
+        Store::Cluster => (
+            vec!["--redis".to_string(), cluster.url()],
+            cluster_ports.clone(),
+        ),
+    };
+    args.extend(extra.iter().cloned());
+    if !args.iter().any(|a| a == "--log-level") {
+        args.extend(["--log-level".to_string(), "error".to_string()]);
+    }
+    let server = Server::start(config_path, &args);
+    let single = Load {
+        connections: 1,
+        streams: 1,
+        secs: load.secs,
+    };
+    let report = runtime.block_on(drive(
+        scenario.name,
+        &server,
+        &ports,
+        if scenario.single { &single } else { load },
+        scenario.shape,
+        scenario.limit,
+    ));
+    report.print();
 }
 
 fn main() {
@@ -627,63 +677,28 @@ fn main() {
     println!(
         "latencies in microseconds; CPU per decision in microseconds (sg: slidegate, rd: Redis); cmds: Redis commands per decision\n"
     );
-    let standalone = redis_proc::RedisProcess::start(&[]);
-    let cluster = redis_proc::RedisCluster::start();
-    let cluster_ports: Vec<u16> = cluster.nodes.iter().map(|n| n.port).collect();
+    let stores = Stores::start();
+    let standalone = &stores.standalone;
     header();
     for scenario in scenarios()
         .into_iter()
         .filter(|s| s.name.contains(only.as_str()))
     {
-        // Every scenario starts from empty stores.
-        let _ = redis_cli(standalone.port, &["FLUSHALL"]);
-        for port in &cluster_ports {
-            let _ = redis_cli(*port, &["FLUSHALL"]);
-        }
-        let (mut args, ports) = match scenario.store {
-            Store::Embedded => (Vec::new(), Vec::new()),
-            Store::Standalone => (
-                vec!["--redis".to_string(), standalone.url()],
-                vec![standalone.port],
-            ),
-            Store::Cluster => (
-                vec!["--redis".to_string(), cluster.url()],
-                cluster_ports.clone(),
-            ),
-        };
-        args.extend(extra.iter().cloned());
-        if !args.iter().any(|a| a == "--log-level") {
-            args.extend(["--log-level".to_string(), "error".to_string()]);
-        }
-        let server = Server::start(&config_path, &args);
-        let single = Load {
-            connections: 1,
-            streams: 1,
-            secs: load.secs,
-        };
-        let report = runtime.block_on(drive(
-            scenario.name,
-            &server,
-            &ports,
-            if scenario.single { &single } else { &load },
-            scenario.shape,
-            scenario.limit,
-        ));
-        report.print();
+        run_scenario(&scenario, &stores, &config_path, &extra, &load, &runtime);
     }
     if only.is_empty() || "ceiling".contains(only.as_str()) {
-        script_ceiling(&standalone, slidegate::store::redis::SCRIPT, "The script");
+        script_ceiling(standalone, slidegate::store::redis::SCRIPT, "The script");
         // SLIDEGATE_BENCH_SCRIPT: another version of the script, measured the same way.
         if let Some(path) = std::env::var_os("SLIDEGATE_BENCH_SCRIPT") {
             let other = std::fs::read_to_string(&path).expect("read SLIDEGATE_BENCH_SCRIPT");
             let _ = redis_cli(standalone.port, &["FLUSHALL"]);
             script_ceiling(
-                &standalone,
+                standalone,
                 &other,
                 &format!("{}", Path::new(&path).display()),
             );
         }
-        memory_usage(&standalone);
+        memory_usage(standalone);
     }
     let _ = std::fs::remove_dir_all(&scratch);
 }

@@ -175,32 +175,51 @@ pub async fn run(
         wait_for(stop.clone()),
     );
     if let Some(listener) = listeners.metrics {
-        let router = http::metrics_router(
-            app.limiter.clone(),
-            app.metrics.clone(),
-            &app.options.metrics_path,
-        );
-        tokio::spawn(net::serve_http(
-            GuardedListener::new(listener, limits),
-            router,
-            wait_for(stop.clone()),
-        ));
+        spawn_metrics_listener(listener, &app, wait_for(stop.clone()));
     }
 
     if !*draining.borrow() {
         ready.store(true, Ordering::SeqCst);
     }
-    let servers = async { tokio::join!(grpc_server, http_server) };
-    let grace = app.options.shutdown_grace;
+    let servers = async {
+        let (grpc_result, ()) = tokio::join!(grpc_server, http_server);
+        grpc_result
+    };
+    finish_within_grace(servers, stop, app.options.shutdown_grace).await
+}
+
+/// The metrics alone on their own listener (the reference's `PROMETHEUS_ADDR`), until `stop`.
+fn spawn_metrics_listener(
+    listener: TcpListener,
+    app: &App,
+    stop: impl Future<Output = ()> + Send + 'static,
+) {
+    let router = http::metrics_router(
+        app.limiter.clone(),
+        app.metrics.clone(),
+        &app.options.metrics_path,
+    );
+    tokio::spawn(net::serve_http(
+        GuardedListener::new(listener, app.options.connections),
+        router,
+        stop,
+    ));
+}
+
+/// Waits for the servers to finish, or, once `stop` is set, at most `grace` for their
+/// in-flight calls.
+async fn finish_within_grace(
+    servers: impl Future<Output = Result<(), tonic::transport::Error>>,
+    stop: watch::Receiver<bool>,
+    grace: Duration,
+) -> Result<(), ServerError> {
     let deadline = async move {
         wait_for(stop).await;
         tokio::time::sleep(grace).await;
     };
     tokio::select! {
-        (grpc_result, ()) = servers => {
-            grpc_result?;
-        }
-        _ = deadline => {
+        result = servers => result?,
+        () = deadline => {
             tracing::warn!(grace = ?grace, "shutdown grace period over; exiting with calls still in flight");
         }
     }

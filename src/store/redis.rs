@@ -70,7 +70,7 @@ pub struct RedisStore {
     /// Makes members unique across replicas: a random id per process plus a call counter.
     instance: String,
     calls: AtomicU64,
-    /// Decisions handed to the client at once; the rest wait here (see `decide_in_time`).
+    /// Decisions handed to the client at once; the rest wait here (see `checked`).
     in_flight: tokio::sync::Semaphore,
 }
 
@@ -179,11 +179,9 @@ impl PoolRecipe {
                 c.unresponsive.max_timeout = Some(options.connect_timeout);
                 c.unresponsive.interval = options.connect_timeout / 4;
             })
-            // The store's own deadline (`RedisStore::decide_in_time`) decides when a call has
-            // waited too long; the client's only bounds a command that outlived it.
             // The client gives a command up at the store deadline and marks it so, which keeps
             // it from being sent after a reconnection once its call has failed (see
-            // `decide_in_time`).
+            // `RedisStore::checked`).
             .with_performance_config(|p| p.default_command_timeout = options.timeout)
             // Retries at most every half second, so calls resume soon after Redis returns.
             .set_policy(ReconnectPolicy::new_exponential(0, 50, 500, 2))
@@ -480,26 +478,6 @@ impl RedisStore {
                 }
             }
         });
-    }
-
-    /// [`RedisStore::decide`] when its turn comes. `--redis-timeout` bounds each command from
-    /// the moment it is handed to the client: the client's own timeout, which also marks the
-    /// command so that it is never sent after a reconnection once its caller was told it
-    /// failed (a timer of ours dropping the call would leave it unmarked, and Redis would
-    /// record hits for a call long answered with an error). Under load, decisions wait for
-    /// their turn here, where waiting sends nothing, up to [`QUEUED_AT_MOST`]: time spent
-    /// behind other calls is not Redis being slow.
-    async fn decide_in_time(
-        &self,
-        items: &[CheckItem<'_>],
-        now_ms: u64,
-        rejected: bool,
-    ) -> Result<CheckOutcome, StoreError> {
-        let turn = tokio::time::timeout(QUEUED_AT_MOST, self.in_flight.acquire()).await;
-        let Ok(Ok(_permit)) = turn else {
-            return Err(StoreError::Timeout(QUEUED_AT_MOST));
-        };
-        self.decide(items, now_ms, rejected).await
     }
 
     async fn call_group(
@@ -805,13 +783,24 @@ fn parse_reply(
 }
 
 impl RedisStore {
+    /// [`RedisStore::decide`] when its turn comes, and the health note of how it went.
+    /// `--redis-timeout` bounds each command from the moment it is handed to the client: the
+    /// client's own timeout, which also marks the command so that it is never sent after a
+    /// reconnection once its caller was told it failed (a timer of ours dropping the call would
+    /// leave it unmarked, and Redis would record hits for a call long answered with an error).
+    /// Under load, decisions wait for their turn here, where waiting sends nothing, up to
+    /// [`QUEUED_AT_MOST`]: time spent behind other calls is not Redis being slow.
     async fn checked(
         &self,
         items: &[CheckItem<'_>],
         now_ms: u64,
         rejected: bool,
     ) -> Result<CheckOutcome, StoreError> {
-        let result = self.decide_in_time(items, now_ms, rejected).await;
+        let turn = tokio::time::timeout(QUEUED_AT_MOST, self.in_flight.acquire()).await;
+        let result = match turn {
+            Ok(Ok(_permit)) => self.decide(items, now_ms, rejected).await,
+            _ => Err(StoreError::Timeout(QUEUED_AT_MOST)),
+        };
         // A protocol error is an answer: the client works.
         self.note(!matches!(
             result,
