@@ -281,11 +281,7 @@ impl Limiter {
         let mut rest_outcomes = if rest.is_empty() {
             Vec::new()
         } else {
-            let started = Stopwatch::start();
-            let result = self.store.check_rejected(&rest, now_ms).await;
-            self.observer
-                .store_call(self.store.name(), started.elapsed(), result.is_ok());
-            match result {
+            match self.ask_store(&rest, now_ms, true).await {
                 Ok(outcome) => {
                     self.remember(&rest, &outcome.items, now_ms, generation);
                     outcome.items
@@ -398,6 +394,25 @@ impl Limiter {
         }
     }
 
+    /// One store call, timed for the observer; `rejected`: the request is already rejected
+    /// (`Store::check_rejected`).
+    async fn ask_store(
+        &self,
+        items: &[CheckItem<'_>],
+        now_ms: u64,
+        rejected: bool,
+    ) -> Result<CheckOutcome, StoreError> {
+        let started = Stopwatch::start();
+        let result = if rejected {
+            self.store.check_rejected(items, now_ms).await
+        } else {
+            self.store.check(items, now_ms).await
+        };
+        self.observer
+            .store_call(self.store.name(), started.elapsed(), result.is_ok());
+        result
+    }
+
     /// Asks the store; a failure answers per the failure policy.
     async fn check(
         &self,
@@ -405,11 +420,7 @@ impl Limiter {
         now_ms: u64,
         policy: FailurePolicy,
     ) -> Result<CheckOutcome, LimiterError> {
-        let started = Stopwatch::start();
-        let result = self.store.check(items, now_ms).await;
-        self.observer
-            .store_call(self.store.name(), started.elapsed(), result.is_ok());
-        let error = match result {
+        let error = match self.ask_store(items, now_ms, false).await {
             Ok(outcome) => return Ok(outcome),
             Err(e) => e,
         };

@@ -290,6 +290,17 @@ pub fn gateway_config(
     }
 }
 
+/// A TLS client trusting `dir/ca.crt`, presenting `dir/<client>.crt` when given.
+fn client_tls(dir: &Path, client: Option<&str>) -> rustls::ClientConfig {
+    let files = slidegate::tls::TlsFiles {
+        ca: Some(dir.join("ca.crt")),
+        cert: client.map(|c| dir.join(format!("{c}.crt"))),
+        key: client.map(|c| dir.join(format!("{c}.key"))),
+        skip_hostname_verification: false,
+    };
+    slidegate::tls::client_config(&files).expect("client TLS")
+}
+
 /// A gRPC channel over TLS to `addr`, trusting `dir/ca.crt`, presenting `dir/<client>.crt` when
 /// given.
 pub async fn tls_channel(
@@ -297,13 +308,7 @@ pub async fn tls_channel(
     dir: &Path,
     client: Option<&str>,
 ) -> Result<tonic::transport::Channel, tonic::transport::Error> {
-    let files = slidegate::tls::TlsFiles {
-        ca: Some(dir.join("ca.crt")),
-        cert: client.map(|c| dir.join(format!("{c}.crt"))),
-        key: client.map(|c| dir.join(format!("{c}.key"))),
-        skip_hostname_verification: false,
-    };
-    let mut config = slidegate::tls::client_config(&files).expect("client TLS");
+    let mut config = client_tls(dir, client);
     config.alpn_protocols = vec![b"h2".to_vec()];
     let connector = tokio_rustls::TlsConnector::from(Arc::new(config));
     let connect = tower::service_fn(move |_: tonic::transport::Uri| {
@@ -324,15 +329,7 @@ pub async fn tls_channel(
 
 /// The DER of the certificate a TLS server at `addr` presents.
 pub async fn presented_certificate(addr: SocketAddr, dir: &Path, client: &str) -> Vec<u8> {
-    let files = slidegate::tls::TlsFiles {
-        ca: Some(dir.join("ca.crt")),
-        cert: Some(dir.join(format!("{client}.crt"))),
-        key: Some(dir.join(format!("{client}.key"))),
-        skip_hostname_verification: false,
-    };
-    let connector = tokio_rustls::TlsConnector::from(Arc::new(
-        slidegate::tls::client_config(&files).expect("TLS"),
-    ));
+    let connector = tokio_rustls::TlsConnector::from(Arc::new(client_tls(dir, Some(client))));
     let tcp = tokio::net::TcpStream::connect(addr).await.expect("connect");
     let name = rustls::pki_types::ServerName::IpAddress(addr.ip().into());
     let tls = connector.connect(name, tcp).await.expect("handshake");
