@@ -12,6 +12,7 @@
 //!     SLIDEGATE_BENCH_ONLY=hot cargo bench --bench load     # scenarios whose name contains "hot"
 //!     SLIDEGATE_BENCH_BINARY=/tmp/old-slidegate cargo bench --bench load   # another build
 //!     SLIDEGATE_BENCH_SCRIPT=/tmp/old.lua SLIDEGATE_BENCH_ONLY=ceiling cargo bench --bench load
+//!     SLIDEGATE_BENCH_LIMITADOR=/path/to/limitador-server cargo bench --bench load  # side by side
 //!
 //! The load generator shares the machine with slidegate and Redis: compare figures from one
 //! run, as ratios.
@@ -178,6 +179,41 @@ impl Server {
             .expect("start slidegate");
         redis_proc::wait_until("slidegate ready", Duration::from_secs(20), || {
             redis_proc::command(http, "GET /readyz HTTP/1.0\r\n").is_ok_and(|r| r.contains("200"))
+        });
+        Server { child, grpc }
+    }
+}
+
+/// SLIDEGATE_BENCH_LIMITADOR: the same limits for Kuadrant's limitador (`limitador-server`,
+/// built elsewhere: nothing of it is in this repository), in its `redis` mode on the same
+/// standalone Redis, for a side-by-side in one run. Its limits are fixed windows keyed by the
+/// descriptor's value (CEL conditions and variables).
+const LIMITADOR_LIMITS: &str = "- namespace: bench
+  max_value: 1000000
+  seconds: 60
+  conditions: [\"'user' in descriptors[0]\"]
+  variables: [\"descriptors[0].user\"]
+- namespace: bench
+  max_value: 100
+  seconds: 60
+  conditions: [\"'attack' in descriptors[0]\"]
+  variables: [\"descriptors[0].attack\"]
+";
+
+impl Server {
+    fn start_limitador(binary: &Path, limits: &Path, redis_url: &str) -> Server {
+        let (grpc, http) = (redis_proc::free_port(), redis_proc::free_port());
+        let child = Command::new(binary)
+            .args(["--rls-ip", "127.0.0.1", "--rls-port", &grpc.to_string()])
+            .args(["--http-ip", "127.0.0.1", "--http-port", &http.to_string()])
+            .arg(limits)
+            .args(["redis", redis_url])
+            .stdout(Stdio::null())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .expect("start limitador-server");
+        redis_proc::wait_until("limitador ready", Duration::from_secs(20), || {
+            std::net::TcpStream::connect(("127.0.0.1", grpc)).is_ok()
         });
         Server { child, grpc }
     }
@@ -371,6 +407,7 @@ fn script_ceiling(redis: &redis_proc::RedisProcess, script: &str, name: &str) {
             "rl:{bench:user=u__rand_int__}:log",
             "rl:{bench:user=u__rand_int__}:ban",
             "rl:{bench:user=u__rand_int__}:cnt",
+            "1",
             "1767225600000",
             "bench0000-0000",
             "1",
@@ -418,11 +455,11 @@ fn memory_usage(redis: &redis_proc::RedisProcess) {
     println!(
         "\nRedis memory (MEMORY USAGE, redis-server 7, default zset-max-listpack-entries 128):"
     );
-    // One call: KEYS log, ban, counters; ARGV now, prefix, mode, n, then hits, role, ban_ms,
-    // buckets, debit, window count, limit, window_ms.
+    // One call of one request: KEYS log, ban, counters; ARGV request count, now, prefix, mode,
+    // n, then hits, role, ban_ms, buckets, debit, window count, limit, window_ms.
     let line = |base: &str, now: u64, hits: u64, buckets: &str| {
         format!(
-            "EVALSHA {sha} 3 {base}:log {base}:ban {base}:cnt {now} memprobe0000-123456 1 1 {hits} 0 0 {buckets} 0 1 100000 3600000\n"
+            "EVALSHA {sha} 3 {base}:log {base}:ban {base}:cnt 1 {now} memprobe0000-123456 1 1 {hits} 0 0 {buckets} 0 1 100000 3600000\n"
         )
     };
     let run = |lines: String| {
@@ -625,21 +662,37 @@ fn run_scenario(
     if !args.iter().any(|a| a == "--log-level") {
         args.extend(["--log-level".to_string(), "error".to_string()]);
     }
-    let server = Server::start(config_path, &args);
     let single = Load {
         connections: 1,
         streams: 1,
         secs: load.secs,
     };
-    let report = runtime.block_on(drive(
-        scenario.name,
-        &server,
-        &ports,
-        if scenario.single { &single } else { load },
-        scenario.shape,
-        scenario.limit,
-    ));
-    report.print();
+    let load = if scenario.single { &single } else { load };
+    let measure = |name: &str, server: &Server| {
+        let report = runtime.block_on(drive(
+            name,
+            server,
+            &ports,
+            load,
+            scenario.shape,
+            scenario.limit,
+        ));
+        report.print();
+    };
+    // Each server is stopped at the end of its statement, before the next starts.
+    measure(scenario.name, &Server::start(config_path, &args));
+    let peer = std::env::var_os("SLIDEGATE_BENCH_LIMITADOR");
+    let comparable = matches!(scenario.store, Store::Standalone)
+        && matches!(scenario.shape, Shape::Users | Shape::Attack);
+    if let (Some(binary), true) = (peer, comparable) {
+        let _ = redis_cli(standalone.port, &["FLUSHALL"]);
+        let limits = config_path.with_file_name("limitador.yaml");
+        std::fs::write(&limits, LIMITADOR_LIMITS).expect("write limitador limits");
+        measure(
+            &format!("limitador: {}", scenario.name),
+            &Server::start_limitador(Path::new(&binary), &limits, &standalone.url()),
+        );
+    }
 }
 
 fn main() {

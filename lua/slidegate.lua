@@ -8,34 +8,42 @@
 --
 -- Redis runs a script without interleaving other commands, so trimming, counting, deciding and
 -- recording cannot race (three separate commands can: "100 per minute, 130 got through").
--- The script only touches keys passed in KEYS; all of them share one hash tag, so it runs on
--- any Redis Cluster master.
+-- One call carries one or more requests (requests that reached the store at the same moment),
+-- decided one after the other, each as it would be alone: a request's descriptors are admitted
+-- all together or not at all. Batching saves Redis a command, a read and a write per request.
+-- The script only touches keys passed in KEYS; on Redis Cluster a call's keys share one hash
+-- tag, so it runs on any master.
 --
--- KEYS, three per descriptor i = 1..n:
---   KEYS[3i-2]  the log (sliding_log): a sorted set, score = time in ms, one member per call
---               that recorded, "<cum>:<weight>:<prefix>:<i>", where weight is the call's hits
---               and cum (20 digits, zero-padded) the running total of hits up to and including
---               this entry; the hits in a window are last cum - (cum - weight of the window's
---               first entry), whatever the number of entries
---   KEYS[3i-1]  the ban: a string holding the ban's end (ms since the epoch), with a TTL
---   KEYS[3i]    the counters (sliding_counter): a hash, field "<bucket_ms>:<bucket>" = hits
+-- KEYS, three per descriptor, the requests' descriptors in order (descriptor i of a request
+-- whose keys start after KEYS[k]):
+--   KEYS[k+3i-2]  the log (sliding_log): a sorted set, score = time in ms, one member per
+--               request that recorded, "<cum>:<weight>:<prefix>:<i>", where weight is the
+--               request's hits and cum (20 digits, zero-padded) the running total of hits up to
+--               and including this entry; the hits in a window are last cum - (cum - weight of
+--               the window's first entry), whatever the number of entries
+--   KEYS[k+3i-1]  the ban: a string holding the ban's end (ms since the epoch), with a TTL
+--   KEYS[k+3i]    the counters (sliding_counter): a hash, field "<bucket_ms>:<bucket>" = hits
 -- ARGV:
---   ARGV[1]  now, in ms since the epoch; "" reads Redis TIME instead (one clock for all replicas)
---   ARGV[2]  member prefix, unique per call, so members are unique even within one millisecond
---   ARGV[3]  mode: 1 = final: admit iff every enforcing descriptor fits and, if there are quota
---                  descriptors, at least one of them fits; record only if admitted
+--   ARGV[1]  the number of requests in this call (>= 1), then per request:
+--   now      in ms since the epoch; "" reads Redis TIME instead (one clock for all replicas)
+--   prefix   member prefix, unique per request, so members are unique even within one ms
+--   mode     1 = final: admit iff every enforcing descriptor fits and, if there are quota
+--                descriptors, at least one of them fits; record only if admitted
 --            0 = tentative (a request spread over several slots): record if every enforcing
 --                descriptor of this call fits; the caller combines the slots' answers and
 --                removes the entries again if the request is rejected
 --            2 = rejected (another descriptor of the request is known to be over, so the
 --                caller did not send it): record nothing but debits, set bans, report
---   ARGV[4]  n, the number of descriptors
+--   n        the number of descriptors
 --   then per descriptor: hits, role (0 enforce, 1 shadow, 2 quota), ban_ms (0: no ban),
 --   buckets (0: sliding_log; else sliding_counter with that many buckets per window),
 --   debit (1: usage already spent, see below), m (>= 1), then m pairs: limit, window_ms
--- Reply: { now, recorded (0/1, anything), then per descriptor: fits (0/1), ban_remaining_ms,
---          ban_set (1 if this call set the ban), recorded (0/1), cum (of the log entry it
---          recorded; 0 if none), m', then m' pairs: count, reset_ms }   (m' = 0 while banned)
+-- Reply: one array per request, in order, either
+--   { now, recorded (0/1, anything), then per descriptor: fits (0/1), ban_remaining_ms,
+--     ban_set (1 if this request set the ban), recorded (0/1), cum (of the log entry it
+--     recorded; 0 if none), m', then m' pairs: count, reset_ms }   (m' = 0 while banned)
+--   or { -1, error } when a Redis command of that request failed (a key of another type, say):
+--     that request alone failed, and what it wrote before the error stays, as with any script.
 --   count    hits in the window after this call
 --   reset_ms fitting descriptor: until the oldest counted hit leaves the window (0 if empty);
 --            otherwise: until this request's hits would fit (0 if this window has room, the
@@ -51,88 +59,124 @@
 -- window, so a check (hits 0) fails once the budget is spent.
 -- Logs written by the previous format (one member "<time>:<prefix>:<i>:<j>" per hit) are
 -- rewritten in this format, weight 1 each, the first time this script reads them.
--- Bad arguments get an error reply whose code is SLIDEGATE, never a Lua runtime error.
+-- Bad arguments get an error reply for the whole call, whose code is SLIDEGATE, never a Lua
+-- runtime error.
 
 -- Library functions as locals: a local is a register, a global a table lookup, and this body
--- runs on every call.
-local tonumber, format, floor, max, min, call = tonumber, string.format, math.floor, math.max,
-  math.min, redis.call
+-- runs for every request. (Loops count with an index for the same reason: `ipairs` is a
+-- function call per step.)
+local tonumber, format, floor, max, min, call, pcall, type, tostring = tonumber, string.format,
+  math.floor, math.max, math.min, redis.call, pcall, type, tostring
 
 local function fail(message)
   return redis.error_reply('SLIDEGATE ' .. message)
 end
 
+-- Whole numbers read so far in this call, by their text (false: not a whole number). Turning
+-- text into a number costs a strtod, thousands of instructions, and a call's arguments repeat
+-- ("0", "1", the same limits and windows, the same ms): a table lookup is far cheaper.
+local read = {}
 local function whole(text)
-  local v = tonumber(text)
-  if v == nil or v < 0 or v % 1 ~= 0 then
-    return nil
+  local v = read[text]
+  if v == nil then
+    v = tonumber(text)
+    if v == nil or v < 0 or v % 1 ~= 0 then
+      v = false
+    end
+    if text ~= nil then
+      read[text] = v
+    end
   end
-  return v
+  return v or nil
 end
 
+-- A whole number as text, for arguments built by concatenation. Numbers passed on their own
+-- go to redis.call as numbers: Redis 7 writes integral ones exactly, without a printf.
 local function ms(v)
   return format('%d', v)
 end
 
-local now
-if ARGV[1] == '' then
-  local t = call('TIME')
-  now = tonumber(t[1]) * 1000 + floor(tonumber(t[2]) / 1000)
-else
-  now = whole(ARGV[1])
-end
-if now == nil then
-  return fail('ARGV[1] (now) must be a whole number of ms or empty')
-end
-local prefix = ARGV[2]
-if prefix == nil or prefix == '' then
-  return fail('ARGV[2] (member prefix) is missing')
-end
-local mode = whole(ARGV[3])
-if mode ~= 0 and mode ~= 1 and mode ~= 2 then
-  return fail('ARGV[3] (mode) must be 0, 1 or 2')
-end
-local n = whole(ARGV[4])
-if n == nil or n < 1 then
-  return fail('ARGV[4] (descriptor count) must be at least 1')
-end
-if #KEYS ~= 3 * n then
-  return fail('expected ' .. 3 * n .. ' keys, got ' .. #KEYS)
+-- Redis TIME, read once per call: every request of a call is decided at the same moment.
+local time_now = nil
+local function redis_now()
+  if time_now == nil then
+    local t = call('TIME')
+    time_now = tonumber(t[1]) * 1000 + floor(tonumber(t[2]) / 1000)
+  end
+  return time_now
 end
 
-local items = {}
-local a = 5
-for i = 1, n do
-  local hits, role, ban_ms = whole(ARGV[a]), whole(ARGV[a + 1]), whole(ARGV[a + 2])
-  local buckets, debit, m = whole(ARGV[a + 3]), whole(ARGV[a + 4]), whole(ARGV[a + 5])
-  if hits == nil or role == nil or role > 2 or ban_ms == nil or buckets == nil or debit == nil
-      or debit > 1 or m == nil or m < 1 then
-    return fail('descriptor ' .. i .. ': hits, role (0-2), ban_ms, buckets, debit (0-1) and window count (>= 1) are required')
+-- One request read from ARGV[a] on, its keys from KEYS[k + 1] on: the request and where the
+-- next one's arguments and keys start, or nil and why not.
+local function parse_request(r, a, k)
+  -- Messages are built only on failure: turning a number into text costs a printf.
+  local function bad(what)
+    return nil, 'request ' .. r .. ': ' .. what
   end
-  a = a + 6
-  local windows, longest = {}, 0
-  for w = 1, m do
-    local limit, length = whole(ARGV[a]), whole(ARGV[a + 1])
-    if limit == nil or length == nil or length < 1 then
-      return fail('descriptor ' .. i .. ' window ' .. w .. ': limit and window_ms (>= 1) are required')
-    end
-    windows[w] = { limit = limit, length = length }
-    if buckets > 0 then
-      windows[w].size = max(floor(length / buckets), 1)
-      windows[w].oldest = floor(max(now - length, 0) / windows[w].size)
-    end
-    if length > longest then
-      longest = length
-    end
-    a = a + 2
+  local now
+  if ARGV[a] == '' then
+    now = redis_now()
+  else
+    now = whole(ARGV[a])
   end
-  items[i] = { log = KEYS[3 * i - 2], ban = KEYS[3 * i - 1], cnt = KEYS[3 * i], hits = hits, role = role,
-               ban_ms = ban_ms, buckets = buckets, debit = debit == 1, windows = windows,
-               longest = longest, counts = {}, firsts = {}, cum = 0 }
+  if now == nil then
+    return bad('now must be a whole number of ms or empty')
+  end
+  local prefix = ARGV[a + 1]
+  if prefix == nil or prefix == '' then
+    return bad('member prefix is missing')
+  end
+  local mode = whole(ARGV[a + 2])
+  if mode ~= 0 and mode ~= 1 and mode ~= 2 then
+    return bad('mode must be 0, 1 or 2')
+  end
+  local n = whole(ARGV[a + 3])
+  if n == nil or n < 1 then
+    return bad('descriptor count must be at least 1')
+  end
+  if KEYS[k + 3 * n] == nil then
+    return bad('expected ' .. k + 3 * n .. ' keys, got ' .. #KEYS)
+  end
+  a = a + 4
+  local items = {}
+  for i = 1, n do
+    local hits, role, ban_ms = whole(ARGV[a]), whole(ARGV[a + 1]), whole(ARGV[a + 2])
+    local buckets, debit, m = whole(ARGV[a + 3]), whole(ARGV[a + 4]), whole(ARGV[a + 5])
+    if hits == nil or role == nil or role > 2 or ban_ms == nil or buckets == nil or debit == nil
+        or debit > 1 or m == nil or m < 1 then
+      return bad('descriptor ' .. i .. ': hits, role (0-2), ban_ms, buckets, debit (0-1) and window count (>= 1) are required')
+    end
+    a = a + 6
+    local windows, longest = {}, 0
+    for w = 1, m do
+      local limit, length = whole(ARGV[a]), whole(ARGV[a + 1])
+      if limit == nil or length == nil or length < 1 then
+        return bad('descriptor ' .. i .. ' window ' .. w .. ': limit and window_ms (>= 1) are required')
+      end
+      local win = { limit = limit, length = length }
+      if buckets > 0 then
+        win.size = max(floor(length / buckets), 1)
+        win.oldest = floor(max(now - length, 0) / win.size)
+      end
+      windows[w] = win
+      if length > longest then
+        longest = length
+      end
+      a = a + 2
+    end
+    local base = k + 3 * i
+    items[i] = { log = KEYS[base - 2], ban = KEYS[base - 1], cnt = KEYS[base], hits = hits,
+                 role = role, ban_ms = ban_ms, buckets = buckets, debit = debit == 1, windows = windows,
+                 longest = longest, counts = {}, firsts = {}, cum = 0,
+                 -- Set by the decision; named here so the table is sized once.
+                 fits = false, records = false, banned = 0, ban_set = 0, state = false }
+  end
+  return { now = now, prefix = prefix, mode = mode, items = items }, a, k + 3 * n
 end
-if ARGV[a] ~= nil then
-  return fail('unexpected argument ARGV[' .. a .. ']')
-end
+
+-- The request being decided (set by `decide`; the helpers below read it).
+local now, prefix, mode, items
+local last, pending, first_recorded
 
 -- === sliding_log: a log of weighted entries with running totals ===
 
@@ -201,7 +245,7 @@ end
 -- most need - 1 ranks past the window's first entry; when every entry weighs 1 (requests) the
 -- first probe there finds it. Otherwise a binary search by rank.
 local function time_reaching(log, win, total, need)
-  local low = call('ZCOUNT', log, '-inf', ms(now - win.length))
+  local low = call('ZCOUNT', log, '-inf', now - win.length)
   local high = min(call('ZCARD', log) - 1, low + need - 1)
   local probe = call('ZRANGE', log, high, high, 'WITHSCORES')
   if probe[1] ~= nil and parse_member(probe[1]) == total then
@@ -243,7 +287,8 @@ end
 -- The buckets that count for one window, oldest first.
 local function counted(buckets, win)
   local list = {}
-  for _, b in ipairs(buckets) do
+  for bi = 1, #buckets do
+    local b = buckets[bi]
     if b.size == win.size and b.index >= win.oldest then
       list[#list + 1] = b
     end
@@ -255,9 +300,11 @@ end
 local function drop_stale_buckets(it)
   it.state = read_buckets(it)
   local stale = {}
-  for _, b in ipairs(it.state) do
+  for bi = 1, #it.state do
+    local b = it.state[bi]
     local keep = false
-    for _, win in ipairs(it.windows) do
+    for wi = 1, #it.windows do
+      local win = it.windows[wi]
       keep = keep or (b.size == win.size and b.index >= win.oldest)
     end
     if not keep then
@@ -266,146 +313,6 @@ local function drop_stale_buckets(it)
   end
   if #stale > 0 then
     call('HDEL', it.cnt, unpack(stale))
-  end
-end
-
--- 1. Count every window, then decide whether each descriptor fits (and, for a debit, whether it
---    records). Hits of earlier recording descriptors on the same log count as pending, so two
---    descriptors sharing a log cannot overshoot together.
-local last = {}
-local fits, records, banned, ban_set, pending = {}, {}, {}, {}, {}
-for i, it in ipairs(items) do
-  banned[i] = 0
-  ban_set[i] = 0
-  local ban_end = 0
-  if it.ban_ms > 0 then
-    ban_end = tonumber(call('GET', it.ban) or '0') or 0
-  end
-  if ban_end > now then
-    banned[i] = ban_end - now
-    fits[i] = false
-    records[i] = false
-  else
-    if it.buckets == 0 then
-      -- The newest entry first: an empty log, or one whose newest entry is older than a
-      -- window, has nothing in that window, so it needs no count (and, for the longest
-      -- window, no trim: every entry is stale, and the whole log goes).
-      if last[it.log] == nil then
-        last[it.log] = last_entry(it.log)
-        local newest = last[it.log]
-        if newest.cum > 0 then
-          if newest.time <= now - it.longest then
-            call('DEL', it.log)
-          else
-            call('ZREMRANGEBYSCORE', it.log, '-inf', ms(now - it.longest))
-          end
-        end
-      end
-      local newest = last[it.log]
-      for w, win in ipairs(it.windows) do
-        local first = nil
-        if newest.cum > 0 and newest.time > now - win.length then
-          first = first_inside(it.log, win)
-        end
-        it.firsts[w] = first
-        it.counts[w] = first and (newest.cum - first.before) or 0
-      end
-    else
-      drop_stale_buckets(it)
-      for w, win in ipairs(it.windows) do
-        local c = 0
-        for _, b in ipairs(counted(it.state, win)) do
-          c = c + b.hits
-        end
-        it.counts[w] = c
-      end
-    end
-    local p = pending[it.log] or 0
-    local size = it.hits
-    if it.debit and size == 0 then
-      size = 1
-    end
-    local ok, has_room = true, true
-    for w, win in ipairs(it.windows) do
-      if it.counts[w] + p + size > win.limit then
-        ok = false
-      end
-      if it.counts[w] + p >= win.limit then
-        has_room = false
-      end
-    end
-    fits[i] = ok
-    records[i] = it.hits > 0 and (ok or (it.debit and has_room))
-    if not ok and it.ban_ms > 0 then
-      call('SET', it.ban, ms(now + it.ban_ms), 'PX', ms(it.ban_ms))
-      banned[i] = it.ban_ms
-      ban_set[i] = 1
-      records[i] = false
-    end
-    if records[i] then
-      pending[it.log] = p + it.hits
-    end
-  end
-end
-
--- 2. Decide.
-local enforced_fit, quota_seen, quota_fit = true, false, false
-for i, it in ipairs(items) do
-  if it.role == 0 and not fits[i] then
-    enforced_fit = false
-  elseif it.role == 2 then
-    quota_seen = true
-    quota_fit = quota_fit or fits[i]
-  end
-end
-local admitted = enforced_fit
-if mode == 1 then
-  admitted = enforced_fit and (quota_fit or not quota_seen)
-elseif mode == 2 then
-  admitted = false
-end
-
--- 3. Record: every fitting descriptor of an admitted call, and every debit that records
---    whatever the decision. sliding_log: one weighted entry, stamped no earlier than the log's
---    newest entry (so totals grow with time even if clocks step back: stricter, never looser).
---    sliding_counter: the hits go into the current bucket of every distinct bucket length.
-local recorded = false
-local recorded_hits = {}
--- The first entry this call records in each log: { before, time }.
-local first_recorded = {}
-for i, it in ipairs(items) do
-  if records[i] and (admitted or it.debit) then
-    recorded = true
-    recorded_hits[it.log] = (recorded_hits[it.log] or 0) + it.hits
-    if it.buckets == 0 then
-      local newest = last[it.log]
-      it.cum = newest.cum + it.hits
-      local stamp = max(now, newest.time)
-      call('ZADD', it.log, ms(stamp), member(it.cum, it.hits, i))
-      first_recorded[it.log] = first_recorded[it.log] or { before = newest.cum, time = stamp }
-      last[it.log] = { cum = it.cum, time = stamp }
-    else
-      local done = {}
-      for _, win in ipairs(it.windows) do
-        if not done[win.size] then
-          done[win.size] = true
-          call('HINCRBY', it.cnt, ms(win.size) .. ':' .. ms(floor(now / win.size)), it.hits)
-        end
-      end
-    end
-  else
-    records[i] = false
-  end
-end
-
--- 4. Keep every key as long as its longest window (plus a bucket), whether or not this call
---    recorded: a key under constant rejection must not expire and reopen. (1 s of slack for
---    replica clocks.)
-for _, it in ipairs(items) do
-  if it.buckets == 0 then
-    call('PEXPIRE', it.log, ms(it.longest + 1000))
-  else
-    call('PEXPIRE', it.cnt, ms(it.longest + math.ceil(it.longest / it.buckets) + 1000))
   end
 end
 
@@ -418,14 +325,14 @@ local function size_of(it)
 end
 
 -- The reset of one window of a sliding_log descriptor, from its count after the call.
-local function log_reset(it, i, w, win, count)
+local function log_reset(it, w, win, count)
   local first = it.firsts[w]
   if first == nil then
     -- The window held nothing before this call: its first entry is the first this call
     -- recorded in the log, if any.
     first = first_recorded[it.log]
   end
-  if fits[i] then
+  if it.fits then
     return first and (first.time + win.length - now) or 0
   end
   local size = size_of(it)
@@ -441,9 +348,9 @@ local function log_reset(it, i, w, win, count)
 end
 
 -- The reset of one window of a sliding_counter descriptor, from its count after the call.
-local function counter_reset(it, i, win, count)
+local function counter_reset(it, win, count)
   local wanted = 1
-  if not fits[i] then
+  if not it.fits then
     local size = size_of(it)
     wanted = count + size - win.limit
     if wanted <= 0 then
@@ -459,45 +366,230 @@ local function counter_reset(it, i, win, count)
       return (bucket.index + 1) * win.size + win.length - now
     end
   end
-  return fits[i] and 0 or win.length
+  return it.fits and 0 or win.length
 end
 
--- 5. Report: each window's count after the call (with every hit this call recorded on the same
---    key) and its reset.
-local reply, r = { now, recorded and 1 or 0 }, 2
-for i, it in ipairs(items) do
-  reply[r + 1] = fits[i] and 1 or 0
-  reply[r + 2] = banned[i]
-  reply[r + 3] = ban_set[i]
-  reply[r + 4] = records[i] and 1 or 0
-  reply[r + 5] = it.cum
-  r = r + 5
-  if banned[i] > 0 then
-    reply[r + 1] = 0
-    r = r + 1
-  else
-    local added = recorded_hits[it.log] or 0
-    if it.buckets > 0 and added > 0 then
-      it.state = read_buckets(it)
+-- Decides one request: its reply.
+local function decide(req)
+  now, prefix, mode, items = req.now, req.prefix, req.mode, req.items
+  -- 1. Count every window, then decide whether each descriptor fits (and, for a debit, whether it
+  --    records). Hits of earlier recording descriptors on the same log count as pending, so two
+  --    descriptors sharing a log cannot overshoot together.
+  last, pending = {}, {}
+  for i = 1, #items do
+    local it = items[i]
+    it.banned = 0
+    it.ban_set = 0
+    local ban_end = 0
+    if it.ban_ms > 0 then
+      ban_end = tonumber(call('GET', it.ban) or '0') or 0
     end
-    reply[r + 1] = #it.windows
-    r = r + 1
-    for w, win in ipairs(it.windows) do
-      local c = it.counts[w] + added
-      local reset
-      if it.buckets > 0 then
-        c = 0
-        for _, b in ipairs(counted(it.state, win)) do
-          c = c + b.hits
+    if ban_end > now then
+      it.banned = ban_end - now
+      it.fits = false
+      it.records = false
+    else
+      if it.buckets == 0 then
+        -- The newest entry first: an empty log, or one whose newest entry is older than a
+        -- window, has nothing in that window, so it needs no count (and, for the longest
+        -- window, no trim: every entry is stale, and the whole log goes).
+        if last[it.log] == nil then
+          last[it.log] = last_entry(it.log)
+          local newest = last[it.log]
+          if newest.cum > 0 then
+            if newest.time <= now - it.longest then
+              call('DEL', it.log)
+            else
+              call('ZREMRANGEBYSCORE', it.log, '-inf', now - it.longest)
+            end
+          end
         end
-        reset = counter_reset(it, i, win, c)
+        local newest = last[it.log]
+        for w = 1, #it.windows do
+          local win = it.windows[w]
+          local first = nil
+          if newest.cum > 0 and newest.time > now - win.length then
+            first = first_inside(it.log, win)
+          end
+          it.firsts[w] = first
+          it.counts[w] = first and (newest.cum - first.before) or 0
+        end
       else
-        reset = log_reset(it, i, w, win, c)
+        drop_stale_buckets(it)
+        for w = 1, #it.windows do
+          local win = it.windows[w]
+          local c = 0
+          for _, b in ipairs(counted(it.state, win)) do
+            c = c + b.hits
+          end
+          it.counts[w] = c
+        end
       end
-      reply[r + 1] = c
-      reply[r + 2] = reset
-      r = r + 2
+      local p = pending[it.log] or 0
+      local size = it.hits
+      if it.debit and size == 0 then
+        size = 1
+      end
+      local ok, has_room = true, true
+      for w = 1, #it.windows do
+        local win = it.windows[w]
+        if it.counts[w] + p + size > win.limit then
+          ok = false
+        end
+        if it.counts[w] + p >= win.limit then
+          has_room = false
+        end
+      end
+      it.fits = ok
+      it.records = it.hits > 0 and (ok or (it.debit and has_room))
+      if not ok and it.ban_ms > 0 then
+        call('SET', it.ban, now + it.ban_ms, 'PX', it.ban_ms)
+        it.banned = it.ban_ms
+        it.ban_set = 1
+        it.records = false
+      end
+      if it.records then
+        pending[it.log] = p + it.hits
+      end
     end
   end
+
+  -- 2. Decide.
+  local enforced_fit, quota_seen, quota_fit = true, false, false
+  for i = 1, #items do
+    local it = items[i]
+    if it.role == 0 and not it.fits then
+      enforced_fit = false
+    elseif it.role == 2 then
+      quota_seen = true
+      quota_fit = quota_fit or it.fits
+    end
+  end
+  local admitted = enforced_fit
+  if mode == 1 then
+    admitted = enforced_fit and (quota_fit or not quota_seen)
+  elseif mode == 2 then
+    admitted = false
+  end
+
+  -- 3. Record: every fitting descriptor of an admitted call, and every debit that records
+  --    whatever the decision. sliding_log: one weighted entry, stamped no earlier than the log's
+  --    newest entry (so totals grow with time even if clocks step back: stricter, never looser).
+  --    sliding_counter: the hits go into the current bucket of every distinct bucket length.
+  local recorded = false
+  local recorded_hits = {}
+  -- The first entry this call records in each log: { before, time }.
+  first_recorded = {}
+  for i = 1, #items do
+    local it = items[i]
+    if it.records and (admitted or it.debit) then
+      recorded = true
+      recorded_hits[it.log] = (recorded_hits[it.log] or 0) + it.hits
+      if it.buckets == 0 then
+        local newest = last[it.log]
+        it.cum = newest.cum + it.hits
+        local stamp = max(now, newest.time)
+        call('ZADD', it.log, stamp, member(it.cum, it.hits, i))
+        first_recorded[it.log] = first_recorded[it.log] or { before = newest.cum, time = stamp }
+        last[it.log] = { cum = it.cum, time = stamp }
+      else
+        local done = {}
+        for wi = 1, #it.windows do
+          local win = it.windows[wi]
+          if not done[win.size] then
+            done[win.size] = true
+            call('HINCRBY', it.cnt, ms(win.size) .. ':' .. ms(floor(now / win.size)), it.hits)
+          end
+        end
+      end
+    else
+      it.records = false
+    end
+  end
+
+  -- 4. Keep every key as long as its longest window (plus a bucket), whether or not this call
+  --    recorded: a key under constant rejection must not expire and reopen. (1 s of slack for
+  --    replica clocks.)
+  for ii = 1, #items do
+    local it = items[ii]
+    if it.buckets == 0 then
+      call('PEXPIRE', it.log, it.longest + 1000)
+    else
+      call('PEXPIRE', it.cnt, it.longest + math.ceil(it.longest / it.buckets) + 1000)
+    end
+  end
+
+  -- 5. Report: each window's count after the call (with every hit this call recorded on the same
+  --    key) and its reset.
+  local reply, r = { now, recorded and 1 or 0 }, 2
+  for i = 1, #items do
+    local it = items[i]
+    reply[r + 1] = it.fits and 1 or 0
+    reply[r + 2] = it.banned
+    reply[r + 3] = it.ban_set
+    reply[r + 4] = it.records and 1 or 0
+    reply[r + 5] = it.cum
+    r = r + 5
+    if it.banned > 0 then
+      reply[r + 1] = 0
+      r = r + 1
+    else
+      local added = recorded_hits[it.log] or 0
+      if it.buckets > 0 and added > 0 then
+        it.state = read_buckets(it)
+      end
+      reply[r + 1] = #it.windows
+      r = r + 1
+      for w = 1, #it.windows do
+        local win = it.windows[w]
+        local c = it.counts[w] + added
+        local reset
+        if it.buckets > 0 then
+          c = 0
+          for _, b in ipairs(counted(it.state, win)) do
+            c = c + b.hits
+          end
+          reset = counter_reset(it, win, c)
+        else
+          reset = log_reset(it, w, win, c)
+        end
+        reply[r + 1] = c
+        reply[r + 2] = reset
+        r = r + 2
+      end
+    end
+  end
+  return reply
 end
-return reply
+
+local count = whole(ARGV[1])
+if count == nil or count < 1 then
+  return fail('ARGV[1] (request count) must be at least 1')
+end
+local requests, a, k = {}, 2, 0
+for r = 1, count do
+  local req, next_a, next_k = parse_request(r, a, k)
+  if req == nil then
+    return fail(next_a)
+  end
+  requests[r], a, k = req, next_a, next_k
+end
+if ARGV[a] ~= nil then
+  return fail('unexpected argument ARGV[' .. a .. ']')
+end
+if #KEYS ~= k then
+  return fail('expected ' .. k .. ' keys, got ' .. #KEYS)
+end
+
+-- Each request on its own: a Redis error in one (a key of another type) fails that one only.
+local replies = {}
+for r = 1, #requests do
+  local req = requests[r]
+  local ok, out = pcall(decide, req)
+  if not ok then
+    -- What Redis said (a command's error reply), or a Lua error's text.
+    out = { -1, type(out) == 'table' and tostring(out.err) or tostring(out) }
+  end
+  replies[r] = out
+end
+return replies

@@ -511,26 +511,36 @@ fn malformed_script_arguments_get_an_error_reply() {
     };
     let sha = cli(&["SCRIPT", "LOAD", slidegate::store::redis::SCRIPT]);
     assert_eq!(sha.len(), 40, "SCRIPT LOAD: {sha}");
-    // Three keys per descriptor (log, ban, counters); per descriptor: hits, role, ban_ms,
+    // Three keys per descriptor (log, ban, counters). Arguments: the number of requests, then
+    // per request: now, prefix, mode, descriptor count, and per descriptor: hits, role, ban_ms,
     // buckets, debit, window count, then limit and window_ms pairs.
-    let cases: [&[&str]; 8] = [
+    let cases: [&[&str]; 11] = [
         &["0"],
-        &["1", "k", "x", "1"],
-        &["3", "k", "b", "c", "abc", "p", "1", "1"],
+        &["3", "k", "b", "c", "0"],
         &[
-            "3", "k", "b", "c", "1", "p", "1", "1", "1", "9", "0", "0", "1",
+            "3", "k", "b", "c", "2", "1", "p", "1", "1", "1", "0", "0", "0", "0", "1", "10", "1000",
+        ],
+        &["1", "k", "1", "x", "1"],
+        &["3", "k", "b", "c", "1", "abc", "p", "1", "1"],
+        &[
+            "3", "k", "b", "c", "1", "1", "p", "1", "1", "1", "9", "0", "0", "1",
         ],
         &[
-            "3", "k", "b", "c", "1", "p", "1", "1", "1", "0", "0", "x", "1", "10", "1000",
+            "3", "k", "b", "c", "1", "1", "p", "1", "1", "1", "0", "0", "x", "1", "10", "1000",
         ],
         &[
-            "3", "k", "b", "c", "1", "p", "1", "1", "1", "0", "0", "0", "1", "10", "0",
+            "3", "k", "b", "c", "1", "1", "p", "1", "1", "1", "0", "0", "0", "1", "10", "0",
         ],
         &[
-            "3", "k", "b", "c", "1", "p", "1", "1", "1", "0", "0", "0", "1", "10", "1000", "extra",
+            "3", "k", "b", "c", "1", "1", "p", "1", "1", "1", "0", "0", "0", "1", "10", "1000",
+            "extra",
         ],
         &[
-            "3", "k", "b", "c", "1", "p", "1", "1", "1", "0", "0", "0", "2", "1", "10", "1000",
+            "3", "k", "b", "c", "1", "1", "p", "1", "1", "1", "0", "0", "0", "2", "1", "10", "1000",
+        ],
+        &[
+            "6", "k", "b", "c", "k", "b", "c", "1", "1", "p", "1", "1", "1", "0", "0", "0", "0",
+            "1", "10", "1000",
         ],
     ];
     for args in cases {
@@ -548,7 +558,7 @@ fn malformed_script_arguments_get_an_error_reply() {
         let mut full = vec!["EVALSHA", sha.as_str(), "3"];
         full.extend_from_slice(&keys);
         full.extend_from_slice(&[
-            "1000", "p", "1", "1", "1", "0", "0", buckets, "0", "1", "10", "1000",
+            "1", "1000", "p", "1", "1", "1", "0", "0", buckets, "0", "1", "10", "1000",
         ]);
         cli(&full).lines().map(str::to_string).collect::<Vec<_>>()
     };
@@ -571,6 +581,33 @@ fn malformed_script_arguments_get_an_error_reply() {
         cli(&["HGETALL", "u:cnt"]).lines().collect::<Vec<_>>(),
         vec!["100:10", "1"]
     );
+    // One call, three requests, each decided as if alone and in order: the first meets a key of
+    // another type and fails alone (-1 and what Redis said), the second and third share a log
+    // with a limit of 1, so the third finds the second's entry and is rejected.
+    assert_eq!(cli(&["SET", "w:log", "not a log"]), "OK");
+    let request = |now: &'static str, prefix: &'static str| {
+        [
+            now, prefix, "1", "1", "1", "0", "0", "0", "0", "1", "1", "1000",
+        ]
+    };
+    let mut full = vec!["EVALSHA", sha.as_str(), "9"];
+    full.extend_from_slice(&["w:log", "w:ban", "w:cnt", "v:log", "v:ban", "v:cnt"]);
+    full.extend_from_slice(&["v:log", "v:ban", "v:cnt", "3"]);
+    full.extend_from_slice(&request("2000", "a"));
+    full.extend_from_slice(&request("2000", "b"));
+    full.extend_from_slice(&request("2001", "c"));
+    let reply = cli(&full);
+    let lines: Vec<&str> = reply.lines().collect();
+    assert_eq!(lines[0], "-1", "{reply}");
+    assert!(lines[1].starts_with("WRONGTYPE"), "{reply}");
+    assert_eq!(
+        lines[2..],
+        [
+            "2000", "1", "1", "0", "0", "1", "1", "1", "1", "1000", // admitted
+            "2001", "0", "0", "0", "0", "0", "0", "1", "1", "999", // 1 of 1: wait 999 ms
+        ]
+    );
+    assert_eq!(cli(&["ZCARD", "v:log"]), "1");
 }
 
 /// `rediss://` with a password: a real TLS Redis with a test CA, which the binary trusts through
@@ -1158,5 +1195,118 @@ async fn healthz_holds_while_redis_is_down() {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     assert_eq!(http(server.http_addr, "GET", "/healthz", "").await.0, 200);
+    server.stop().await;
+}
+
+/// Calls of `EVALSHA` Redis has run, from `INFO commandstats`.
+fn evalsha_calls(redis: &RedisProcess) -> u64 {
+    let stats = redis.cmd("INFO commandstats");
+    stats
+        .lines()
+        .find_map(|l| l.strip_prefix("cmdstat_evalsha:calls="))
+        .and_then(|rest| rest.split(',').next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or(0)
+}
+
+/// A Redis of the test's own and a server on it with one pool connection (so one script call
+/// out at a time), with `descriptors` (YAML list items) in a fresh domain.
+async fn on_one_connection(name: &str, descriptors: &str) -> (RedisProcess, TestServer, String) {
+    let redis = RedisProcess::start(&[]);
+    let mut opts = options(redis.url(), TEST_TIMEOUT);
+    opts.pool_size = 1;
+    let store: Arc<dyn Store> = Arc::new(RedisStore::connect(opts).await.expect("connect"));
+    let domain = unique_domain(name);
+    let config = format!("domain: {domain}\ndescriptors:\n{descriptors}");
+    let server = TestServer::start(&config, store, LimiterOptions::default()).await;
+    (redis, server, domain)
+}
+
+/// On standalone Redis, decisions that arrive together are decided in shared script calls, and
+/// still exactly: 400 concurrent requests on one limit of 150 (one connection, so one call out
+/// at a time) admit exactly 150 in far fewer calls than requests; each user of a spread of 250
+/// is admitted once and refused the second time.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_decisions_share_script_calls_and_stay_exact() {
+    let (redis, server, domain) = on_one_connection(
+        "batch",
+        "  - key: hot\n    rate_limit: {unit: minute, requests_per_unit: 150}\n  - key: user\n    rate_limit: {unit: minute, requests_per_unit: 1}\n",
+    )
+    .await;
+    let before = evalsha_calls(&redis);
+    let calls: Vec<_> = (0..400)
+        .map(|_| {
+            let mut client = server.client.clone();
+            let request = request(&domain, vec![descriptor(&[("hot", "x")])]);
+            tokio::spawn(async move { client.should_rate_limit(request).await })
+        })
+        .collect();
+    let mut admitted = 0;
+    for call in calls {
+        let response = call.await.expect("task").expect("answer");
+        admitted += u32::from(response.get_ref().overall_code == ok());
+    }
+    let used = evalsha_calls(&redis) - before;
+    assert_eq!(admitted, 150, "exactly the limit");
+    assert!(used < 400, "{used} script calls for 400 decisions");
+    // Per user: the first of two concurrent requests is admitted, the second refused, whichever
+    // call carried each.
+    let users: Vec<_> = (0..500)
+        .map(|n| {
+            let mut client = server.client.clone();
+            let user = format!("u{}", n % 250);
+            let request = request(&domain, vec![descriptor(&[("user", &user)])]);
+            tokio::spawn(async move { (n % 250, client.should_rate_limit(request).await) })
+        })
+        .collect();
+    let mut per_user = [0u32; 250];
+    for call in users {
+        let (user, response) = call.await.expect("task");
+        per_user[user] += u32::from(response.expect("answer").get_ref().overall_code == ok());
+    }
+    assert!(per_user.iter().all(|&n| n == 1), "{per_user:?}");
+    server.stop().await;
+}
+
+/// A caller that gives up while its call is out (Envoy's timeout) hands the call's place on:
+/// requests waiting behind it are still sent, and the store keeps answering afterwards.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn callers_that_give_up_do_not_stall_the_queue() {
+    let (redis, server, domain) = on_one_connection(
+        "giveup",
+        "  - key: user\n    rate_limit: {unit: minute, requests_per_unit: 1000}\n",
+    )
+    .await;
+    // Redis holds every client's commands for a moment (CLIENT PAUSE answers at once and then
+    // holds the rest), so every call is out or waiting when the callers give up.
+    assert_eq!(redis.cmd("CLIENT PAUSE 500 ALL").trim(), "+OK");
+    let quitters: Vec<_> = (0..50)
+        .map(|n| {
+            let mut client = server.client.clone();
+            let request = request(&domain, vec![descriptor(&[("user", &format!("q{n}"))])]);
+            tokio::spawn(async move {
+                tokio::time::timeout(Duration::from_millis(50), client.should_rate_limit(request))
+                    .await
+            })
+        })
+        .collect();
+    for quitter in quitters {
+        assert!(
+            quitter.await.expect("task").is_err(),
+            "gave up while Redis slept"
+        );
+    }
+    let mut answered = 0;
+    for n in 0..20 {
+        let mut client = server.client.clone();
+        let request = request(&domain, vec![descriptor(&[("user", &format!("a{n}"))])]);
+        let response =
+            tokio::time::timeout(Duration::from_secs(10), client.should_rate_limit(request))
+                .await
+                .expect("an answer, not a stalled queue")
+                .expect("answer");
+        answered += u32::from(response.get_ref().overall_code == ok());
+    }
+    assert_eq!(answered, 20, "the store answers after callers gave up");
     server.stop().await;
 }

@@ -3,6 +3,8 @@
 //!
 //! * The script is loaded once and called by SHA; `NOSCRIPT` (restart, failover, `SCRIPT FLUSH`,
 //!   a node that never saw it) reloads it on every primary and retries.
+//! * On standalone Redis, requests that arrive while every call is out go together in the next
+//!   call (`batch.rs`): one `EVALSHA` decides tens of requests under load, each on its own.
 //! * A request whose descriptors sit in several slots sends one call per slot, concurrently, in
 //!   tentative mode; if the combined answer is a rejection, members recorded by the slots that
 //!   recorded are removed again. That can briefly make other requests see a fuller log (never an
@@ -19,6 +21,9 @@ use tokio::time::Instant;
 use fred::prelude::*;
 use fred::types::scripts::Script;
 use futures_util::future::join_all;
+
+mod batch;
+use batch::{Batcher, Request, Sender};
 
 pub use crate::tls::TlsFiles;
 
@@ -70,8 +75,12 @@ pub struct RedisStore {
     /// Makes members unique across replicas: a random id per process plus a call counter.
     instance: String,
     calls: AtomicU64,
-    /// Decisions handed to the client at once; the rest wait here (see `checked`).
+    /// Cluster: decisions handed to the client at once; the rest wait here (see `checked`).
     in_flight: tokio::sync::Semaphore,
+    /// Sends script calls (the pool and the script, shared with the batcher's tasks).
+    sender: Sender,
+    /// Standalone Redis: gathers requests that wait into one call (`batch.rs`).
+    batcher: Option<Arc<Batcher>>,
 }
 
 /// The longest a decision waits for its turn to be sent (a caller's own deadline, Envoy's
@@ -82,6 +91,12 @@ const QUEUED_AT_MOST: Duration = Duration::from_secs(1);
 /// connections' pipelines full, few enough that a command's time with the client and Redis is
 /// its own and not a queue's.
 const IN_FLIGHT_PER_CONNECTION: usize = 16;
+
+/// Standalone Redis: script calls out at once, per connection of the pool. Redis runs one at a
+/// time, so a second keeps it busy while a reply travels back, and more would only queue inside
+/// Redis, where waiting counts against the store deadline; the requests that arrive meanwhile
+/// wait here and go together in the next call.
+const CALLS_PER_CONNECTION: usize = 1;
 
 /// How a script call decides (`ARGV[3]` of `lua/slidegate.lua`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -105,9 +120,6 @@ impl Mode {
         }
     }
 }
-
-/// How long to wait before sending a call Redis answered `TRYAGAIN` (a slot mid-migration).
-const TRY_AGAIN_AFTER: Duration = Duration::from_millis(5);
 
 /// How long every call may fail before the client pool is replaced: short, so a client left
 /// unable to route resumes well within a second; a replacement costs one connection attempt.
@@ -294,6 +306,16 @@ fn call_failed(e: &Error) -> StoreError {
     }
 }
 
+/// One request of a call failed inside the script: what Redis said (a key of another type, say)
+/// or the script's own error.
+fn request_failed(message: &str) -> StoreError {
+    if message.split_whitespace().next() == Some(SCRIPT_ERROR_CODE) {
+        StoreError::Protocol(message.to_string())
+    } else {
+        StoreError::unavailable(format!("script: {message}"))
+    }
+}
+
 /// Tries one connection with `config`: `Ok(true)` when Redis answers, `Ok(false)` when it cannot
 /// be reached yet (refused, timed out, a cluster not ready), and an error for what waiting will
 /// not fix (a wrong password, a bad TLS set-up, a bad URL).
@@ -391,8 +413,16 @@ impl RedisStore {
                 }
             });
         }
+        let pool = Arc::new(ArcSwap::from_pointee(pool));
+        let pool_size = options.pool_size.max(1);
         Ok(RedisStore {
-            pool: Arc::new(ArcSwap::from_pointee(pool)),
+            sender: Sender {
+                pool: pool.clone(),
+                script: script.clone(),
+            },
+            batcher: (!cluster)
+                .then(|| Batcher::new(pool_size * CALLS_PER_CONNECTION, QUEUED_AT_MOST)),
+            pool,
             recipe,
             health: Arc::new(Mutex::new(Health::default())),
             failing: std::sync::atomic::AtomicBool::new(false),
@@ -408,9 +438,7 @@ impl RedisStore {
                 )
             ),
             calls: AtomicU64::new(0),
-            in_flight: tokio::sync::Semaphore::new(
-                options.pool_size.max(1) * IN_FLIGHT_PER_CONNECTION,
-            ),
+            in_flight: tokio::sync::Semaphore::new(pool_size * IN_FLIGHT_PER_CONNECTION),
         })
     }
 
@@ -488,42 +516,21 @@ impl RedisStore {
         prefix: &str,
         mode: Mode,
     ) -> Result<GroupReply, StoreError> {
-        let (mut keys, mut args) = self.script_input(items, group, now_ms, prefix, mode);
-        // TRYAGAIN: the slot is being migrated and this call's keys are split between the two
-        // masters for a moment; Redis asks to send it again shortly. The caller's deadline
-        // bounds the retries. NOSCRIPT (a restart, a failover, SCRIPT FLUSH): load it and send
-        // again, once. The input is built again only then (it is moved into the call).
-        let mut loaded = false;
-        loop {
-            let sent = self.evalsha(keys, args).await;
-            match sent {
-                Ok(reply) => return parse_reply(&reply, items, group),
-                Err(e) if e.details().starts_with("TRYAGAIN") => {
-                    tokio::time::sleep(TRY_AGAIN_AFTER).await;
-                    (keys, args) = self.script_input(items, group, now_ms, prefix, mode);
-                }
-                Err(e) if e.details().starts_with("NOSCRIPT") && !loaded => {
-                    loaded = true;
-                    let pool = self.pool.load();
-                    if let Err(e) = self.script.load(pool.next()).await {
-                        return Err(call_failed(&e));
-                    }
-                    (keys, args) = self.script_input(items, group, now_ms, prefix, mode);
-                }
-                Err(e) => return Err(call_failed(&e)),
+        let request = self.script_input(items, group, now_ms, prefix, mode);
+        let answer = match &self.batcher {
+            Some(batcher) => batcher.submit(request, &self.sender).await,
+            None => {
+                let mut answers = self.sender.call(vec![request]).await;
+                answers
+                    .pop()
+                    .unwrap_or_else(|| Err(StoreError::Protocol("script reply is empty".into())))
             }
-        }
+        };
+        parse_reply(&answer?, items, group)
     }
 
-    /// Runs the script with this call's options.
-    async fn evalsha(&self, keys: Vec<String>, args: Vec<Value>) -> Result<Vec<i64>, Error> {
-        let pool = self.pool.load();
-        pool.next()
-            .evalsha(self.script.sha1().clone(), keys, args)
-            .await
-    }
-
-    /// The script's `KEYS` and `ARGV` for the items of `group` (layout in `lua/slidegate.lua`).
+    /// The script's `KEYS` and `ARGV` for the items of `group`, as one request of a call
+    /// (layout in `lua/slidegate.lua`).
     fn script_input(
         &self,
         items: &[CheckItem<'_>],
@@ -531,7 +538,7 @@ impl RedisStore {
         now_ms: u64,
         prefix: &str,
         mode: Mode,
-    ) -> (Vec<String>, Vec<Value>) {
+    ) -> Request {
         // Numbers go as integers and fixed words as static strings: the client writes both
         // straight into the command, with no string made per argument.
         let int = |n: u64| Value::Integer(i64::try_from(n).unwrap_or(i64::MAX));
@@ -547,9 +554,9 @@ impl RedisStore {
         args.push(int(group.len() as u64));
         for &i in group {
             let item = &items[i];
-            keys.push(item.key.log());
-            keys.push(item.key.ban());
-            keys.push(item.key.counters());
+            keys.push(Key::from(item.key.log()));
+            keys.push(Key::from(item.key.ban()));
+            keys.push(Key::from(item.key.counters()));
             args.push(int(item.hits));
             args.push(word(match item.role {
                 Role::Enforce => "0",
@@ -568,7 +575,7 @@ impl RedisStore {
                 args.push(int(w.length_ms));
             }
         }
-        (keys, args)
+        Request { keys, args }
     }
 
     /// With `rejected`, the request is already rejected elsewhere (`Store::check_rejected`).
@@ -589,12 +596,19 @@ impl RedisStore {
             (false, 1) => Mode::Final,
             (false, _) => Mode::Tentative,
         };
-        let replies = join_all(
-            groups
-                .iter()
-                .map(|g| self.call_group(items, g, now_ms, &prefix, mode)),
-        )
-        .await;
+        // One group (standalone Redis, or one slot) is awaited as it is: collecting its large
+        // future into a list for `join_all` would copy it for nothing.
+        let replies = match groups.as_slice() {
+            [group] => vec![self.call_group(items, group, now_ms, &prefix, mode).await],
+            _ => {
+                join_all(
+                    groups
+                        .iter()
+                        .map(|g| self.call_group(items, g, now_ms, &prefix, mode)),
+                )
+                .await
+            }
+        };
         let mut outcomes = vec![ItemOutcome::default(); items.len()];
         let mut recorded_groups: Vec<(&Vec<usize>, u64, Vec<u64>)> = Vec::new();
         let mut first_error = None;
@@ -617,8 +631,8 @@ impl RedisStore {
             && !rejected
             && admits(items.iter().zip(&outcomes).map(|(i, o)| (i.role, o.fits)));
         if mode == Mode::Tentative && !admitted && !recorded_groups.is_empty() {
-            self.undo(items, &recorded_groups, &prefix, &mut outcomes)
-                .await;
+            // Boxed: rare, and its future would otherwise enlarge every decision's.
+            Box::pin(self.undo(items, &recorded_groups, &prefix, &mut outcomes)).await;
         }
         match first_error {
             Some(e) => Err(e),
@@ -796,10 +810,15 @@ impl RedisStore {
         now_ms: u64,
         rejected: bool,
     ) -> Result<CheckOutcome, StoreError> {
-        let turn = tokio::time::timeout(QUEUED_AT_MOST, self.in_flight.acquire()).await;
-        let result = match turn {
-            Ok(Ok(_permit)) => self.decide(items, now_ms, rejected).await,
-            _ => Err(StoreError::Timeout(QUEUED_AT_MOST)),
+        let result = if self.batcher.is_some() {
+            // The batcher queues (and bounds the wait) itself.
+            self.decide(items, now_ms, rejected).await
+        } else {
+            let turn = tokio::time::timeout(QUEUED_AT_MOST, self.in_flight.acquire()).await;
+            match turn {
+                Ok(Ok(_permit)) => self.decide(items, now_ms, rejected).await,
+                _ => Err(StoreError::Timeout(QUEUED_AT_MOST)),
+            }
         };
         // A protocol error is an answer: the client works.
         self.note(!matches!(

@@ -1,0 +1,282 @@
+//! Script calls, and the batching of requests that reach the store at the same moment.
+//!
+//! Every decision is one request of the script (`lua/slidegate.lua` decides a call's requests one
+//! after the other, each as it would be alone). On standalone Redis, a request that arrives
+//! while [`Batcher`]'s calls are all out waits, and the next call to go carries every request
+//! that waited: under load one `EVALSHA` (one socket write here, one read and one reply in Redis)
+//! decides tens of requests, while a lone request is sent at once, never held back for company.
+//! On a cluster a call's keys must share a slot, and requests rarely do: they go one per call.
+
+use std::collections::VecDeque;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use arc_swap::ArcSwap;
+use fred::prelude::*;
+use fred::types::scripts::Script;
+use tokio::sync::oneshot;
+use tokio::time::Instant;
+
+use super::call_failed;
+use crate::store::StoreError;
+
+/// How long to wait before sending a call Redis answered `TRYAGAIN` (a slot mid-migration).
+const TRY_AGAIN_AFTER: Duration = Duration::from_millis(5);
+
+/// The most descriptors one call carries (a request's descriptors always go together): enough
+/// that a queue under load leaves in a few calls, few enough that a call keeps Redis busy for
+/// about a millisecond, so calls queued behind it stay well inside the store deadline.
+const DESCRIPTORS_PER_CALL: usize = 32;
+
+/// One request's part of a script call: its keys, and its arguments after the call's request
+/// count (layout in `lua/slidegate.lua`).
+pub(super) struct Request {
+    pub keys: Vec<Key>,
+    pub args: Vec<Value>,
+}
+
+/// One request's answer: the script's reply for it, as integers.
+pub(super) type Answer = Result<Vec<i64>, StoreError>;
+
+/// What sends a call: the pool (replaced whole when it stays broken) and the script.
+#[derive(Clone)]
+pub(super) struct Sender {
+    pub pool: Arc<ArcSwap<Pool>>,
+    pub script: Script,
+}
+
+impl Sender {
+    /// One call carrying `requests`; an answer per request, in order.
+    pub async fn call(&self, requests: Vec<Request>) -> Vec<Answer> {
+        let count = requests.len();
+        let mut keys = Vec::with_capacity(requests.iter().map(|r| r.keys.len()).sum());
+        let mut args = Vec::with_capacity(1 + requests.iter().map(|r| r.args.len()).sum::<usize>());
+        args.push(Value::Integer(i64::try_from(count).unwrap_or(i64::MAX)));
+        for request in requests {
+            keys.extend(request.keys);
+            args.extend(request.args);
+        }
+        match self.send(keys, args).await {
+            Ok(reply) => split(reply, count),
+            Err(e) => vec![Err(e); count],
+        }
+    }
+
+    /// Sends until Redis answers. TRYAGAIN: a slot is being migrated and this call's keys are
+    /// split between two masters for a moment; Redis asks to send it again shortly (the caller's
+    /// deadline bounds the retries). NOSCRIPT (a restart, a failover, SCRIPT FLUSH): load it and
+    /// send again, once. Keys and arguments are shared buffers: a copy to send again is cheap.
+    async fn send(&self, keys: Vec<Key>, args: Vec<Value>) -> Result<Value, StoreError> {
+        let mut loaded = false;
+        loop {
+            let pool = self.pool.load();
+            let sent = pool
+                .next()
+                .evalsha::<Value, _, _, _>(self.script.sha1().clone(), keys.clone(), args.clone())
+                .await;
+            match sent {
+                Ok(reply) => return Ok(reply),
+                Err(e) if e.details().starts_with("TRYAGAIN") => {
+                    tokio::time::sleep(TRY_AGAIN_AFTER).await;
+                }
+                Err(e) if e.details().starts_with("NOSCRIPT") && !loaded => {
+                    loaded = true;
+                    if let Err(e) = self.script.load(pool.next()).await {
+                        return Err(call_failed(&e));
+                    }
+                }
+                Err(e) => return Err(call_failed(&e)),
+            }
+        }
+    }
+}
+
+/// Splits the script's reply (one array per request) into the requests' answers. A reply of
+/// the wrong shape fails every request of the call.
+fn split(reply: Value, count: usize) -> Vec<Answer> {
+    let bad = |what: &str| StoreError::Protocol(format!("script reply {what}"));
+    let Value::Array(parts) = reply else {
+        return vec![Err(bad("is not an array")); count];
+    };
+    if parts.len() != count {
+        return vec![Err(bad("does not answer every request of the call")); count];
+    }
+    parts.into_iter().map(|part| answer(part, &bad)).collect()
+}
+
+/// One request's reply: integers, or `-1` and what Redis said when a command of it failed.
+fn answer(part: Value, bad: &dyn Fn(&str) -> StoreError) -> Answer {
+    let Value::Array(values) = part else {
+        return Err(bad("holds a request reply that is not an array"));
+    };
+    if let [Value::Integer(-1), message] = values.as_slice() {
+        let message = message.as_str().map(|m| m.to_string()).unwrap_or_default();
+        return Err(super::request_failed(&message));
+    }
+    values
+        .iter()
+        .map(|v| match v {
+            Value::Integer(n) => Ok(*n),
+            _ => Err(bad("holds a value that is not an integer")),
+        })
+        .collect()
+}
+
+/// Requests waiting for a call, and how many calls are out.
+struct Queue {
+    calls: usize,
+    waiting: VecDeque<Waiting>,
+}
+
+struct Waiting {
+    request: Request,
+    since: Instant,
+    answer: oneshot::Sender<Answer>,
+}
+
+/// Sends requests as they come while fewer than `max_calls` calls are out, and otherwise
+/// queues them for the next call (see the module's notes). Requests wait at most
+/// `queued_at_most`: time spent behind other calls is not Redis being slow, but a bound keeps a
+/// stalled Redis from collecting an endless queue.
+pub(super) struct Batcher {
+    queue: Mutex<Queue>,
+    max_calls: usize,
+    queued_at_most: Duration,
+}
+
+impl Batcher {
+    pub fn new(max_calls: usize, queued_at_most: Duration) -> Arc<Batcher> {
+        Arc::new(Batcher {
+            queue: Mutex::new(Queue {
+                calls: 0,
+                waiting: VecDeque::new(),
+            }),
+            max_calls: max_calls.max(1),
+            queued_at_most,
+        })
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Queue> {
+        // A counter and a queue of plain values: one left by a panicking holder is still usable.
+        self.queue
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    /// The answer to `request`: sent at once when a call is free, else with the next call.
+    pub async fn submit(self: &Arc<Self>, request: Request, sender: &Sender) -> Answer {
+        let turn = {
+            let mut queue = self.lock();
+            if queue.calls < self.max_calls {
+                queue.calls += 1;
+                Turn::Now(request)
+            } else {
+                let (answer, later) = oneshot::channel();
+                queue.waiting.push_back(Waiting {
+                    request,
+                    since: Instant::now(),
+                    answer,
+                });
+                Turn::Later(later)
+            }
+        };
+        match turn {
+            Turn::Now(request) => {
+                let _out = CallOut {
+                    batcher: self.clone(),
+                    sender: sender.clone(),
+                };
+                let mut answers = sender.call(vec![request]).await;
+                answers
+                    .pop()
+                    .unwrap_or_else(|| Err(StoreError::Protocol("script reply is empty".into())))
+            }
+            Turn::Later(later) => later.await.unwrap_or_else(|_| {
+                Err(StoreError::unavailable(
+                    "the call carrying this request was dropped",
+                ))
+            }),
+        }
+    }
+
+    /// A call came back (or its caller left): the requests that waited go with the next call,
+    /// sent from a task of its own; with none waiting, the call's place is free.
+    fn hand_on(self: &Arc<Self>, sender: &Sender) {
+        let batch = {
+            let mut queue = self.lock();
+            let now = Instant::now();
+            let mut batch = Vec::new();
+            let mut descriptors = 0;
+            while let Some(next) = queue.waiting.front() {
+                // Three keys per descriptor.
+                let size = next.request.keys.len() / 3;
+                if !batch.is_empty() && descriptors + size > DESCRIPTORS_PER_CALL {
+                    break;
+                }
+                let Some(waiting) = queue.waiting.pop_front() else {
+                    break;
+                };
+                if waiting.answer.is_closed() {
+                    // Its caller gave up (Envoy's timeout): nothing to send.
+                    continue;
+                }
+                if now.duration_since(waiting.since) > self.queued_at_most {
+                    let _ = waiting
+                        .answer
+                        .send(Err(StoreError::Timeout(self.queued_at_most)));
+                    continue;
+                }
+                descriptors += size;
+                batch.push(waiting);
+            }
+            if batch.is_empty() {
+                queue.calls -= 1;
+                return;
+            }
+            batch
+        };
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            // No runtime left to send with (the process is ending): fail what waited.
+            let mut queue = self.lock();
+            queue.calls -= 1;
+            let stranded = batch.into_iter().chain(queue.waiting.drain(..));
+            for waiting in stranded {
+                let _ = waiting
+                    .answer
+                    .send(Err(StoreError::unavailable("the server is shutting down")));
+            }
+            return;
+        };
+        let (batcher, sender) = (self.clone(), sender.clone());
+        // The guard is made inside the task: a task dropped unstarted hands nothing on.
+        runtime.spawn(async move {
+            let _out = CallOut {
+                batcher,
+                sender: sender.clone(),
+            };
+            let (requests, answers): (Vec<_>, Vec<_>) =
+                batch.into_iter().map(|w| (w.request, w.answer)).unzip();
+            let replies = sender.call(requests).await;
+            for (answer, reply) in answers.into_iter().zip(replies) {
+                let _ = answer.send(reply);
+            }
+        });
+    }
+}
+
+enum Turn {
+    Now(Request),
+    Later(oneshot::Receiver<Answer>),
+}
+
+/// A call that is out; when it ends, however it ends, its place goes to the waiting requests.
+struct CallOut {
+    batcher: Arc<Batcher>,
+    sender: Sender,
+}
+
+impl Drop for CallOut {
+    fn drop(&mut self) {
+        self.batcher.hand_on(&self.sender);
+    }
+}
