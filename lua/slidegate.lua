@@ -153,7 +153,9 @@ local function parse_request(r, a, k)
       if limit == nil or length == nil or length < 1 then
         return bad('descriptor ' .. i .. ' window ' .. w .. ': limit and window_ms (>= 1) are required')
       end
-      local win = { limit = limit, length = length }
+      -- count, and the window's first entry before this call (cum before it, its time):
+      -- filled by the decision.
+      local win = { limit = limit, length = length, count = 0, first_before = false, first_time = 0 }
       if buckets > 0 then
         win.size = max(floor(length / buckets), 1)
         win.oldest = floor(max(now - length, 0) / win.size)
@@ -167,16 +169,15 @@ local function parse_request(r, a, k)
     local base = k + 3 * i
     items[i] = { log = KEYS[base - 2], ban = KEYS[base - 1], cnt = KEYS[base], hits = hits,
                  role = role, ban_ms = ban_ms, buckets = buckets, debit = debit == 1, windows = windows,
-                 longest = longest, counts = {}, firsts = {}, cum = 0,
+                 longest = longest, cum = 0,
                  -- Set by the decision; named here so the table is sized once.
-                 fits = false, records = false, banned = 0, ban_set = 0, state = false }
+                 fits = false, records = false, banned = 0, ban_set = 0, state = false, st = false }
   end
   return { now = now, prefix = prefix, mode = mode, items = items }, a, k + 3 * n
 end
 
 -- The request being decided (set by `decide`; the helpers below read it).
 local now, prefix, mode, items
-local last, pending, first_recorded
 
 -- === sliding_log: a log of weighted entries with running totals ===
 
@@ -215,11 +216,11 @@ local function migrate(log)
   end
 end
 
--- The log's newest entry: { cum, time } ({ 0, 0 } when empty). Migrates an old log first.
+-- The log's newest entry: its cum and time (0, 0 when empty). Migrates an old log first.
 local function last_entry(log)
   local last = call('ZRANGE', log, -1, -1, 'WITHSCORES')
   if last[1] == nil then
-    return { cum = 0, time = 0 }
+    return 0, 0
   end
   local cum = parse_member(last[1])
   if cum == nil then
@@ -227,17 +228,17 @@ local function last_entry(log)
     last = call('ZRANGE', log, -1, -1, 'WITHSCORES')
     cum = parse_member(last[1])
   end
-  return { cum = cum, time = tonumber(last[2]) }
+  return cum, tonumber(last[2])
 end
 
--- The first entry inside a window: { before = cum before it, time } or nil when none.
+-- The first entry inside a window: the cum before it and its time, or false when none.
 local function first_inside(log, win)
   local first = call('ZRANGEBYSCORE', log, '(' .. ms(now - win.length), '+inf', 'WITHSCORES', 'LIMIT', 0, 1)
   if first[1] == nil then
-    return nil
+    return false, 0
   end
   local cum, weight = parse_member(first[1])
-  return { before = cum - weight, time = tonumber(first[2]) }
+  return cum - weight, tonumber(first[2])
 end
 
 -- The time of the first entry of the window whose running total reaches `total`, `need` hits
@@ -325,15 +326,15 @@ local function size_of(it)
 end
 
 -- The reset of one window of a sliding_log descriptor, from its count after the call.
-local function log_reset(it, w, win, count)
-  local first = it.firsts[w]
-  if first == nil then
+local function log_reset(it, win, count)
+  local before, time = win.first_before, win.first_time
+  if not before then
     -- The window held nothing before this call: its first entry is the first this call
     -- recorded in the log, if any.
-    first = first_recorded[it.log]
+    before, time = it.st.first_before, it.st.first_time
   end
   if it.fits then
-    return first and (first.time + win.length - now) or 0
+    return before and (time + win.length - now) or 0
   end
   local size = size_of(it)
   local need = count + size - win.limit
@@ -343,7 +344,7 @@ local function log_reset(it, w, win, count)
   if size > win.limit then
     return win.length
   end
-  local at = time_reaching(it.log, win, (first and first.before or 0) + need, need)
+  local at = time_reaching(it.log, win, (before or 0) + need, need)
   return at and (at + win.length - now) or win.length
 end
 
@@ -375,11 +376,18 @@ local function decide(req)
   -- 1. Count every window, then decide whether each descriptor fits (and, for a debit, whether it
   --    records). Hits of earlier recording descriptors on the same log count as pending, so two
   --    descriptors sharing a log cannot overshoot together.
-  last, pending = {}, {}
+  -- Per key, what the descriptors of this request that share it need to agree on: the log's
+  -- newest entry (read once, moved on by what this request records), hits pending from earlier
+  -- descriptors, hits recorded, and the first entry this request recorded.
+  local logs = {}
   for i = 1, #items do
     local it = items[i]
-    it.banned = 0
-    it.ban_set = 0
+    local st = logs[it.log]
+    if st == nil then
+      st = { read = false, cum = 0, time = 0, pending = 0, recorded = 0, first_before = false, first_time = 0 }
+      logs[it.log] = st
+    end
+    it.st = st
     local ban_end = 0
     if it.ban_ms > 0 then
       ban_end = tonumber(call('GET', it.ban) or '0') or 0
@@ -393,26 +401,23 @@ local function decide(req)
         -- The newest entry first: an empty log, or one whose newest entry is older than a
         -- window, has nothing in that window, so it needs no count (and, for the longest
         -- window, no trim: every entry is stale, and the whole log goes).
-        if last[it.log] == nil then
-          last[it.log] = last_entry(it.log)
-          local newest = last[it.log]
-          if newest.cum > 0 then
-            if newest.time <= now - it.longest then
+        if not st.read then
+          st.read = true
+          st.cum, st.time = last_entry(it.log)
+          if st.cum > 0 then
+            if st.time <= now - it.longest then
               call('DEL', it.log)
             else
               call('ZREMRANGEBYSCORE', it.log, '-inf', now - it.longest)
             end
           end
         end
-        local newest = last[it.log]
         for w = 1, #it.windows do
           local win = it.windows[w]
-          local first = nil
-          if newest.cum > 0 and newest.time > now - win.length then
-            first = first_inside(it.log, win)
+          if st.cum > 0 and st.time > now - win.length then
+            win.first_before, win.first_time = first_inside(it.log, win)
           end
-          it.firsts[w] = first
-          it.counts[w] = first and (newest.cum - first.before) or 0
+          win.count = win.first_before and (st.cum - win.first_before) or 0
         end
       else
         drop_stale_buckets(it)
@@ -422,10 +427,10 @@ local function decide(req)
           for _, b in ipairs(counted(it.state, win)) do
             c = c + b.hits
           end
-          it.counts[w] = c
+          win.count = c
         end
       end
-      local p = pending[it.log] or 0
+      local p = st.pending
       local size = it.hits
       if it.debit and size == 0 then
         size = 1
@@ -433,10 +438,10 @@ local function decide(req)
       local ok, has_room = true, true
       for w = 1, #it.windows do
         local win = it.windows[w]
-        if it.counts[w] + p + size > win.limit then
+        if win.count + p + size > win.limit then
           ok = false
         end
-        if it.counts[w] + p >= win.limit then
+        if win.count + p >= win.limit then
           has_room = false
         end
       end
@@ -449,7 +454,7 @@ local function decide(req)
         it.records = false
       end
       if it.records then
-        pending[it.log] = p + it.hits
+        st.pending = p + it.hits
       end
     end
   end
@@ -477,21 +482,20 @@ local function decide(req)
   --    newest entry (so totals grow with time even if clocks step back: stricter, never looser).
   --    sliding_counter: the hits go into the current bucket of every distinct bucket length.
   local recorded = false
-  local recorded_hits = {}
-  -- The first entry this call records in each log: { before, time }.
-  first_recorded = {}
   for i = 1, #items do
     local it = items[i]
     if it.records and (admitted or it.debit) then
       recorded = true
-      recorded_hits[it.log] = (recorded_hits[it.log] or 0) + it.hits
+      local st = it.st
+      st.recorded = st.recorded + it.hits
       if it.buckets == 0 then
-        local newest = last[it.log]
-        it.cum = newest.cum + it.hits
-        local stamp = max(now, newest.time)
+        it.cum = st.cum + it.hits
+        local stamp = max(now, st.time)
         call('ZADD', it.log, stamp, member(it.cum, it.hits, i))
-        first_recorded[it.log] = first_recorded[it.log] or { before = newest.cum, time = stamp }
-        last[it.log] = { cum = it.cum, time = stamp }
+        if not st.first_before then
+          st.first_before, st.first_time = st.cum, stamp
+        end
+        st.cum, st.time = it.cum, stamp
       else
         local done = {}
         for wi = 1, #it.windows do
@@ -521,7 +525,9 @@ local function decide(req)
 
   -- 5. Report: each window's count after the call (with every hit this call recorded on the same
   --    key) and its reset.
-  local reply, r = { now, recorded and 1 or 0 }, 2
+  -- Made with room for one descriptor of one window (the common reply), so it is not grown
+  -- step by step; what a shorter reply leaves over is cleared below.
+  local reply, r = { now, recorded and 1 or 0, 0, 0, 0, 0, 0, 0, 0, 0 }, 2
   for i = 1, #items do
     local it = items[i]
     reply[r + 1] = it.fits and 1 or 0
@@ -534,7 +540,7 @@ local function decide(req)
       reply[r + 1] = 0
       r = r + 1
     else
-      local added = recorded_hits[it.log] or 0
+      local added = it.st.recorded
       if it.buckets > 0 and added > 0 then
         it.state = read_buckets(it)
       end
@@ -542,7 +548,7 @@ local function decide(req)
       r = r + 1
       for w = 1, #it.windows do
         local win = it.windows[w]
-        local c = it.counts[w] + added
+        local c = win.count + added
         local reset
         if it.buckets > 0 then
           c = 0
@@ -551,13 +557,16 @@ local function decide(req)
           end
           reset = counter_reset(it, win, c)
         else
-          reset = log_reset(it, w, win, c)
+          reset = log_reset(it, win, c)
         end
         reply[r + 1] = c
         reply[r + 2] = reset
         r = r + 2
       end
     end
+  end
+  for j = r + 1, 10 do
+    reply[j] = nil
   end
   return reply
 end
