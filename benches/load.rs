@@ -537,7 +537,7 @@ fn scenarios() -> Vec<Scenario> {
     use Shape::*;
     use Store::*;
     // (name, shape, store, limit, one call in flight)
-    let table: [(&'static str, Shape, Store, Option<usize>, bool); 12] = [
+    let table: [(&'static str, Shape, Store, Option<usize>, bool); 14] = [
         ("embedded, 100k users", Users, Embedded, None, false),
         ("standalone, 100k users", Users, Standalone, None, false),
         ("cluster, 100k users", Users, Cluster, None, false),
@@ -583,6 +583,16 @@ fn scenarios() -> Vec<Scenario> {
             Standalone,
             None,
             false,
+        ),
+        // Latency of one descriptor against three in three slots, with nothing else in flight:
+        // the three slots' calls go out together.
+        ("cluster, one call in flight", Users, Cluster, None, true),
+        (
+            "cluster, three slots, one call in flight",
+            ThreeSlots,
+            Cluster,
+            None,
+            true,
         ),
         (
             "standalone, 1,000 wildcard rules",

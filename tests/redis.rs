@@ -1209,8 +1209,8 @@ fn evalsha_calls(redis: &RedisProcess) -> u64 {
         .unwrap_or(0)
 }
 
-/// A Redis of the test's own and a server on it with one pool connection (so one script call
-/// out at a time), with `descriptors` (YAML list items) in a fresh domain.
+/// A Redis of the test's own and a server on it with one pool connection (the store's calls
+/// share it), with `descriptors` (YAML list items) in a fresh domain.
 async fn on_one_connection(name: &str, descriptors: &str) -> (RedisProcess, TestServer, String) {
     let redis = RedisProcess::start(&[]);
     let mut opts = options(redis.url(), TEST_TIMEOUT);
@@ -1223,8 +1223,8 @@ async fn on_one_connection(name: &str, descriptors: &str) -> (RedisProcess, Test
 }
 
 /// On standalone Redis, decisions that arrive together are decided in shared script calls, and
-/// still exactly: 400 concurrent requests on one limit of 150 (one connection, so one call out
-/// at a time) admit exactly 150 in far fewer calls than requests; each user of a spread of 250
+/// still exactly: 400 concurrent requests on one limit of 150 (two calls out at a time, on
+/// one connection) admit exactly 150 in far fewer calls than requests; each user of a spread of 250
 /// is admitted once and refused the second time.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn concurrent_decisions_share_script_calls_and_stay_exact() {
