@@ -1310,3 +1310,58 @@ async fn callers_that_give_up_do_not_stall_the_queue() {
     assert_eq!(answered, 20, "the store answers after callers gave up");
     server.stop().await;
 }
+
+/// A key of another type in Redis (written there by something else) fails the one decision
+/// that touches it, with `UNAVAILABLE`, while the decisions that shared its script call are
+/// answered as usual.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_foreign_key_fails_only_its_own_decision_in_a_shared_call() {
+    let (redis, server, domain) = on_one_connection(
+        "foreign",
+        "  - key: user\n    rate_limit: {unit: minute, requests_per_unit: 5}\n",
+    )
+    .await;
+    let log = key::build(
+        &domain,
+        &[Segment::Value {
+            key: "user",
+            value: "bad",
+        }],
+        Variant::Configured,
+        None,
+    )
+    .log();
+    assert_eq!(redis.cmd(&format!("SET {log} not-a-log")).trim(), "+OK");
+    let before = evalsha_calls(&redis);
+    let calls: Vec<_> = (0..120)
+        .map(|n| {
+            let mut client = server.client.clone();
+            let user = if n == 60 {
+                "bad".to_string()
+            } else {
+                format!("u{n}")
+            };
+            let request = request(&domain, vec![descriptor(&[("user", &user)])]);
+            tokio::spawn(async move { (n, client.should_rate_limit(request).await) })
+        })
+        .collect();
+    for call in calls {
+        let (n, answer) = call.await.expect("task");
+        if n == 60 {
+            let status = answer.expect_err("the foreign key fails its decision");
+            assert_eq!(status.code(), tonic::Code::Unavailable, "{status:?}");
+            assert!(status.message().contains("WRONGTYPE"), "{status:?}");
+        } else {
+            assert_eq!(
+                answer.expect("answered").get_ref().overall_code,
+                ok(),
+                "{n}"
+            );
+        }
+    }
+    assert!(
+        evalsha_calls(&redis) - before < 120,
+        "the decisions shared calls"
+    );
+    server.stop().await;
+}
