@@ -384,43 +384,44 @@ async fn drive(
     report
 }
 
-/// Calls per second of the script alone on one Redis core, and Redis CPU per call: the
-/// arguments of one `user` descriptor as slidegate sends them, a fresh user per call.
-fn script_ceiling(redis: &redis_proc::RedisProcess, script: &str, name: &str) {
+/// Calls per second of the script alone on one Redis core, and Redis CPU per decision: the
+/// arguments of one `user` descriptor as slidegate sends them, a fresh user per request,
+/// `per_call` requests in each call (as slidegate's batches carry them under load).
+fn script_ceiling(redis: &redis_proc::RedisProcess, script: &str, name: &str, per_call: usize) {
     let sha = redis_cli(redis.port, &["SCRIPT", "LOAD", script]);
     let (cpu0, commands0) = redis_usage(&[redis.port]);
-    let requests = 200_000;
+    let calls = 200_000 / per_call;
+    let mut args = vec!["EVALSHA".to_string(), sha, (3 * per_call).to_string()];
+    for _ in 0..per_call {
+        for suffix in ["log", "ban", "cnt"] {
+            args.push(format!("rl:{{bench:user=u__rand_int__}}:{suffix}"));
+        }
+    }
+    args.push(per_call.to_string());
+    for _ in 0..per_call {
+        // now, prefix, mode, n; hits, role, ban_ms, buckets, debit, m; limit, window_ms
+        args.extend(
+            [
+                "1767225600000",
+                "bench0000-0000",
+                "1",
+                "1",
+                "1",
+                "0",
+                "0",
+                "0",
+                "0",
+                "1",
+                "1000000",
+                "60000",
+            ]
+            .map(String::from),
+        );
+    }
     let out = Command::new("redis-benchmark")
-        .args([
-            "-p",
-            &redis.port.to_string(),
-            "-c",
-            "16",
-            "-n",
-            &requests.to_string(),
-        ])
-        .args(["-r", "100000", "--csv"])
-        .args([
-            "EVALSHA",
-            &sha,
-            "3",
-            "rl:{bench:user=u__rand_int__}:log",
-            "rl:{bench:user=u__rand_int__}:ban",
-            "rl:{bench:user=u__rand_int__}:cnt",
-            "1",
-            "1767225600000",
-            "bench0000-0000",
-            "1",
-            "1",
-            "1",
-            "0",
-            "0",
-            "0",
-            "0",
-            "1",
-            "1000000",
-            "60000",
-        ])
+        .args(["-p", &redis.port.to_string(), "-c", "16"])
+        .args(["-n", &calls.to_string(), "-r", "100000", "--csv"])
+        .args(&args)
         .output()
         .expect("run redis-benchmark (Debian's redis-tools)");
     let text = String::from_utf8_lossy(&out.stdout);
@@ -430,10 +431,12 @@ fn script_ceiling(redis: &redis_proc::RedisProcess, script: &str, name: &str) {
         .find_map(|v| v.trim_matches('"').parse::<f64>().ok())
         .unwrap_or(0.0);
     let (cpu1, commands1) = redis_usage(&[redis.port]);
+    let decisions = (calls * per_call) as f64;
     println!(
-        "\n{name} alone on one Redis core (redis-benchmark, 16 clients, EVALSHA as slidegate sends it for one descriptor): {rps:.0} calls/s, {:.1} us Redis CPU and {:.2} commands per call",
-        (cpu1 - cpu0) / requests as f64 * 1e6,
-        commands1.saturating_sub(commands0) as f64 / requests as f64
+        "{name}, {per_call} request(s) per EVALSHA, alone on one Redis core (redis-benchmark, 16 clients): {:.0} decisions/s, {:.1} us Redis CPU and {:.2} commands per decision",
+        rps * per_call as f64,
+        (cpu1 - cpu0) / decisions * 1e6,
+        commands1.saturating_sub(commands0) as f64 / decisions
     );
 }
 
@@ -750,16 +753,25 @@ fn main() {
         run_scenario(&scenario, &stores, &config_path, &extra, &load, &runtime);
     }
     if only.is_empty() || "ceiling".contains(only.as_str()) {
-        script_ceiling(standalone, slidegate::store::redis::SCRIPT, "The script");
-        // SLIDEGATE_BENCH_SCRIPT: another version of the script, measured the same way.
-        if let Some(path) = std::env::var_os("SLIDEGATE_BENCH_SCRIPT") {
-            let other = std::fs::read_to_string(&path).expect("read SLIDEGATE_BENCH_SCRIPT");
+        println!();
+        for per_call in [1, 32] {
             let _ = redis_cli(standalone.port, &["FLUSHALL"]);
             script_ceiling(
                 standalone,
-                &other,
-                &format!("{}", Path::new(&path).display()),
+                slidegate::store::redis::SCRIPT,
+                "The script",
+                per_call,
             );
+        }
+        // SLIDEGATE_BENCH_SCRIPT: another version of the script (taking the same arguments),
+        // measured the same way.
+        if let Some(path) = std::env::var_os("SLIDEGATE_BENCH_SCRIPT") {
+            let other = std::fs::read_to_string(&path).expect("read SLIDEGATE_BENCH_SCRIPT");
+            let name = format!("{}", Path::new(&path).display());
+            for per_call in [1, 32] {
+                let _ = redis_cli(standalone.port, &["FLUSHALL"]);
+                script_ceiling(standalone, &other, &name, per_call);
+            }
         }
         memory_usage(standalone);
     }
