@@ -802,8 +802,10 @@ impl RedisStore {
     /// client's own timeout, which also marks the command so that it is never sent after a
     /// reconnection once its caller was told it failed (a timer of ours dropping the call would
     /// leave it unmarked, and Redis would record hits for a call long answered with an error).
-    /// Under load, decisions wait for their turn here, where waiting sends nothing, up to
-    /// [`QUEUED_AT_MOST`]: time spent behind other calls is not Redis being slow.
+    /// Under load, decisions wait for their turn inside slidegate, where waiting sends nothing,
+    /// up to [`QUEUED_AT_MOST`]: time spent behind other calls is not Redis being slow. On a
+    /// cluster the turn is a place among [`IN_FLIGHT_PER_CONNECTION`] per connection; on
+    /// standalone Redis the batcher's queue is the wait (`batch.rs`).
     async fn checked(
         &self,
         items: &[CheckItem<'_>],
