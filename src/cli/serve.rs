@@ -42,10 +42,16 @@ pub fn serve(args: ServeArgs, notes: Vec<String>) -> ExitCode {
     for note in &notes {
         tracing::warn!("{note}");
     }
-    let runtime = match tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
-    {
+    let mut builder = tokio::runtime::Builder::new_multi_thread();
+    builder.enable_all();
+    // Without the LIFO slot a woken task waits its turn instead of running next. Under load that
+    // lets a connection's task find several finished responses and write them in one `writev`
+    // (with the slot it ran right after each stream and wrote one at a time): about a third
+    // less CPU per decision and a third more decisions per second embedded, at the cost of
+    // about 5-15% on the latency of a lone call (README, *Performance*).
+    #[cfg(tokio_unstable)]
+    builder.disable_lifo_slot();
+    let runtime = match builder.build() {
         Ok(rt) => rt,
         Err(e) => {
             tracing::error!("cannot start the async runtime: {e}");
