@@ -28,16 +28,21 @@ fn scratch_dir(port: u16) -> PathBuf {
     dir
 }
 
-/// A port whose cluster bus port (+10000) is free too, both at or below 55535. A port is handed
-/// out once per test process: a server stopped to be restarted on its port (a Redis restart, a
-/// management server's) must not find another test's server there meanwhile.
+/// A port whose cluster bus port (+10000) is free too. A port is handed out once per test
+/// process: a server stopped to be restarted on its port (a Redis restart, a management
+/// server's) must not find another test's server there meanwhile. Both sit below the kernel's
+/// range for outgoing connections' source ports: a port probed free there can be taken by any
+/// client's connection before the server binds it (a sentinel test once lost its metrics port
+/// to one).
 pub fn free_port() -> u16 {
     static NEXT: AtomicU64 = AtomicU64::new(0);
     static GIVEN: Mutex<Vec<u16>> = Mutex::new(Vec::new());
+    let (low, span) = port_range();
     let seed = std::process::id() as u64 * 7919 + NEXT.fetch_add(1, Ordering::SeqCst) * 104_729;
     let mut given = GIVEN.lock().unwrap_or_else(|p| p.into_inner());
     for attempt in 0..2000u64 {
-        let port = 20_000 + ((seed + attempt * 7_877) % 25_000) as u16;
+        // Below `span`, which fits a port number.
+        let port = low + u16::try_from((seed + attempt * 7_877) % span).unwrap_or(0);
         let taken = |p: u16| {
             given
                 .iter()
@@ -54,6 +59,22 @@ pub fn free_port() -> u16 {
         }
     }
     panic!("no free port pair for redis-server");
+}
+
+/// Where [`free_port`] picks: from 10000 up to where the bus port (+10000) would reach the
+/// kernel's ephemeral range (`ip_local_port_range`, 32768 by default); the old 20000..45000
+/// where that range starts too low to leave room.
+fn port_range() -> (u16, u64) {
+    let ephemeral_low = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+        .ok()
+        .and_then(|text| text.split_whitespace().next()?.parse::<u64>().ok())
+        .unwrap_or(32_768);
+    let top = ephemeral_low.saturating_sub(10_000);
+    if top >= 12_000 {
+        (10_000, top - 10_000)
+    } else {
+        (20_000, 25_000)
+    }
 }
 
 fn spawn(port: u16, dir: &PathBuf, extra: &[String]) -> Child {

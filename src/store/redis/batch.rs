@@ -280,3 +280,62 @@ impl Drop for CallOut {
         self.batcher.hand_on(&self.sender);
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ints(values: &[i64]) -> Value {
+        Value::Array(values.iter().map(|&n| Value::Integer(n)).collect())
+    }
+
+    #[test]
+    fn a_reply_splits_into_one_answer_per_request() {
+        let reply = Value::Array(vec![
+            ints(&[1_000, 1, 1, 0, 0, 1, 1, 1, 1, 1_000]),
+            Value::Array(vec![
+                Value::Integer(-1),
+                Value::String("WRONGTYPE Operation against a key".into()),
+            ]),
+            Value::Array(vec![
+                Value::Integer(-1),
+                Value::String("SLIDEGATE request 3: mode must be 0, 1 or 2".into()),
+            ]),
+        ]);
+        let answers = split(reply, 3);
+        assert_eq!(answers.len(), 3);
+        assert_eq!(
+            answers[0].as_ref().ok(),
+            Some(&vec![1_000, 1, 1, 0, 0, 1, 1, 1, 1, 1_000])
+        );
+        // Redis's own error: the store is unavailable for that request; the script's code: a
+        // protocol error.
+        assert!(
+            matches!(&answers[1], Err(StoreError::Unavailable { context, .. }) if context.contains("WRONGTYPE"))
+        );
+        assert!(matches!(&answers[2], Err(StoreError::Protocol(m)) if m.contains("mode")));
+    }
+
+    #[test]
+    fn replies_of_the_wrong_shape_are_protocol_errors() {
+        let protocol = |a: &Answer| matches!(a, Err(StoreError::Protocol(_)));
+        // Not one array per request: every request of the call fails.
+        for reply in [Value::Integer(1), Value::Array(vec![ints(&[1])])] {
+            let answers = split(reply.clone(), 2);
+            assert_eq!(answers.len(), 2, "{reply:?}");
+            assert!(answers.iter().all(protocol), "{reply:?} -> {answers:?}");
+        }
+        // One request's part malformed: that request alone fails.
+        let reply = Value::Array(vec![
+            ints(&[7]),
+            Value::Array(vec![Value::String("x".into())]),
+            Value::Integer(2),
+        ]);
+        let answers = split(reply, 3);
+        assert_eq!(answers[0].as_ref().ok(), Some(&vec![7]));
+        assert!(
+            protocol(&answers[1]) && protocol(&answers[2]),
+            "{answers:?}"
+        );
+    }
+}
