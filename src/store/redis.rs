@@ -62,13 +62,13 @@ pub struct RedisOptions {
 }
 
 pub struct RedisStore {
-    /// The client pool; replaced whole when it stays broken (see [`RedisStore::note`]).
-    pool: Arc<ArcSwap<Pool>>,
+    /// The client pool (replaced whole when it stays broken, see [`RedisStore::note`]) and the
+    /// script: what sends a call, shared with the batcher's tasks.
+    sender: Sender,
     recipe: Arc<PoolRecipe>,
     health: Arc<Mutex<Health>>,
     /// Whether the last noted call failed: lets a success skip the lock on the hot path.
     failing: std::sync::atomic::AtomicBool,
-    script: Script,
     cluster: bool,
     timeout: Duration,
     clock: ClockSource,
@@ -77,8 +77,6 @@ pub struct RedisStore {
     calls: AtomicU64,
     /// Cluster: decisions handed to the client at once; the rest wait here (see `checked`).
     in_flight: tokio::sync::Semaphore,
-    /// Sends script calls (the pool and the script, shared with the batcher's tasks).
-    sender: Sender,
     /// Standalone Redis: gathers requests that wait into one call (`batch.rs`).
     batcher: Option<Arc<Batcher>>,
 }
@@ -297,10 +295,16 @@ fn unavailable(e: &Error) -> StoreError {
     }
 }
 
-/// A script call's failure: the script's own error reply (by its error code) means the call was
-/// malformed, a protocol error; anything else is the store being unavailable.
+/// Whether an error text is the script's own (its error code first): the call or request was
+/// malformed, a protocol error, not the store being unavailable.
+fn is_script_error(text: &str) -> bool {
+    text.split_whitespace().next() == Some(SCRIPT_ERROR_CODE)
+}
+
+/// A script call's failure: the script's own error reply is a protocol error; anything else is
+/// the store being unavailable.
 fn call_failed(e: &Error) -> StoreError {
-    if e.details().split_whitespace().next() == Some(SCRIPT_ERROR_CODE) {
+    if is_script_error(e.details()) {
         StoreError::Protocol(e.details().to_string())
     } else {
         unavailable(e)
@@ -310,7 +314,7 @@ fn call_failed(e: &Error) -> StoreError {
 /// One request of a call failed inside the script: what Redis said (a key of another type, say)
 /// or the script's own error.
 fn request_failed(message: &str) -> StoreError {
-    if message.split_whitespace().next() == Some(SCRIPT_ERROR_CODE) {
+    if is_script_error(message) {
         StoreError::Protocol(message.to_string())
     } else {
         StoreError::unavailable(format!("script: {message}"))
@@ -356,36 +360,70 @@ fn transient(e: &Error) -> bool {
     }
 }
 
+/// The client's configuration from the URL and the TLS files.
+fn client_config(options: &RedisOptions) -> Result<Config, StoreError> {
+    let url = client_url(&options.url);
+    let mut config = Config::from_url(&url).map_err(|e| {
+        StoreError::unavailable(format!(
+            "invalid Redis URL {}: {}",
+            redact(&options.url),
+            e.details()
+        ))
+    })?;
+    if !options.tls.is_empty() {
+        if config.tls.is_none() {
+            return Err(StoreError::unavailable(
+                "Redis TLS files were given for a URL without TLS: use rediss:// (or REDIS_TLS=true)",
+            ));
+        }
+        config.tls = Some(
+            fred::types::config::TlsConnector::from(
+                crate::tls::client_config(&options.tls)
+                    .map_err(|e| StoreError::unavailable(format!("Redis TLS: {e}")))?,
+            )
+            .into(),
+        );
+    }
+    Ok(config)
+}
+
+/// The pool: connected and with the script loaded when Redis is reachable, else connecting in
+/// the background.
+async fn start_pool(
+    recipe: &PoolRecipe,
+    script: &Script,
+    reachable: bool,
+) -> Result<Pool, StoreError> {
+    let pool = recipe.build()?;
+    let deadline = recipe.options.connect_timeout;
+    if reachable {
+        tokio::time::timeout(deadline, pool.init())
+            .await
+            .map_err(|_| StoreError::Timeout(deadline))?
+            .map_err(|e| unavailable(&e))?;
+        script
+            .load(pool.next())
+            .await
+            .map_err(|e| unavailable(&e))?;
+    } else {
+        let connecting = pool.clone();
+        tokio::spawn(async move {
+            match connecting.init().await {
+                Ok(_) => tracing::info!("connected to Redis"),
+                Err(e) => tracing::error!(error = %unavailable(&e), "cannot connect to Redis"),
+            }
+        });
+    }
+    Ok(pool)
+}
+
 impl RedisStore {
     /// Connects and loads the script. A Redis that is not reachable yet is connected to in the
     /// background (calls answer by the failure policy and readiness is off until then); one that
     /// refuses the credentials or the TLS set-up fails here.
     pub async fn connect(options: RedisOptions) -> Result<RedisStore, StoreError> {
-        let url = client_url(&options.url);
-        let config = Config::from_url(&url).map_err(|e| {
-            StoreError::unavailable(format!(
-                "invalid Redis URL {}: {}",
-                redact(&options.url),
-                e.details()
-            ))
-        })?;
-        let mut config = config;
-        if !options.tls.is_empty() {
-            if config.tls.is_none() {
-                return Err(StoreError::unavailable(
-                    "Redis TLS files were given for a URL without TLS: use rediss:// (or REDIS_TLS=true)",
-                ));
-            }
-            config.tls = Some(
-                fred::types::config::TlsConnector::from(
-                    crate::tls::client_config(&options.tls)
-                        .map_err(|e| StoreError::unavailable(format!("Redis TLS: {e}")))?,
-                )
-                .into(),
-            );
-        }
+        let mut config = client_config(&options)?;
         let cluster = config.server.is_clustered();
-        let timeout = options.timeout;
         let reachable = probe(&config, options.connect_timeout).await?;
         // Not reachable yet (not started, a cluster still forming): the pool keeps trying, as it
         // does after losing a connection, and calls answer by the failure policy meanwhile.
@@ -394,41 +432,19 @@ impl RedisStore {
             config,
             options: options.clone(),
         });
-        let pool = recipe.build()?;
         let script = Script::from_lua(SCRIPT);
-        if reachable {
-            tokio::time::timeout(options.connect_timeout, pool.init())
-                .await
-                .map_err(|_| StoreError::Timeout(options.connect_timeout))?
-                .map_err(|e| unavailable(&e))?;
-            script
-                .load(pool.next())
-                .await
-                .map_err(|e| unavailable(&e))?;
-        } else {
-            let connecting = pool.clone();
-            tokio::spawn(async move {
-                match connecting.init().await {
-                    Ok(_) => tracing::info!("connected to Redis"),
-                    Err(e) => tracing::error!(error = %unavailable(&e), "cannot connect to Redis"),
-                }
-            });
-        }
-        let pool = Arc::new(ArcSwap::from_pointee(pool));
-        let pool_size = options.pool_size.max(1);
+        let pool = start_pool(&recipe, &script, reachable).await?;
         Ok(RedisStore {
             sender: Sender {
-                pool: pool.clone(),
-                script: script.clone(),
+                pool: Arc::new(ArcSwap::from_pointee(pool)),
+                script,
             },
             batcher: (!cluster).then(|| Batcher::new(CALLS_OUT, QUEUED_AT_MOST)),
-            pool,
             recipe,
             health: Arc::new(Mutex::new(Health::default())),
             failing: std::sync::atomic::AtomicBool::new(false),
-            script,
             cluster,
-            timeout,
+            timeout: options.timeout,
             clock: options.clock,
             instance: format!(
                 "{:016x}",
@@ -438,13 +454,15 @@ impl RedisStore {
                 )
             ),
             calls: AtomicU64::new(0),
-            in_flight: tokio::sync::Semaphore::new(pool_size * IN_FLIGHT_PER_CONNECTION),
+            in_flight: tokio::sync::Semaphore::new(
+                options.pool_size.max(1) * IN_FLIGHT_PER_CONNECTION,
+            ),
         })
     }
 
     /// A client of the pool, for tests and tools that look at the keys directly.
     pub fn client(&self) -> Client {
-        self.pool.load().next().clone()
+        self.sender.pool.load().next().clone()
     }
 
     /// Follows how calls go. A pool whose calls have all failed for [`REPLACE_AFTER`] is
@@ -479,8 +497,12 @@ impl RedisStore {
         }
         health.replacing = true;
         drop(health);
-        let (pool, recipe, health) = (self.pool.clone(), self.recipe.clone(), self.health.clone());
-        let script = self.script.clone();
+        let (pool, recipe, health) = (
+            self.sender.pool.clone(),
+            self.recipe.clone(),
+            self.health.clone(),
+        );
+        let script = self.sender.script.clone();
         tokio::spawn(async move {
             let replaced = recipe.fresh(&script).await;
             let mut state = lock(&health);
@@ -519,12 +541,7 @@ impl RedisStore {
         let request = self.script_input(items, group, now_ms, prefix, mode);
         let answer = match &self.batcher {
             Some(batcher) => batcher.submit(request, &self.sender).await,
-            None => {
-                let mut answers = self.sender.call(vec![request]).await;
-                answers
-                    .pop()
-                    .unwrap_or_else(|| Err(StoreError::Protocol("script reply is empty".into())))
-            }
+            None => self.sender.call_one(request).await,
         };
         parse_reply(&answer?, items, group)
     }
@@ -665,7 +682,7 @@ impl RedisStore {
                 for w in outcomes[i].windows.iter_mut() {
                     w.count = w.count.saturating_sub(item.hits);
                 }
-                let client = self.pool.load().next().clone();
+                let client = self.sender.pool.load().next().clone();
                 match item.algorithm {
                     Algorithm::SlidingLog => {
                         // The member as the script wrote it: "<cum>:<weight>:<prefix>:<i>", i
@@ -860,7 +877,7 @@ impl Store for RedisStore {
         Box::pin(async move {
             let ping: Result<Result<String, Error>, _> = tokio::time::timeout(
                 self.timeout.max(Duration::from_millis(200)),
-                self.pool.load().next().ping(None),
+                self.sender.pool.load().next().ping(None),
             )
             .await;
             matches!(ping, Ok(Ok(_)))

@@ -46,6 +46,14 @@ pub(super) struct Sender {
 }
 
 impl Sender {
+    /// One call carrying one request alone.
+    pub async fn call_one(&self, request: Request) -> Answer {
+        self.call(vec![request])
+            .await
+            .pop()
+            .unwrap_or_else(|| Err(StoreError::Protocol("script reply is empty".into())))
+    }
+
     /// One call carrying `requests`; an answer per request, in order.
     pub async fn call(&self, requests: Vec<Request>) -> Vec<Answer> {
         let count = requests.len();
@@ -186,10 +194,7 @@ impl Batcher {
                     batcher: self.clone(),
                     sender: sender.clone(),
                 };
-                let mut answers = sender.call(vec![request]).await;
-                answers
-                    .pop()
-                    .unwrap_or_else(|| Err(StoreError::Protocol("script reply is empty".into())))
+                sender.call_one(request).await
             }
             Turn::Later(later) => later.await.unwrap_or_else(|_| {
                 Err(StoreError::unavailable(
