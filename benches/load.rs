@@ -391,15 +391,13 @@ fn script_ceiling(redis: &redis_proc::RedisProcess, script: &str, name: &str, pe
     let sha = redis_cli(redis.port, &["SCRIPT", "LOAD", script]);
     let (cpu0, commands0) = redis_usage(&[redis.port]);
     let calls = 200_000 / per_call;
-    let mut args = vec!["EVALSHA".to_string(), sha, (3 * per_call).to_string()];
+    let mut args = vec!["EVALSHA".to_string(), sha, per_call.to_string()];
     for _ in 0..per_call {
-        for suffix in ["log", "ban", "cnt"] {
-            args.push(format!("rl:{{bench:user=u__rand_int__}}:{suffix}"));
-        }
+        args.push("rl:{bench:user=u__rand_int__}:log".to_string());
     }
     args.push(per_call.to_string());
     for _ in 0..per_call {
-        // now, prefix, mode, n; hits, role, ban_ms, buckets, debit, m; limit, window_ms
+        // now, prefix, mode, n; hits, rule (role:ban_ms:buckets:debit:limit:window_ms)
         args.extend(
             [
                 "1767225600000",
@@ -407,13 +405,7 @@ fn script_ceiling(redis: &redis_proc::RedisProcess, script: &str, name: &str, pe
                 "1",
                 "1",
                 "1",
-                "0",
-                "0",
-                "0",
-                "0",
-                "1",
-                "1000000",
-                "60000",
+                "0:0:0:0:1000000:60000",
             ]
             .map(String::from),
         );
@@ -458,11 +450,12 @@ fn memory_usage(redis: &redis_proc::RedisProcess) {
     println!(
         "\nRedis memory (MEMORY USAGE, redis-server 7, default zset-max-listpack-entries 128):"
     );
-    // One call of one request: KEYS log, ban, counters; ARGV request count, now, prefix, mode,
-    // n, then hits, role, ban_ms, buckets, debit, window count, limit, window_ms.
+    // One call of one request: KEYS the log or the counters; ARGV request count, now, prefix,
+    // mode, n, then hits and the rule (role:ban_ms:buckets:debit:limit:window_ms).
     let line = |base: &str, now: u64, hits: u64, buckets: &str| {
+        let key = if buckets == "0" { "log" } else { "cnt" };
         format!(
-            "EVALSHA {sha} 3 {base}:log {base}:ban {base}:cnt 1 {now} memprobe0000-123456 1 1 {hits} 0 0 {buckets} 0 1 100000 3600000\n"
+            "EVALSHA {sha} 1 {base}:{key} 1 {now} memprobe0000-123456 1 1 {hits} 0:0:{buckets}:0:100000:3600000\n"
         )
     };
     let run = |lines: String| {

@@ -14,15 +14,15 @@
 -- The script only touches keys passed in KEYS; on Redis Cluster a call's keys share one hash
 -- tag, so it runs on any master.
 --
--- KEYS, three per descriptor, the requests' descriptors in order (descriptor i of a request
--- whose keys start after KEYS[k]):
---   KEYS[k+3i-2]  the log (sliding_log): a sorted set, score = time in ms, one member per
---               request that recorded, "<cum>:<weight>:<prefix>:<i>", where weight is the
---               request's hits and cum (20 digits, zero-padded) the running total of hits up to
---               and including this entry; the hits in a window are last cum - (cum - weight of
+-- KEYS, per descriptor of each request in order: its data key, then its ban key if it has a
+-- ban (a descriptor with ban_ms 0 takes one key, with a ban two):
+--   data, sliding_log: a sorted set, score = time in ms, one member per request that
+--               recorded, "<cum>:<weight>:<prefix>:<i>", where weight is the request's hits
+--               and cum (20 digits, zero-padded) the running total of hits up to and
+--               including this entry; the hits in a window are last cum - (cum - weight of
 --               the window's first entry), whatever the number of entries
---   KEYS[k+3i-1]  the ban: a string holding the ban's end (ms since the epoch), with a TTL
---   KEYS[k+3i]    the counters (sliding_counter): a hash, field "<bucket_ms>:<bucket>" = hits
+--   data, sliding_counter: a hash, field "<bucket_ms>:<bucket>" = hits
+--   ban:        a string holding the ban's end (ms since the epoch), with a TTL
 -- ARGV:
 --   ARGV[1]  the number of requests in this call (>= 1), then per request:
 --   now      in ms since the epoch; "" reads Redis TIME instead (one clock for all replicas)
@@ -35,9 +35,12 @@
 --            2 = rejected (another descriptor of the request is known to be over, so the
 --                caller did not send it): record nothing but debits, set bans, report
 --   n        the number of descriptors
---   then per descriptor: hits, role (0 enforce, 1 shadow, 2 quota), ban_ms (0: no ban),
---   buckets (0: sliding_log; else sliding_counter with that many buckets per window),
---   debit (1: usage already spent, see below), m (>= 1), then m pairs: limit, window_ms
+--   then per descriptor two: hits, and its rule as one text, whole numbers joined by ":",
+--   "role:ban_ms:buckets:debit:limit:window_ms[:limit:window_ms...]": role 0 enforce,
+--   1 shadow, 2 quota; ban_ms 0 for no ban; buckets 0 for sliding_log, else sliding_counter
+--   with that many buckets per window; debit 1 for usage already spent (see below); then one
+--   limit and window_ms pair per window, at least one. (One text per rule: a call's requests
+--   mostly share their rules, and each distinct text is read once per call.)
 -- Reply: one array per request, in order, either
 --   { now, recorded (0/1, anything), then per descriptor: fits (0/1), ban_remaining_ms,
 --     ban_set (1 if this request set the ban), recorded (0/1), cum (of the log entry it
@@ -62,11 +65,11 @@
 -- Bad arguments get an error reply for the whole call, whose code is SLIDEGATE, never a Lua
 -- runtime error.
 
--- Library functions as locals: a local is a register, a global a table lookup, and this body
--- runs for every request. (Loops count with an index for the same reason: `ipairs` is a
--- function call per step.)
-local tonumber, format, floor, max, min, call, pcall, type, tostring = tonumber, string.format,
-  math.floor, math.max, math.min, redis.call, pcall, type, tostring
+-- The library functions used for every request as locals: a local is a register, a global a
+-- table lookup. Only those: every function below that uses a local pays, on every run of the
+-- script, a search for it among the locals already captured, and the first locals declared are
+-- found last. (Loops count with an index: `ipairs` is a function call per step.)
+local tonumber, format, max, call = tonumber, string.format, math.max, redis.call
 
 local function fail(message)
   return redis.error_reply('SLIDEGATE ' .. message)
@@ -76,6 +79,11 @@ end
 -- text into a number costs a strtod, thousands of instructions, and a call's arguments repeat
 -- ("0", "1", the same limits and windows, the same ms): a table lookup is far cheaper.
 local read = {}
+-- The other way: the text of a whole number, for every number this script passes to
+-- redis.call. Redis 7.0 turns a Lua number argument into text with snprintf("%.17g"), a
+-- floating-point printf of about 2,600 instructions (a tenth of a decision's cost when every
+-- number went that way); a table lookup, or a "%d" once per distinct number, is far cheaper.
+local texts = {}
 local function whole(text)
   local v = read[text]
   if v == nil then
@@ -90,10 +98,14 @@ local function whole(text)
   return v or nil
 end
 
--- A whole number as text, for arguments built by concatenation. Numbers passed on their own
--- go to redis.call as numbers: Redis 7 writes integral ones exactly, without a printf.
+-- A whole number as text.
 local function ms(v)
-  return format('%d', v)
+  local t = texts[v]
+  if t == nil then
+    t = format('%d', v)
+    texts[v] = t
+  end
+  return t
 end
 
 -- Redis TIME, read once per call: every request of a call is decided at the same moment.
@@ -101,83 +113,167 @@ local time_now = nil
 local function redis_now()
   if time_now == nil then
     local t = call('TIME')
-    time_now = tonumber(t[1]) * 1000 + floor(tonumber(t[2]) / 1000)
+    time_now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
   end
   return time_now
 end
 
--- One request read from ARGV[a] on, its keys from KEYS[k + 1] on: the request and where the
--- next one's arguments and keys start, or nil and why not.
-local function parse_request(r, a, k)
-  -- Messages are built only on failure: turning a number into text costs a printf.
-  local function bad(what)
-    return nil, 'request ' .. r .. ': ' .. what
+-- Rules read so far in this call, by their text (false: not a rule). A rule, once made, is
+-- only read: role, ban_ms, buckets, debit (boolean), m (windows), longest (window), ttl (the
+-- data key's, as text), and per window w, in its array part: limit at [3w - 2], length in ms
+-- at [3w - 1], bucket length at [3w] (sliding_counter; 0 for sliding_log). (One table per
+-- rule: each table costs an allocation, and this runs for every call.)
+local rules = {}
+local function read_rule(text)
+  local rule = rules[text]
+  if rule ~= nil then
+    return rule or nil
   end
-  local now
+  rule = false
+  local role, ban_ms, buckets, debit, at
+  if type(text) == 'string' then
+    role, ban_ms, buckets, debit, at = string.match(text, '^(%d+):(%d+):(%d+):(%d+)()')
+  end
+  if role ~= nil then
+    rule = { role = whole(role), ban_ms = whole(ban_ms), buckets = whole(buckets),
+             debit = whole(debit) == 1, m = 0, longest = 0, ttl = '' }
+    local ok = rule.role <= 2 and whole(debit) <= 1
+    buckets = rule.buckets
+    local last = #text
+    while at <= last do
+      local limit, length, after = string.match(text, '^:(%d+):(%d+)()', at)
+      if limit == nil then
+        break
+      end
+      local w = rule.m + 1
+      limit, length = whole(limit), whole(length)
+      ok = ok and length >= 1
+      rule[3 * w - 2], rule[3 * w - 1], rule[3 * w] = limit, length, 0
+      if buckets > 0 then
+        rule[3 * w] = max(math.floor(length / buckets), 1)
+      end
+      rule.m, rule.longest, at = w, max(rule.longest, length), after
+    end
+    if ok and rule.m > 0 and at == last + 1 then
+      -- Keep the data key as long as the longest window (plus a bucket), with 1 s of slack
+      -- for replica clocks.
+      local ttl = rule.longest + 1000
+      if buckets > 0 then
+        ttl = ttl + math.ceil(rule.longest / buckets)
+      end
+      rule.ttl = ms(ttl)
+    else
+      rule = false
+    end
+  end
+  if text ~= nil then
+    rules[text] = rule
+  end
+  return rule or nil
+end
+
+-- Checks one request's arguments, from ARGV[a] and KEYS[k + 1] on: where the next request's
+-- start, or nil and why not. Every request is checked before any is decided, so bad arguments
+-- fail the call with nothing written.
+local function check_request(r, a, k)
+  local problem = nil
+  local now = ARGV[a]
+  local n = whole(ARGV[a + 3])
+  if now == nil or (now ~= '' and whole(now) == nil) then
+    problem = 'now must be a whole number of ms or empty'
+  elseif ARGV[a + 1] == nil or ARGV[a + 1] == '' then
+    problem = 'member prefix is missing'
+  elseif not (whole(ARGV[a + 2]) == 0 or whole(ARGV[a + 2]) == 1 or whole(ARGV[a + 2]) == 2) then
+    problem = 'mode must be 0, 1 or 2'
+  elseif n == nil or n < 1 then
+    problem = 'descriptor count must be at least 1'
+  else
+    a = a + 4
+    for i = 1, n do
+      local rule = read_rule(ARGV[a + 1])
+      if whole(ARGV[a]) == nil or rule == nil then
+        -- Messages are built only on failure: turning a number into text costs a printf.
+        problem = 'descriptor ' .. i .. ': hits and a rule "role(0-2):ban_ms:buckets:debit(0-1):limit:window_ms(>= 1)[:limit:window_ms...]" are required'
+        break
+      end
+      k = k + (rule.ban_ms > 0 and 2 or 1)
+      a = a + 2
+    end
+    if problem == nil and KEYS[k] == nil then
+      problem = 'expected at least ' .. k .. ' keys, got ' .. #KEYS
+    end
+  end
+  if problem ~= nil then
+    return nil, 'request ' .. r .. ': ' .. problem
+  end
+  return a, k
+end
+
+-- The request being decided: its time, member prefix, mode and number of descriptors.
+local now, prefix, mode, n
+
+-- Per descriptor position i, the decision state of the request being decided: made once per
+-- call and reset for each request (requests are decided one after the other), so deciding a
+-- request allocates little but its reply. Fields: rule, hits, key (data), ban (key or false),
+-- fits, records, banned (ms left), ban_set, cum (of the entry it recorded), buckets (read,
+-- sliding_counter), st (the state of the data key, kept by the request's first descriptor on
+-- that key and shared by the others: its newest entry, head_cum and head_time, once read
+-- (head_read) and moved on by what the request records; hits pending from earlier
+-- descriptors; hits recorded; new_before and new_time, the cum before the first entry the
+-- request recorded and its time), and per window w, in its array part: the count at [3w - 2],
+-- and the window's first entry before this request at [3w - 1] (the cum before it, or false)
+-- and [3w] (its time).
+local states = {}
+
+-- Reads the request from ARGV[a] and KEYS[k + 1] on (checked by `check_request`) into `states`.
+local function bind(a, k)
   if ARGV[a] == '' then
     now = redis_now()
   else
     now = whole(ARGV[a])
   end
-  if now == nil then
-    return bad('now must be a whole number of ms or empty')
-  end
-  local prefix = ARGV[a + 1]
-  if prefix == nil or prefix == '' then
-    return bad('member prefix is missing')
-  end
-  local mode = whole(ARGV[a + 2])
-  if mode ~= 0 and mode ~= 1 and mode ~= 2 then
-    return bad('mode must be 0, 1 or 2')
-  end
-  local n = whole(ARGV[a + 3])
-  if n == nil or n < 1 then
-    return bad('descriptor count must be at least 1')
-  end
-  if KEYS[k + 3 * n] == nil then
-    return bad('expected ' .. k + 3 * n .. ' keys, got ' .. #KEYS)
-  end
+  prefix, mode, n = ARGV[a + 1], whole(ARGV[a + 2]), whole(ARGV[a + 3])
   a = a + 4
-  local items = {}
   for i = 1, n do
-    local hits, role, ban_ms = whole(ARGV[a]), whole(ARGV[a + 1]), whole(ARGV[a + 2])
-    local buckets, debit, m = whole(ARGV[a + 3]), whole(ARGV[a + 4]), whole(ARGV[a + 5])
-    if hits == nil or role == nil or role > 2 or ban_ms == nil or buckets == nil or debit == nil
-        or debit > 1 or m == nil or m < 1 then
-      return bad('descriptor ' .. i .. ': hits, role (0-2), ban_ms, buckets, debit (0-1) and window count (>= 1) are required')
+    local d = states[i]
+    if d == nil then
+      d = { rule = false, hits = 0, key = false, ban = false, fits = false, records = false,
+            banned = 0, ban_set = 0, cum = 0, buckets = false, st = false, size = 0, head_read = false,
+            head_cum = 0, head_time = 0, pending = 0, recorded = 0, new_before = false,
+            new_time = 0 }
+      states[i] = d
     end
-    a = a + 6
-    local windows, longest = {}, 0
-    for w = 1, m do
-      local limit, length = whole(ARGV[a]), whole(ARGV[a + 1])
-      if limit == nil or length == nil or length < 1 then
-        return bad('descriptor ' .. i .. ' window ' .. w .. ': limit and window_ms (>= 1) are required')
-      end
-      -- count, and the window's first entry before this call (cum before it, its time):
-      -- filled by the decision.
-      local win = { limit = limit, length = length, count = 0, first_before = false, first_time = 0 }
-      if buckets > 0 then
-        win.size = max(floor(length / buckets), 1)
-        win.oldest = floor(max(now - length, 0) / win.size)
-      end
-      windows[w] = win
-      if length > longest then
-        longest = length
-      end
-      a = a + 2
+    local rule = rules[ARGV[a + 1]]
+    d.rule, d.hits = rule, whole(ARGV[a])
+    -- What the descriptor must fit: its hits, or 1 for a debit rule's check.
+    d.size = (rule.debit and d.hits == 0) and 1 or d.hits
+    d.key = KEYS[k + 1]
+    if rule.ban_ms > 0 then
+      d.ban = KEYS[k + 2]
+      k = k + 2
+    else
+      d.ban = false
+      k = k + 1
     end
-    local base = k + 3 * i
-    items[i] = { log = KEYS[base - 2], ban = KEYS[base - 1], cnt = KEYS[base], hits = hits,
-                 role = role, ban_ms = ban_ms, buckets = buckets, debit = debit == 1, windows = windows,
-                 longest = longest, cum = 0,
-                 -- Set by the decision; named here so the table is sized once.
-                 fits = false, records = false, banned = 0, ban_set = 0, state = false, st = false }
+    d.fits, d.records, d.banned, d.ban_set, d.cum, d.buckets = false, false, 0, 0, 0, false
+    local st = d
+    for j = 1, i - 1 do
+      if states[j].key == d.key then
+        st = states[j].st
+        break
+      end
+    end
+    if st == d then
+      d.head_read, d.head_cum, d.head_time, d.pending, d.recorded, d.new_before, d.new_time =
+        false, 0, 0, 0, 0, false, 0
+    end
+    d.st = st
+    for w = 1, rule.m do
+      d[3 * w - 2], d[3 * w - 1], d[3 * w] = 0, false, 0
+    end
+    a = a + 2
   end
-  return { now = now, prefix = prefix, mode = mode, items = items }, a, k + 3 * n
 end
-
--- The request being decided (set by `decide`; the helpers below read it).
-local now, prefix, mode, items
 
 -- === sliding_log: a log of weighted entries with running totals ===
 
@@ -190,284 +286,350 @@ local function parse_member(member)
   return tonumber(cum), tonumber(weight)
 end
 
-local function member(cum, weight, i)
-  return format('%020d:%d:%s:%d', cum, weight, prefix, i)
-end
+-- === Rarely needed: old-format logs, the reset of a rejected sliding_log descriptor, and
+-- sliding_counter ===
+-- Made on first use in a call: each function costs an allocation and a search for its
+-- upvalues every time the script runs, used or not, and a sliding_log descriptor that fits
+-- (most of them) needs none of these.
+local rare_made = nil
+local function rare()
+  if rare_made ~= nil then
+    return rare_made
+  end
+  local R = {}
 
--- Rewrites a log that holds members of the previous format: every entry keeps its time, an
--- old member weighs 1, and running totals are recomputed in time order.
-local function migrate(log)
-  local all = call('ZRANGE', log, 0, -1, 'WITHSCORES')
-  call('DEL', log)
-  local cum, args = 0, {}
-  for e = 1, #all, 2 do
-    local _, weight = parse_member(all[e])
-    weight = weight or 1
-    cum = cum + weight
-    args[#args + 1] = all[e + 1]
-    args[#args + 1] = format('%020d', cum) .. ':' .. ms(weight) .. ':m:' .. ms((e + 1) / 2)
-    if #args >= 2000 then
+  -- Rewrites a log that holds members of the previous format: every entry keeps its time, an
+  -- old member weighs 1, and running totals are recomputed in time order.
+  function R.migrate(log)
+    local all = call('ZRANGE', log, '0', '-1', 'WITHSCORES')
+    call('DEL', log)
+    local cum, args = 0, {}
+    for e = 1, #all, 2 do
+      local _, weight = parse_member(all[e])
+      weight = weight or 1
+      cum = cum + weight
+      args[#args + 1] = all[e + 1]
+      args[#args + 1] = format('%020d', cum) .. ':' .. ms(weight) .. ':m:' .. ms((e + 1) / 2)
+      if #args >= 2000 then
+        call('ZADD', log, unpack(args))
+        args = {}
+      end
+    end
+    if #args > 0 then
       call('ZADD', log, unpack(args))
-      args = {}
     end
   end
-  if #args > 0 then
-    call('ZADD', log, unpack(args))
+
+  -- The time of the first entry of the window whose running total reaches `total`, `need`
+  -- hits past the total before the window, or nil. Totals grow by at least 1 an entry, so it
+  -- is at most need - 1 ranks past the window's first entry; when every entry weighs 1
+  -- (requests) the first probe there finds it. Otherwise a binary search by rank.
+  function R.time_reaching(log, length, total, need)
+    local low = call('ZCOUNT', log, '-inf', ms(now - length))
+    local high = math.min(call('ZCARD', log) - 1, low + need - 1)
+    local probe = call('ZRANGE', log, ms(high), ms(high), 'WITHSCORES')
+    if probe[1] ~= nil and parse_member(probe[1]) == total then
+      return tonumber(probe[2])
+    end
+    local found = nil
+    while low <= high do
+      local mid = math.floor((low + high) / 2)
+      local entry = call('ZRANGE', log, ms(mid), ms(mid), 'WITHSCORES')
+      if entry[1] == nil then
+        break
+      end
+      if parse_member(entry[1]) >= total then
+        found = tonumber(entry[2])
+        high = mid - 1
+      else
+        low = mid + 1
+      end
+    end
+    return found
   end
+
+  -- sliding_counter: buckets in a hash.
+
+  -- The buckets stored in a hash, as { size, index, hits, field }.
+  function R.read_buckets(key)
+    local raw = call('HGETALL', key)
+    local found = {}
+    for f = 1, #raw, 2 do
+      local size, index = string.match(raw[f], '^(%d+):(%d+)$')
+      if size then
+        found[#found + 1] = { size = tonumber(size), index = tonumber(index), hits = tonumber(raw[f + 1]) or 0,
+                              field = raw[f] }
+      end
+    end
+    return found
+  end
+
+  -- The first bucket that counts for window w of a rule: every bucket that overlaps the
+  -- window.
+  local function oldest(rule, w)
+    return math.floor(max(now - rule[3 * w - 1], 0) / rule[3 * w])
+  end
+
+  -- The buckets that count for window w of descriptor d, oldest first.
+  function R.counted(d, w)
+    local size, first, list = d.rule[3 * w], oldest(d.rule, w), {}
+    for bi = 1, #d.buckets do
+      local b = d.buckets[bi]
+      if b.size == size and b.index >= first then
+        list[#list + 1] = b
+      end
+    end
+    table.sort(list, function(x, y) return x.index < y.index end)
+    return list
+  end
+
+  function R.counted_hits(d, w)
+    local c, list = 0, R.counted(d, w)
+    for bi = 1, #list do
+      c = c + list[bi].hits
+    end
+    return c
+  end
+
+  function R.drop_stale_buckets(d)
+    local rule = d.rule
+    d.buckets = R.read_buckets(d.key)
+    local stale = {}
+    for bi = 1, #d.buckets do
+      local b = d.buckets[bi]
+      local keep = false
+      for w = 1, rule.m do
+        keep = keep or (b.size == rule[3 * w] and b.index >= oldest(rule, w))
+      end
+      if not keep then
+        stale[#stale + 1] = b.field
+      end
+    end
+    if #stale > 0 then
+      call('HDEL', d.key, unpack(stale))
+    end
+  end
+
+  -- The reset of window w of a sliding_counter descriptor, from its count after the call.
+  function R.counter_reset(d, w, count)
+    local length, limit, size_w = d.rule[3 * w - 1], d.rule[3 * w - 2], d.rule[3 * w]
+    local wanted = 1
+    if not d.fits then
+      local size = d.size
+      wanted = count + size - limit
+      if wanted <= 0 then
+        return 0
+      end
+      if size > limit then
+        return length
+      end
+    end
+    local list = R.counted(d, w)
+    for bi = 1, #list do
+      local bucket = list[bi]
+      wanted = wanted - bucket.hits
+      if bucket.hits > 0 and wanted <= 0 then
+        return (bucket.index + 1) * size_w + length - now
+      end
+    end
+    return d.fits and 0 or length
+  end
+
+  rare_made = R
+  return R
 end
 
 -- The log's newest entry: its cum and time (0, 0 when empty). Migrates an old log first.
 local function last_entry(log)
-  local last = call('ZRANGE', log, -1, -1, 'WITHSCORES')
+  local last = call('ZRANGE', log, '-1', '-1', 'WITHSCORES')
   if last[1] == nil then
     return 0, 0
   end
   local cum = parse_member(last[1])
   if cum == nil then
-    migrate(log)
-    last = call('ZRANGE', log, -1, -1, 'WITHSCORES')
+    rare().migrate(log)
+    last = call('ZRANGE', log, '-1', '-1', 'WITHSCORES')
     cum = parse_member(last[1])
   end
   return cum, tonumber(last[2])
 end
 
--- The first entry inside a window: the cum before it and its time, or false when none.
-local function first_inside(log, win)
-  local first = call('ZRANGEBYSCORE', log, '(' .. ms(now - win.length), '+inf', 'WITHSCORES', 'LIMIT', 0, 1)
-  if first[1] == nil then
-    return false, 0
-  end
-  local cum, weight = parse_member(first[1])
-  return cum - weight, tonumber(first[2])
-end
-
--- The time of the first entry of the window whose running total reaches `total`, `need` hits
--- past the total before the window, or nil. Totals grow by at least 1 an entry, so it is at
--- most need - 1 ranks past the window's first entry; when every entry weighs 1 (requests) the
--- first probe there finds it. Otherwise a binary search by rank.
-local function time_reaching(log, win, total, need)
-  local low = call('ZCOUNT', log, '-inf', now - win.length)
-  local high = min(call('ZCARD', log) - 1, low + need - 1)
-  local probe = call('ZRANGE', log, high, high, 'WITHSCORES')
-  if probe[1] ~= nil and parse_member(probe[1]) == total then
-    return tonumber(probe[2])
-  end
-  local found = nil
-  while low <= high do
-    local mid = floor((low + high) / 2)
-    local entry = call('ZRANGE', log, mid, mid, 'WITHSCORES')
-    if entry[1] == nil then
-      break
-    end
-    if parse_member(entry[1]) >= total then
-      found = tonumber(entry[2])
-      high = mid - 1
-    else
-      low = mid + 1
-    end
-  end
-  return found
-end
-
--- === sliding_counter: buckets in a hash ===
-
--- The buckets stored for a descriptor, as { size, index, hits, field }.
-local function read_buckets(it)
-  local raw = call('HGETALL', it.cnt)
-  local found = {}
-  for f = 1, #raw, 2 do
-    local size, index = string.match(raw[f], '^(%d+):(%d+)$')
-    if size then
-      found[#found + 1] = { size = tonumber(size), index = tonumber(index), hits = tonumber(raw[f + 1]) or 0,
-                            field = raw[f] }
-    end
-  end
-  return found
-end
-
--- The buckets that count for one window, oldest first.
-local function counted(buckets, win)
-  local list = {}
-  for bi = 1, #buckets do
-    local b = buckets[bi]
-    if b.size == win.size and b.index >= win.oldest then
-      list[#list + 1] = b
-    end
-  end
-  table.sort(list, function(x, y) return x.index < y.index end)
-  return list
-end
-
-local function drop_stale_buckets(it)
-  it.state = read_buckets(it)
-  local stale = {}
-  for bi = 1, #it.state do
-    local b = it.state[bi]
-    local keep = false
-    for wi = 1, #it.windows do
-      local win = it.windows[wi]
-      keep = keep or (b.size == win.size and b.index >= win.oldest)
-    end
-    if not keep then
-      stale[#stale + 1] = b.field
-    end
-  end
-  if #stale > 0 then
-    call('HDEL', it.cnt, unpack(stale))
-  end
-end
-
--- The size a descriptor's fit was judged by: its hits, or 1 for a debit rule's check.
-local function size_of(it)
-  if it.debit and it.hits == 0 then
-    return 1
-  end
-  return it.hits
-end
-
--- The reset of one window of a sliding_log descriptor, from its count after the call.
-local function log_reset(it, win, count)
-  local before, time = win.first_before, win.first_time
+-- The reset of window w of a sliding_log descriptor, from its count after the call.
+local function log_reset(d, w, count)
+  local length, limit = d.rule[3 * w - 1], d.rule[3 * w - 2]
+  local before, time = d[3 * w - 1], d[3 * w]
   if not before then
-    -- The window held nothing before this call: its first entry is the first this call
+    -- The window held nothing before this request: its first entry is the first this request
     -- recorded in the log, if any.
-    before, time = it.st.first_before, it.st.first_time
+    before, time = d.st.new_before, d.st.new_time
   end
-  if it.fits then
-    return before and (time + win.length - now) or 0
+  if d.fits then
+    return before and (time + length - now) or 0
   end
-  local size = size_of(it)
-  local need = count + size - win.limit
+  local size = d.size
+  local need = count + size - limit
   if need <= 0 then
     return 0
   end
-  if size > win.limit then
-    return win.length
+  if size > limit then
+    return length
   end
-  local at = time_reaching(it.log, win, (before or 0) + need, need)
-  return at and (at + win.length - now) or win.length
+  local at = rare().time_reaching(d.key, length, (before or 0) + need, need)
+  return at and (at + length - now) or length
 end
 
--- The reset of one window of a sliding_counter descriptor, from its count after the call.
-local function counter_reset(it, win, count)
-  local wanted = 1
-  if not it.fits then
-    local size = size_of(it)
-    wanted = count + size - win.limit
-    if wanted <= 0 then
-      return 0
+-- 1. Counts every window of descriptor d and decides whether it fits (and, for a debit,
+--    whether it records). Hits of earlier recording descriptors on the same key count as
+--    pending, so two descriptors sharing a log cannot overshoot together.
+local function count_and_fit(d)
+  local rule, st = d.rule, d.st
+  local ban_end = 0
+  if d.ban then
+    ban_end = tonumber(call('GET', d.ban) or '0') or 0
+  end
+  if ban_end > now then
+    d.banned = ban_end - now
+    return
+  end
+  if rule.buckets == 0 then
+    -- The newest entry first: an empty log, or one whose newest entry is older than a
+    -- window, has nothing in that window, so it needs no count (and, for the longest
+    -- window, no trim: every entry is stale, and the whole log goes).
+    if not st.head_read then
+      st.head_read = true
+      st.head_cum, st.head_time = last_entry(d.key)
+      if st.head_cum > 0 then
+        if st.head_time <= now - rule.longest then
+          call('DEL', d.key)
+        else
+          call('ZREMRANGEBYSCORE', d.key, '-inf', ms(now - rule.longest))
+        end
+      end
     end
-    if size > win.limit then
-      return win.length
+    for w = 1, rule.m do
+      if st.head_cum > 0 and st.head_time > now - rule[3 * w - 1] then
+        -- The window's first entry: the cum before it and its time.
+        local first = call('ZRANGEBYSCORE', d.key, '(' .. ms(now - rule[3 * w - 1]), '+inf',
+                           'WITHSCORES', 'LIMIT', '0', '1')
+        if first[1] ~= nil then
+          local cum, weight = parse_member(first[1])
+          d[3 * w - 1], d[3 * w] = cum - weight, tonumber(first[2])
+        end
+      end
+      d[3 * w - 2] = d[3 * w - 1] and (st.head_cum - d[3 * w - 1]) or 0
+    end
+  else
+    local R = rare()
+    R.drop_stale_buckets(d)
+    for w = 1, rule.m do
+      d[3 * w - 2] = R.counted_hits(d, w)
     end
   end
-  for _, bucket in ipairs(counted(it.state, win)) do
-    wanted = wanted - bucket.hits
-    if bucket.hits > 0 and wanted <= 0 then
-      return (bucket.index + 1) * win.size + win.length - now
+  local p, size = st.pending, d.size
+  local ok, has_room = true, true
+  for w = 1, rule.m do
+    local c, limit = d[3 * w - 2] + p, rule[3 * w - 2]
+    if c + size > limit then
+      ok = false
+    end
+    if c >= limit then
+      has_room = false
     end
   end
-  return it.fits and 0 or win.length
+  d.fits = ok
+  d.records = d.hits > 0 and (ok or (rule.debit and has_room))
+  if not ok and rule.ban_ms > 0 then
+    call('SET', d.ban, ms(now + rule.ban_ms), 'PX', ms(rule.ban_ms))
+    d.banned = rule.ban_ms
+    d.ban_set = 1
+    d.records = false
+  end
+  if d.records then
+    st.pending = p + d.hits
+  end
 end
 
--- Decides one request: its reply.
-local function decide(req)
-  now, prefix, mode, items = req.now, req.prefix, req.mode, req.items
-  -- 1. Count every window, then decide whether each descriptor fits (and, for a debit, whether it
-  --    records). Hits of earlier recording descriptors on the same log count as pending, so two
-  --    descriptors sharing a log cannot overshoot together.
-  -- Per key, what the descriptors of this request that share it need to agree on: the log's
-  -- newest entry (read once, moved on by what this request records), hits pending from earlier
-  -- descriptors, hits recorded, and the first entry this request recorded.
-  local logs = {}
-  for i = 1, #items do
-    local it = items[i]
-    local st = logs[it.log]
-    if st == nil then
-      st = { read = false, cum = 0, time = 0, pending = 0, recorded = 0, first_before = false, first_time = 0 }
-      logs[it.log] = st
+-- 3. Records descriptor d (position i): sliding_log, one weighted entry, stamped no earlier
+--    than the log's newest entry (so totals grow with time even if clocks step back: stricter,
+--    never looser); sliding_counter, the hits go into the current bucket of every distinct
+--    bucket length.
+local function record(d, i)
+  local rule, st = d.rule, d.st
+  st.recorded = st.recorded + d.hits
+  if rule.buckets == 0 then
+    d.cum = st.head_cum + d.hits
+    local stamp = max(now, st.head_time)
+    call('ZADD', d.key, ms(stamp), format('%020d:%d:%s:%d', d.cum, d.hits, prefix, i))
+    if not st.new_before then
+      st.new_before, st.new_time = st.head_cum, stamp
     end
-    it.st = st
-    local ban_end = 0
-    if it.ban_ms > 0 then
-      ban_end = tonumber(call('GET', it.ban) or '0') or 0
+    st.head_cum, st.head_time = d.cum, stamp
+  else
+    for w = 1, rule.m do
+      local size, seen = rule[3 * w], false
+      for v = 1, w - 1 do
+        seen = seen or rule[3 * v] == size
+      end
+      if not seen then
+        call('HINCRBY', d.key, ms(size) .. ':' .. ms(math.floor(now / size)), ms(d.hits))
+      end
     end
-    if ban_end > now then
-      it.banned = ban_end - now
-      it.fits = false
-      it.records = false
+  end
+end
+
+-- 5. Adds descriptor d's part of the reply from reply[r + 1] on: each window's count after the
+--    request (with every hit it recorded on the same key) and its reset. Returns the new end.
+local function report(d, reply, r)
+  local rule = d.rule
+  reply[r + 1] = d.fits and 1 or 0
+  reply[r + 2] = d.banned
+  reply[r + 3] = d.ban_set
+  reply[r + 4] = d.records and 1 or 0
+  reply[r + 5] = d.cum
+  r = r + 5
+  if d.banned > 0 then
+    reply[r + 1] = 0
+    return r + 1
+  end
+  local added = d.st.recorded
+  if rule.buckets > 0 and added > 0 then
+    d.buckets = rare().read_buckets(d.key)
+  end
+  reply[r + 1] = rule.m
+  r = r + 1
+  for w = 1, rule.m do
+    local c, reset
+    if rule.buckets > 0 then
+      c = rare().counted_hits(d, w)
+      reset = rare().counter_reset(d, w, c)
     else
-      if it.buckets == 0 then
-        -- The newest entry first: an empty log, or one whose newest entry is older than a
-        -- window, has nothing in that window, so it needs no count (and, for the longest
-        -- window, no trim: every entry is stale, and the whole log goes).
-        if not st.read then
-          st.read = true
-          st.cum, st.time = last_entry(it.log)
-          if st.cum > 0 then
-            if st.time <= now - it.longest then
-              call('DEL', it.log)
-            else
-              call('ZREMRANGEBYSCORE', it.log, '-inf', now - it.longest)
-            end
-          end
-        end
-        for w = 1, #it.windows do
-          local win = it.windows[w]
-          if st.cum > 0 and st.time > now - win.length then
-            win.first_before, win.first_time = first_inside(it.log, win)
-          end
-          win.count = win.first_before and (st.cum - win.first_before) or 0
-        end
-      else
-        drop_stale_buckets(it)
-        for w = 1, #it.windows do
-          local win = it.windows[w]
-          local c = 0
-          for _, b in ipairs(counted(it.state, win)) do
-            c = c + b.hits
-          end
-          win.count = c
-        end
-      end
-      local p = st.pending
-      local size = it.hits
-      if it.debit and size == 0 then
-        size = 1
-      end
-      local ok, has_room = true, true
-      for w = 1, #it.windows do
-        local win = it.windows[w]
-        if win.count + p + size > win.limit then
-          ok = false
-        end
-        if win.count + p >= win.limit then
-          has_room = false
-        end
-      end
-      it.fits = ok
-      it.records = it.hits > 0 and (ok or (it.debit and has_room))
-      if not ok and it.ban_ms > 0 then
-        call('SET', it.ban, now + it.ban_ms, 'PX', it.ban_ms)
-        it.banned = it.ban_ms
-        it.ban_set = 1
-        it.records = false
-      end
-      if it.records then
-        st.pending = p + it.hits
-      end
+      c = d[3 * w - 2] + added
+      reset = log_reset(d, w, c)
     end
+    reply[r + 1] = c
+    reply[r + 2] = reset
+    r = r + 2
+  end
+  return r
+end
+
+-- Decides the request whose arguments start at ARGV[a] and keys after KEYS[k]: its reply.
+local function decide(a, k)
+  bind(a, k)
+  for i = 1, n do
+    count_and_fit(states[i])
   end
 
   -- 2. Decide.
   local enforced_fit, quota_seen, quota_fit = true, false, false
-  for i = 1, #items do
-    local it = items[i]
-    if it.role == 0 and not it.fits then
+  for i = 1, n do
+    local d = states[i]
+    local role = d.rule.role
+    if role == 0 and not d.fits then
       enforced_fit = false
-    elseif it.role == 2 then
+    elseif role == 2 then
       quota_seen = true
-      quota_fit = quota_fit or it.fits
+      quota_fit = quota_fit or d.fits
     end
   end
   local admitted = enforced_fit
@@ -477,93 +639,30 @@ local function decide(req)
     admitted = false
   end
 
-  -- 3. Record: every fitting descriptor of an admitted call, and every debit that records
-  --    whatever the decision. sliding_log: one weighted entry, stamped no earlier than the log's
-  --    newest entry (so totals grow with time even if clocks step back: stricter, never looser).
-  --    sliding_counter: the hits go into the current bucket of every distinct bucket length.
+  -- 3. Record every fitting descriptor of an admitted request, and every debit that records
+  --    whatever the decision.
   local recorded = false
-  for i = 1, #items do
-    local it = items[i]
-    if it.records and (admitted or it.debit) then
+  for i = 1, n do
+    local d = states[i]
+    if d.records and (admitted or d.rule.debit) then
       recorded = true
-      local st = it.st
-      st.recorded = st.recorded + it.hits
-      if it.buckets == 0 then
-        it.cum = st.cum + it.hits
-        local stamp = max(now, st.time)
-        call('ZADD', it.log, stamp, member(it.cum, it.hits, i))
-        if not st.first_before then
-          st.first_before, st.first_time = st.cum, stamp
-        end
-        st.cum, st.time = it.cum, stamp
-      else
-        local done = {}
-        for wi = 1, #it.windows do
-          local win = it.windows[wi]
-          if not done[win.size] then
-            done[win.size] = true
-            call('HINCRBY', it.cnt, ms(win.size) .. ':' .. ms(floor(now / win.size)), it.hits)
-          end
-        end
-      end
+      record(d, i)
     else
-      it.records = false
+      d.records = false
     end
   end
 
-  -- 4. Keep every key as long as its longest window (plus a bucket), whether or not this call
-  --    recorded: a key under constant rejection must not expire and reopen. (1 s of slack for
-  --    replica clocks.)
-  for ii = 1, #items do
-    local it = items[ii]
-    if it.buckets == 0 then
-      call('PEXPIRE', it.log, it.longest + 1000)
-    else
-      call('PEXPIRE', it.cnt, it.longest + math.ceil(it.longest / it.buckets) + 1000)
-    end
+  -- 4. Keep every data key as long as its longest window, whether or not this request
+  --    recorded: a key under constant rejection must not expire and reopen.
+  for i = 1, n do
+    call('PEXPIRE', states[i].key, states[i].rule.ttl)
   end
 
-  -- 5. Report: each window's count after the call (with every hit this call recorded on the same
-  --    key) and its reset.
-  -- Made with room for one descriptor of one window (the common reply), so it is not grown
-  -- step by step; what a shorter reply leaves over is cleared below.
+  -- 5. Report. The reply is made with room for one descriptor of one window (the common
+  --    reply), so it is not grown step by step; what a shorter reply leaves over is cleared.
   local reply, r = { now, recorded and 1 or 0, 0, 0, 0, 0, 0, 0, 0, 0 }, 2
-  for i = 1, #items do
-    local it = items[i]
-    reply[r + 1] = it.fits and 1 or 0
-    reply[r + 2] = it.banned
-    reply[r + 3] = it.ban_set
-    reply[r + 4] = it.records and 1 or 0
-    reply[r + 5] = it.cum
-    r = r + 5
-    if it.banned > 0 then
-      reply[r + 1] = 0
-      r = r + 1
-    else
-      local added = it.st.recorded
-      if it.buckets > 0 and added > 0 then
-        it.state = read_buckets(it)
-      end
-      reply[r + 1] = #it.windows
-      r = r + 1
-      for w = 1, #it.windows do
-        local win = it.windows[w]
-        local c = win.count + added
-        local reset
-        if it.buckets > 0 then
-          c = 0
-          for _, b in ipairs(counted(it.state, win)) do
-            c = c + b.hits
-          end
-          reset = counter_reset(it, win, c)
-        else
-          reset = log_reset(it, win, c)
-        end
-        reply[r + 1] = c
-        reply[r + 2] = reset
-        r = r + 2
-      end
-    end
+  for i = 1, n do
+    r = report(states[i], reply, r)
   end
   for j = r + 1, 10 do
     reply[j] = nil
@@ -575,13 +674,15 @@ local count = whole(ARGV[1])
 if count == nil or count < 1 then
   return fail('ARGV[1] (request count) must be at least 1')
 end
-local requests, a, k = {}, 2, 0
+-- Where each request's arguments and keys start: request r's at [2r - 1] and [2r].
+local starts, a, k = {}, 2, 0
 for r = 1, count do
-  local req, next_a, next_k = parse_request(r, a, k)
-  if req == nil then
-    return fail(next_a)
+  starts[2 * r - 1], starts[2 * r] = a, k
+  local next_a, next_k = check_request(r, a, k)
+  if next_a == nil then
+    return fail(next_k)
   end
-  requests[r], a, k = req, next_a, next_k
+  a, k = next_a, next_k
 end
 if ARGV[a] ~= nil then
   return fail('unexpected argument ARGV[' .. a .. ']')
@@ -592,9 +693,8 @@ end
 
 -- Each request on its own: a Redis error in one (a key of another type) fails that one only.
 local replies = {}
-for r = 1, #requests do
-  local req = requests[r]
-  local ok, out = pcall(decide, req)
+for r = 1, count do
+  local ok, out = pcall(decide, starts[2 * r - 1], starts[2 * r])
   if not ok then
     -- What Redis said (a command's error reply), or a Lua error's text.
     out = { -1, type(out) == 'table' and tostring(out.err) or tostring(out) }

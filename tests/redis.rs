@@ -511,41 +511,42 @@ fn malformed_script_arguments_get_an_error_reply() {
     };
     let sha = cli(&["SCRIPT", "LOAD", slidegate::store::redis::SCRIPT]);
     assert_eq!(sha.len(), 40, "SCRIPT LOAD: {sha}");
-    // Three keys per descriptor (log, ban, counters). Arguments: the number of requests, then
-    // per request: now, prefix, mode, descriptor count, and per descriptor: hits, role, ban_ms,
-    // buckets, debit, window count, then limit and window_ms pairs.
-    let cases: [&[&str]; 11] = [
-        &["0"],
-        &["3", "k", "b", "c", "0"],
-        &[
-            "3", "k", "b", "c", "2", "1", "p", "1", "1", "1", "0", "0", "0", "0", "1", "10", "1000",
-        ],
-        &["1", "k", "1", "x", "1"],
-        &["3", "k", "b", "c", "1", "abc", "p", "1", "1"],
-        &[
-            "3", "k", "b", "c", "1", "1", "p", "1", "1", "1", "9", "0", "0", "1",
-        ],
-        &[
-            "3", "k", "b", "c", "1", "1", "p", "1", "1", "1", "0", "0", "x", "1", "10", "1000",
-        ],
-        &[
-            "3", "k", "b", "c", "1", "1", "p", "1", "1", "1", "0", "0", "0", "1", "10", "0",
-        ],
-        &[
-            "3", "k", "b", "c", "1", "1", "p", "1", "1", "1", "0", "0", "0", "1", "10", "1000",
-            "extra",
-        ],
-        &[
-            "3", "k", "b", "c", "1", "1", "p", "1", "1", "1", "0", "0", "0", "2", "1", "10", "1000",
-        ],
-        &[
-            "6", "k", "b", "c", "k", "b", "c", "1", "1", "p", "1", "1", "1", "0", "0", "0", "0",
-            "1", "10", "1000",
-        ],
+    // One key per descriptor (its log or counters), two with a ban. Arguments: the number of
+    // requests, then per request: now, prefix, mode, descriptor count, and per descriptor: hits
+    // and the rule "role:ban_ms:buckets:debit:limit:window_ms[:limit:window_ms...]".
+    let ok = "0:0:0:0:10:1000";
+    let request =
+        |now: &'static str,
+         mode: &'static str,
+         n: &'static str,
+         hits: &'static str,
+         rule: &'static str| { vec!["1", "k", "1", now, "p", mode, n, hits, rule] };
+    let cases: Vec<Vec<&str>> = vec![
+        vec!["0"],
+        vec!["1", "k", "0"],
+        vec!["1", "k", "2", "1", "p", "1", "1", "1", ok],
+        request("x", "1", "1", "1", ok),
+        vec!["1", "k", "1", "1", "", "1", "1", "1", ok],
+        request("1", "7", "1", "1", ok),
+        request("1", "1", "0", "1", ok),
+        request("1", "1", "1", "abc", ok),
+        request("1", "1", "1", "1", "9:0:0:0:10:1000"),
+        request("1", "1", "1", "1", "0:0:0:2:10:1000"),
+        request("1", "1", "1", "1", "0:0:0:0:10:0"),
+        request("1", "1", "1", "1", "0:0:0:0:10"),
+        request("1", "1", "1", "1", "0:0:0:0"),
+        request("1", "1", "1", "1", "0:0:x:0:10:1000"),
+        request("1", "1", "1", "1", "0::0:0:10:1000"),
+        request("1", "1", "1", "1", "0:0:0:0:10:1000:"),
+        request("1", "1", "1", "1", "0:0:0:0:10:1000:5"),
+        // A ban takes a second key.
+        request("1", "1", "1", "1", "0:500:0:0:10:1000"),
+        vec!["2", "k", "k2", "1", "1", "p", "1", "1", "1", ok],
+        vec!["1", "k", "1", "1", "p", "1", "1", "1", ok, "extra"],
     ];
     for args in cases {
         let mut full = vec!["EVALSHA", sha.as_str()];
-        full.extend_from_slice(args);
+        full.extend_from_slice(&args);
         let reply = cli(&full);
         assert!(
             reply.starts_with("SLIDEGATE "),
@@ -554,16 +555,13 @@ fn malformed_script_arguments_get_an_error_reply() {
     }
     // And a well-formed call answers the documented layout: now, recorded, then fits, ban,
     // ban set, recorded, entry, m, count, reset.
-    let call = |keys: [&str; 3], buckets: &str| {
-        let mut full = vec!["EVALSHA", sha.as_str(), "3"];
-        full.extend_from_slice(&keys);
-        full.extend_from_slice(&[
-            "1", "1000", "p", "1", "1", "1", "0", "0", buckets, "0", "1", "10", "1000",
-        ]);
+    let call = |key: &str, rule: &str| {
+        let mut full = vec!["EVALSHA", sha.as_str(), "1", key];
+        full.extend_from_slice(&["1", "1000", "p", "1", "1", "1", rule]);
         cli(&full).lines().map(str::to_string).collect::<Vec<_>>()
     };
     assert_eq!(
-        call(["t:log", "t:ban", "t:cnt"], "0"),
+        call("t:log", "0:0:0:0:10:1000"),
         vec!["1000", "1", "1", "0", "0", "1", "1", "1", "1", "1000"]
     );
     assert_eq!(
@@ -574,7 +572,7 @@ fn malformed_script_arguments_get_an_error_reply() {
     // sliding_counter with 10 buckets of 100 ms: the hit sits in bucket 10 (1,000..1,100), which
     // stops counting at 1,100 + 1,000.
     assert_eq!(
-        call(["u:log", "u:ban", "u:cnt"], "10"),
+        call("u:cnt", "0:0:10:0:10:1000"),
         vec!["1000", "1", "1", "0", "0", "1", "0", "1", "1", "1100"]
     );
     assert_eq!(
@@ -585,14 +583,9 @@ fn malformed_script_arguments_get_an_error_reply() {
     // another type and fails alone (-1 and what Redis said), the second and third share a log
     // with a limit of 1, so the third finds the second's entry and is rejected.
     assert_eq!(cli(&["SET", "w:log", "not a log"]), "OK");
-    let request = |now: &'static str, prefix: &'static str| {
-        [
-            now, prefix, "1", "1", "1", "0", "0", "0", "0", "1", "1", "1000",
-        ]
-    };
-    let mut full = vec!["EVALSHA", sha.as_str(), "9"];
-    full.extend_from_slice(&["w:log", "w:ban", "w:cnt", "v:log", "v:ban", "v:cnt"]);
-    full.extend_from_slice(&["v:log", "v:ban", "v:cnt", "3"]);
+    let request =
+        |now: &'static str, prefix: &'static str| [now, prefix, "1", "1", "1", "0:0:0:0:1:1000"];
+    let mut full = vec!["EVALSHA", sha.as_str(), "3", "w:log", "v:log", "v:log", "3"];
     full.extend_from_slice(&request("2000", "a"));
     full.extend_from_slice(&request("2000", "b"));
     full.extend_from_slice(&request("2001", "c"));

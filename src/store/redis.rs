@@ -97,7 +97,7 @@ const IN_FLIGHT_PER_CONNECTION: usize = 16;
 /// arrive meanwhile wait here and go together in the next call.
 const CALLS_OUT: usize = 2;
 
-/// How a script call decides (`ARGV[3]` of `lua/slidegate.lua`).
+/// How a script call decides (a request's third argument in `lua/slidegate.lua`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Mode {
     /// One slot of a request spread over several: record if this slot fits; the caller
@@ -560,8 +560,8 @@ impl RedisStore {
         // straight into the command, with no string made per argument.
         let int = |n: u64| Value::Integer(i64::try_from(n).unwrap_or(i64::MAX));
         let word = Value::from_static_str;
-        let mut keys = Vec::with_capacity(group.len() * 3);
-        let mut args: Vec<Value> = Vec::with_capacity(4 + group.len() * 8);
+        let mut keys = Vec::with_capacity(group.len() * 2);
+        let mut args: Vec<Value> = Vec::with_capacity(4 + group.len() * 2);
         args.push(match self.clock {
             ClockSource::Server => int(now_ms),
             ClockSource::Redis => word(""),
@@ -571,26 +571,16 @@ impl RedisStore {
         args.push(int(group.len() as u64));
         for &i in group {
             let item = &items[i];
-            keys.push(Key::from(item.key.log()));
-            keys.push(Key::from(item.key.ban()));
-            keys.push(Key::from(item.key.counters()));
-            args.push(int(item.hits));
-            args.push(word(match item.role {
-                Role::Enforce => "0",
-                Role::Shadow => "1",
-                Role::Quota => "2",
+            let ban_ms = item.ban_ms.unwrap_or(0);
+            keys.push(Key::from(match item.algorithm {
+                Algorithm::SlidingLog => item.key.log(),
+                Algorithm::SlidingCounter { .. } => item.key.counters(),
             }));
-            args.push(int(item.ban_ms.unwrap_or(0)));
-            args.push(match item.algorithm {
-                Algorithm::SlidingLog => word("0"),
-                Algorithm::SlidingCounter { buckets } => int(u64::from(buckets)),
-            });
-            args.push(word(if item.debit { "1" } else { "0" }));
-            args.push(int(item.windows.len() as u64));
-            for w in item.windows.iter() {
-                args.push(int(u64::from(w.limit)));
-                args.push(int(w.length_ms));
+            if ban_ms > 0 {
+                keys.push(Key::from(item.key.ban()));
             }
+            args.push(int(item.hits));
+            args.push(Value::String(rule_text(item, ban_ms).into()));
         }
         Request { keys, args }
     }
@@ -751,6 +741,28 @@ struct GroupReply {
     items: Vec<ItemOutcome>,
     /// Per item, the running total of the log entry it recorded (0: none), which names it.
     entries: Vec<u64>,
+}
+
+/// An item's rule as the script reads it: `role:ban_ms:buckets:debit`, then `limit:window_ms`
+/// per window (layout in `lua/slidegate.lua`).
+fn rule_text(item: &CheckItem<'_>, ban_ms: u64) -> String {
+    use std::fmt::Write as _;
+    let role = match item.role {
+        Role::Enforce => 0,
+        Role::Shadow => 1,
+        Role::Quota => 2,
+    };
+    let buckets = match item.algorithm {
+        Algorithm::SlidingLog => 0,
+        Algorithm::SlidingCounter { buckets } => buckets,
+    };
+    let mut text = String::with_capacity(16 + item.windows.len() * 20);
+    // Writing to a String cannot fail.
+    let _ = write!(text, "{role}:{ban_ms}:{buckets}:{}", u8::from(item.debit));
+    for w in item.windows.iter() {
+        let _ = write!(text, ":{}:{}", w.limit, w.length_ms);
+    }
+    text
 }
 
 /// Reads the script's reply (layout in `lua/slidegate.lua`); anything else is a protocol error.

@@ -213,8 +213,8 @@ impl Batcher {
             let mut batch = Vec::new();
             let mut descriptors = 0;
             while let Some(next) = queue.waiting.front() {
-                // Three keys per descriptor.
-                let size = next.request.keys.len() / 3;
+                // Two arguments per descriptor, after the request's four.
+                let size = next.request.args.len().saturating_sub(4) / 2;
                 if !batch.is_empty() && descriptors + size > DESCRIPTORS_PER_CALL {
                     break;
                 }
