@@ -241,6 +241,8 @@ struct Report {
     elapsed: Duration,
     latencies_us: Vec<u64>,
     server_cpu_s: f64,
+    /// This process's CPU while it drove the load (the load generator's share of the machine).
+    load_cpu_s: f64,
     redis_cpu_s: f64,
     redis_commands: u64,
 }
@@ -270,7 +272,7 @@ impl Report {
             format!("{:>6} | {:>5}", "-", "-")
         };
         println!(
-            "| {:<44} | {:>8.0} | {:>7.0} | {:>7.0} | {:>7.0} | {:>6} | {:>9} | {:>6.1} | {redis} |",
+            "| {:<44} | {:>8.0} | {:>7.0} | {:>7.0} | {:>7.0} | {:>6} | {:>9} | {:>6.1} | {redis} | {:>6.1} |",
             self.name,
             self.calls as f64 / self.elapsed.as_secs_f64(),
             self.percentile(0.50),
@@ -279,13 +281,14 @@ impl Report {
             self.errors,
             admitted,
             per(self.server_cpu_s) * 1e6,
+            per(self.load_cpu_s) * 1e6,
         );
     }
 }
 
 fn header() {
     println!(
-        "| {:<44} | {:>8} | {:>7} | {:>7} | {:>7} | {:>6} | {:>9} | {:>6} | {:>6} | {:>5} |",
+        "| {:<44} | {:>8} | {:>7} | {:>7} | {:>7} | {:>6} | {:>9} | {:>6} | {:>6} | {:>5} | {:>6} |",
         "scenario",
         "calls/s",
         "p50 us",
@@ -295,11 +298,12 @@ fn header() {
         "admitted",
         "sg cpu",
         "rd cpu",
-        "cmds"
+        "cmds",
+        "lg cpu"
     );
     println!(
-        "|{:-<46}|{:->10}|{:->9}|{:->9}|{:->9}|{:->8}|{:->11}|{:->8}|{:->8}|{:->7}|",
-        "", ":", ":", ":", ":", ":", ":", ":", ":", ":"
+        "|{:-<46}|{:->10}|{:->9}|{:->9}|{:->9}|{:->8}|{:->11}|{:->8}|{:->8}|{:->7}|{:->8}|",
+        "", ":", ":", ":", ":", ":", ":", ":", ":", ":", ":"
     );
 }
 
@@ -333,6 +337,7 @@ async fn drive(
     let deadline = Instant::now() + Duration::from_secs(load.secs);
     let (redis_cpu0, commands0) = redis_usage(redis_ports);
     let server_cpu0 = cpu_s(server.child.id());
+    let load_cpu0 = cpu_s(std::process::id());
     let started = Instant::now();
     let mut tasks = Vec::new();
     for c in 0..load.connections {
@@ -365,6 +370,7 @@ async fn drive(
         elapsed: Duration::ZERO,
         latencies_us: Vec::new(),
         server_cpu_s: 0.0,
+        load_cpu_s: 0.0,
         redis_cpu_s: 0.0,
         redis_commands: 0,
     };
@@ -377,6 +383,7 @@ async fn drive(
     }
     report.elapsed = started.elapsed();
     report.server_cpu_s = cpu_s(server.child.id()) - server_cpu0;
+    report.load_cpu_s = cpu_s(std::process::id()) - load_cpu0;
     let (redis_cpu1, commands1) = redis_usage(redis_ports);
     report.redis_cpu_s = redis_cpu1 - redis_cpu0;
     report.redis_commands = commands1.saturating_sub(commands0);
@@ -734,7 +741,7 @@ fn main() {
         }
     );
     println!(
-        "latencies in microseconds; CPU per decision in microseconds (sg: slidegate, rd: Redis); cmds: Redis commands per decision\n"
+        "latencies in microseconds; CPU per decision in microseconds (sg: slidegate, rd: Redis, lg: the load generator, this process); cmds: Redis commands per decision\n"
     );
     let stores = Stores::start();
     let standalone = &stores.standalone;
