@@ -4,7 +4,7 @@
 //! errors, admitted against the limit where there is one, slidegate CPU and Redis CPU per
 //! decision (`/proc/<pid>/stat`, `INFO cpu`), and Redis commands per decision
 //! (`INFO commandstats`, the script's own calls included). Then the ceiling: calls per second
-//! of the script alone on one Redis core (`redis-benchmark` running `EVALSHA` with the
+//! of the script alone on one Redis core (`redis-benchmark` running `FCALL` with the
 //! arguments slidegate sends), and Redis memory per log entry.
 //!
 //!     cargo bench --bench load
@@ -395,10 +395,11 @@ async fn drive(
 /// arguments of one `user` descriptor as slidegate sends them, a fresh user per request,
 /// `per_call` requests in each call (as slidegate's batches carry them under load).
 fn script_ceiling(redis: &redis_proc::RedisProcess, script: &str, name: &str, per_call: usize) {
-    let sha = redis_cli(redis.port, &["SCRIPT", "LOAD", script]);
+    let library = slidegate::store::redis::Library::from_source(script);
+    let function = redis_cli(redis.port, &["FUNCTION", "LOAD", "REPLACE", &library.code]);
     let (cpu0, commands0) = redis_usage(&[redis.port]);
     let calls = 200_000 / per_call;
-    let mut args = vec!["EVALSHA".to_string(), sha, per_call.to_string()];
+    let mut args = vec!["FCALL".to_string(), function, per_call.to_string()];
     for _ in 0..per_call {
         args.push("rl:{bench:user=u__rand_int__}:log".to_string());
     }
@@ -432,7 +433,7 @@ fn script_ceiling(redis: &redis_proc::RedisProcess, script: &str, name: &str, pe
     let (cpu1, commands1) = redis_usage(&[redis.port]);
     let decisions = (calls * per_call) as f64;
     println!(
-        "{name}, {per_call} request(s) per EVALSHA, alone on one Redis core (redis-benchmark, 16 clients): {:.0} decisions/s, {:.1} us Redis CPU and {:.2} commands per decision",
+        "{name}, {per_call} request(s) per FCALL, alone on one Redis core (redis-benchmark, 16 clients): {:.0} decisions/s, {:.1} us Redis CPU and {:.2} commands per decision",
         rps * per_call as f64,
         (cpu1 - cpu0) / decisions * 1e6,
         commands1.saturating_sub(commands0) as f64 / decisions
@@ -449,10 +450,8 @@ fn redis_cli(port: u16, args: &[&str]) -> String {
 }
 
 fn memory_usage(redis: &redis_proc::RedisProcess) {
-    let sha = redis_cli(
-        redis.port,
-        &["SCRIPT", "LOAD", slidegate::store::redis::SCRIPT],
-    );
+    let library = slidegate::store::redis::Library::new();
+    let function = redis_cli(redis.port, &["FUNCTION", "LOAD", "REPLACE", &library.code]);
     let now = 1_767_225_600_000u64;
     println!(
         "\nRedis memory (MEMORY USAGE, redis-server 7, default zset-max-listpack-entries 128):"
@@ -462,7 +461,7 @@ fn memory_usage(redis: &redis_proc::RedisProcess) {
     let line = |base: &str, now: u64, hits: u64, buckets: &str| {
         let key = if buckets == "0" { "log" } else { "cnt" };
         format!(
-            "EVALSHA {sha} 1 {base}:{key} 1 {now} memprobe0000-123456 1 1 {hits} 0:0:{buckets}:0:100000:3600000\n"
+            "FCALL {function} 1 {base}:{key} 1 {now} memprobe0000-123456 1 1 {hits} 0:0:{buckets}:0:100000:3600000\n"
         )
     };
     let run = |lines: String| {
@@ -763,7 +762,7 @@ fn main() {
                 per_call,
             );
         }
-        // SLIDEGATE_BENCH_SCRIPT: another version of the script (taking the same arguments),
+        // SLIDEGATE_BENCH_SCRIPT: another version of the script (a library written like `lua/slidegate.lua`, taking the same arguments),
         // measured the same way.
         if let Some(path) = std::env::var_os("SLIDEGATE_BENCH_SCRIPT") {
             let other = std::fs::read_to_string(&path).expect("read SLIDEGATE_BENCH_SCRIPT");

@@ -1,12 +1,16 @@
-#!lua
+#!lua name=slidegate_VERSION
 -- slidegate: decide one batch of descriptors atomically, on sliding windows.
 --
--- The first line (a Redis 7 shebang, no flags) declares this a script that may write, so Redis
--- refuses to start it when used memory is over `maxmemory` (with `noeviction`) instead of
--- letting it write past the limit (without the declaration its first write is a deletion,
--- which a full Redis allows, and after that nothing inside a script is checked).
+-- A Redis 7 function library (FUNCTION LOAD, then FCALL): the functions below are made once,
+-- when the library is loaded, where a script sent with EVALSHA makes each of them again on
+-- every call. slidegate replaces "slidegate_VERSION" (the library's name here and the name of
+-- the function it registers at the end) with "slidegate_" and the first 16 hex digits of this
+-- file's SHA-1, so that two versions side by side (a rolling upgrade) each call their own.
+-- The function is registered without flags: it may write, so Redis refuses to start it when
+-- used memory is over `maxmemory` (with `noeviction`) instead of letting it write past the
+-- limit.
 --
--- Redis runs a script without interleaving other commands, so trimming, counting, deciding and
+-- Redis runs a function without interleaving other commands, so trimming, counting, deciding and
 -- recording cannot race (three separate commands can: "100 per minute, 130 got through").
 -- One call carries one or more requests (requests that reached the store at the same moment),
 -- decided one after the other, each as it would be alone: a request's descriptors are admitted
@@ -66,10 +70,12 @@
 -- runtime error.
 
 -- The library functions used for every request as locals: a local is a register, a global a
--- table lookup. Only those: every function below that uses a local pays, on every run of the
--- script, a search for it among the locals already captured, and the first locals declared are
--- found last. (Loops count with an index: `ipairs` is a function call per step.)
-local tonumber, format, max, call = tonumber, string.format, math.max, redis.call
+-- table lookup. Set by the first call: while a library loads, Redis lets its code reach
+-- nothing but the registration API. (Loops count with an index: `ipairs` is a function call
+-- per step.)
+local tonumber, format, max, call
+-- This call's KEYS and ARGV (the function's arguments).
+local KEYS, ARGV
 
 local function fail(message)
   return redis.error_reply('SLIDEGATE ' .. message)
@@ -78,12 +84,12 @@ end
 -- Whole numbers read so far in this call, by their text (false: not a whole number). Turning
 -- text into a number costs a strtod, thousands of instructions, and a call's arguments repeat
 -- ("0", "1", the same limits and windows, the same ms): a table lookup is far cheaper.
-local read = {}
+local read
 -- The other way: the text of a whole number, for every number this script passes to
 -- redis.call. Redis 7.0 turns a Lua number argument into text with snprintf("%.17g"), a
 -- floating-point printf of about 2,600 instructions (a tenth of a decision's cost when every
 -- number went that way); a table lookup, or a "%d" once per distinct number, is far cheaper.
-local texts = {}
+local texts
 local function whole(text)
   local v = read[text]
   if v == nil then
@@ -109,7 +115,7 @@ local function ms(v)
 end
 
 -- Redis TIME, read once per call: every request of a call is decided at the same moment.
-local time_now = nil
+local time_now
 local function redis_now()
   if time_now == nil then
     local t = call('TIME')
@@ -118,12 +124,14 @@ local function redis_now()
   return time_now
 end
 
--- Rules read so far in this call, by their text (false: not a rule). A rule, once made, is
--- only read: role, ban_ms, buckets, debit (boolean), m (windows), longest (window), ttl (the
+-- Rules read so far, by their text (false: not a rule), kept from call to call (a process's
+-- rules repeat) up to RULES_KEPT of them, then dropped all at once. A rule, once made, is only
+-- read: role, ban_ms, buckets, debit (boolean), m (windows), longest (window), ttl (the
 -- data key's, as text), and per window w, in its array part: limit at [3w - 2], length in ms
 -- at [3w - 1], bucket length at [3w] (sliding_counter; 0 for sliding_log). (One table per
 -- rule: each table costs an allocation, and this runs for every call.)
-local rules = {}
+local RULES_KEPT = 1000
+local rules, rules_kept = {}, 0
 local function read_rule(text)
   local rule = rules[text]
   if rule ~= nil then
@@ -167,7 +175,10 @@ local function read_rule(text)
     end
   end
   if text ~= nil then
-    rules[text] = rule
+    if rules_kept >= RULES_KEPT then
+      rules, rules_kept = {}, 0
+    end
+    rules[text], rules_kept = rule, rules_kept + 1
   end
   return rule or nil
 end
@@ -212,9 +223,9 @@ end
 -- The request being decided: its time, member prefix, mode and number of descriptors.
 local now, prefix, mode, n
 
--- Per descriptor position i, the decision state of the request being decided: made once per
--- call and reset for each request (requests are decided one after the other), so deciding a
--- request allocates little but its reply. Fields: rule, hits, key (data), ban (key or false),
+-- Per descriptor position i, the decision state of the request being decided: made once and
+-- reset for each request (requests are decided one after the other), so deciding a request
+-- allocates little but its reply. Fields: rule, hits, key (data), ban (key or false),
 -- fits, records, banned (ms left), ban_set, cum (of the entry it recorded), buckets (read,
 -- sliding_counter), st (the state of the data key, kept by the request's first descriptor on
 -- that key and shared by the others: its newest entry, head_cum and head_time, once read
@@ -288,9 +299,7 @@ end
 
 -- === Rarely needed: old-format logs, the reset of a rejected sliding_log descriptor, and
 -- sliding_counter ===
--- Made on first use in a call: each function costs an allocation and a search for its
--- upvalues every time the script runs, used or not, and a sliding_log descriptor that fits
--- (most of them) needs none of these.
+-- Made on first use (a sliding_log descriptor that fits, most of them, needs none of these).
 local rare_made = nil
 local function rare()
   if rare_made ~= nil then
@@ -670,35 +679,44 @@ local function decide(a, k)
   return reply
 end
 
-local count = whole(ARGV[1])
-if count == nil or count < 1 then
-  return fail('ARGV[1] (request count) must be at least 1')
-end
--- Where each request's arguments and keys start: request r's at [2r - 1] and [2r].
-local starts, a, k = {}, 2, 0
-for r = 1, count do
-  starts[2 * r - 1], starts[2 * r] = a, k
-  local next_a, next_k = check_request(r, a, k)
-  if next_a == nil then
-    return fail(next_k)
+-- One call: checks every request's arguments, then decides each on its own.
+local function decide_call(keys, args)
+  KEYS, ARGV, read, texts, time_now = keys, args, {}, {}, nil
+  if call == nil then
+    tonumber, format, max, call = _G.tonumber, _G.string.format, _G.math.max, _G.redis.call
   end
-  a, k = next_a, next_k
-end
-if ARGV[a] ~= nil then
-  return fail('unexpected argument ARGV[' .. a .. ']')
-end
-if #KEYS ~= k then
-  return fail('expected ' .. k .. ' keys, got ' .. #KEYS)
+  local count = whole(ARGV[1])
+  if count == nil or count < 1 then
+    return fail('ARGV[1] (request count) must be at least 1')
+  end
+  -- Where each request's arguments and keys start: request r's at [2r - 1] and [2r].
+  local starts, a, k = {}, 2, 0
+  for r = 1, count do
+    starts[2 * r - 1], starts[2 * r] = a, k
+    local next_a, next_k = check_request(r, a, k)
+    if next_a == nil then
+      return fail(next_k)
+    end
+    a, k = next_a, next_k
+  end
+  if ARGV[a] ~= nil then
+    return fail('unexpected argument ARGV[' .. a .. ']')
+  end
+  if #KEYS ~= k then
+    return fail('expected ' .. k .. ' keys, got ' .. #KEYS)
+  end
+
+  -- Each request on its own: a Redis error in one (a key of another type) fails that one only.
+  local replies = {}
+  for r = 1, count do
+    local ok, out = pcall(decide, starts[2 * r - 1], starts[2 * r])
+    if not ok then
+      -- What Redis said (a command's error reply), or a Lua error's text.
+      out = { -1, type(out) == 'table' and tostring(out.err) or tostring(out) }
+    end
+    replies[r] = out
+  end
+  return replies
 end
 
--- Each request on its own: a Redis error in one (a key of another type) fails that one only.
-local replies = {}
-for r = 1, count do
-  local ok, out = pcall(decide, starts[2 * r - 1], starts[2 * r])
-  if not ok then
-    -- What Redis said (a command's error reply), or a Lua error's text.
-    out = { -1, type(out) == 'table' and tostring(out.err) or tostring(out) }
-  end
-  replies[r] = out
-end
-return replies
+redis.register_function('slidegate_VERSION', decide_call)

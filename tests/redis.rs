@@ -323,7 +323,7 @@ async fn tag_by_keeps_escaped_values_in_the_tagged_slot() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn script_flush_is_recovered_on_standalone_and_cluster() {
+async fn function_flush_is_recovered_on_standalone_and_cluster() {
     let own = RedisProcess::start(&[]);
     let cluster = RedisCluster::start();
     for (url, ports) in [
@@ -349,8 +349,8 @@ async fn script_flush_is_recovered_on_standalone_and_cluster() {
         );
         for port in &ports {
             assert!(
-                command(*port, "SCRIPT FLUSH")
-                    .expect("SCRIPT FLUSH")
+                command(*port, "FUNCTION FLUSH")
+                    .expect("FUNCTION FLUSH")
                     .starts_with("+OK")
             );
         }
@@ -509,8 +509,10 @@ fn malformed_script_arguments_get_an_error_reply() {
             .expect("run redis-cli");
         String::from_utf8_lossy(&out.stdout).trim().to_string()
     };
-    let sha = cli(&["SCRIPT", "LOAD", slidegate::store::redis::SCRIPT]);
-    assert_eq!(sha.len(), 40, "SCRIPT LOAD: {sha}");
+    let library = slidegate::store::redis::Library::new();
+    let loaded = cli(&["FUNCTION", "LOAD", "REPLACE", &library.code]);
+    assert_eq!(loaded, &*library.function, "FUNCTION LOAD: {loaded}");
+    let function: &str = &library.function;
     // One key per descriptor (its log or counters), two with a ban. Arguments: the number of
     // requests, then per request: now, prefix, mode, descriptor count, and per descriptor: hits
     // and the rule "role:ban_ms:buckets:debit:limit:window_ms[:limit:window_ms...]".
@@ -545,18 +547,15 @@ fn malformed_script_arguments_get_an_error_reply() {
         vec!["1", "k", "1", "1", "p", "1", "1", "1", ok, "extra"],
     ];
     for args in cases {
-        let mut full = vec!["EVALSHA", sha.as_str()];
+        let mut full = vec!["FCALL", function];
         full.extend_from_slice(&args);
         let reply = cli(&full);
-        assert!(
-            reply.starts_with("SLIDEGATE "),
-            "EVALSHA {args:?} -> {reply}"
-        );
+        assert!(reply.starts_with("SLIDEGATE "), "FCALL {args:?} -> {reply}");
     }
     // And a well-formed call answers the documented layout: now, recorded, then fits, ban,
     // ban set, recorded, entry, m, count, reset.
     let call = |key: &str, rule: &str| {
-        let mut full = vec!["EVALSHA", sha.as_str(), "1", key];
+        let mut full = vec!["FCALL", function, "1", key];
         full.extend_from_slice(&["1", "1000", "p", "1", "1", "1", rule]);
         cli(&full).lines().map(str::to_string).collect::<Vec<_>>()
     };
@@ -585,7 +584,7 @@ fn malformed_script_arguments_get_an_error_reply() {
     assert_eq!(cli(&["SET", "w:log", "not a log"]), "OK");
     let request =
         |now: &'static str, prefix: &'static str| [now, prefix, "1", "1", "1", "0:0:0:0:1:1000"];
-    let mut full = vec!["EVALSHA", sha.as_str(), "3", "w:log", "v:log", "v:log", "3"];
+    let mut full = vec!["FCALL", function, "3", "w:log", "v:log", "v:log", "3"];
     full.extend_from_slice(&request("2000", "a"));
     full.extend_from_slice(&request("2000", "b"));
     full.extend_from_slice(&request("2001", "c"));
@@ -1116,12 +1115,12 @@ async fn call_until(
     done()
 }
 
-/// A Redis that answers but refuses every call (EVALSHA renamed away): fresh clients connect
+/// A Redis that answers but refuses every call (FCALL renamed away): fresh clients connect
 /// and do not help, so after three of them and 5 s the store says it cannot recover and `/healthz`
 /// answers 503, the signal for a liveness probe to restart it. Readiness (PING) still holds.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn healthz_fails_when_fresh_clients_do_not_help() {
-    let redis = RedisProcess::start(&["--rename-command", "EVALSHA", ""]);
+    let redis = RedisProcess::start(&["--rename-command", "FCALL", ""]);
     let domain = unique_domain("hopeless");
     let config = format!(
         "domain: {domain}\ndescriptors:\n  - key: k\n    rate_limit: {{unit: hour, requests_per_unit: 5}}\n"
@@ -1191,12 +1190,12 @@ async fn healthz_holds_while_redis_is_down() {
     server.stop().await;
 }
 
-/// Calls of `EVALSHA` Redis has run, from `INFO commandstats`.
-fn evalsha_calls(redis: &RedisProcess) -> u64 {
+/// Calls of `FCALL` Redis has run, from `INFO commandstats`.
+fn fcall_calls(redis: &RedisProcess) -> u64 {
     let stats = redis.cmd("INFO commandstats");
     stats
         .lines()
-        .find_map(|l| l.strip_prefix("cmdstat_evalsha:calls="))
+        .find_map(|l| l.strip_prefix("cmdstat_fcall:calls="))
         .and_then(|rest| rest.split(',').next())
         .and_then(|n| n.parse().ok())
         .unwrap_or(0)
@@ -1226,7 +1225,7 @@ async fn concurrent_decisions_share_script_calls_and_stay_exact() {
         "  - key: hot\n    rate_limit: {unit: minute, requests_per_unit: 150}\n  - key: user\n    rate_limit: {unit: minute, requests_per_unit: 1}\n",
     )
     .await;
-    let before = evalsha_calls(&redis);
+    let before = fcall_calls(&redis);
     let calls: Vec<_> = (0..400)
         .map(|_| {
             let mut client = server.client.clone();
@@ -1239,7 +1238,7 @@ async fn concurrent_decisions_share_script_calls_and_stay_exact() {
         let response = call.await.expect("task").expect("answer");
         admitted += u32::from(response.get_ref().overall_code == ok());
     }
-    let used = evalsha_calls(&redis) - before;
+    let used = fcall_calls(&redis) - before;
     assert_eq!(admitted, 150, "exactly the limit");
     assert!(used < 400, "{used} script calls for 400 decisions");
     // Per user: the first of two concurrent requests is admitted, the second refused, whichever
@@ -1325,7 +1324,7 @@ async fn a_foreign_key_fails_only_its_own_decision_in_a_shared_call() {
     )
     .log();
     assert_eq!(redis.cmd(&format!("SET {log} not-a-log")).trim(), "+OK");
-    let before = evalsha_calls(&redis);
+    let before = fcall_calls(&redis);
     let calls: Vec<_> = (0..120)
         .map(|n| {
             let mut client = server.client.clone();
@@ -1353,7 +1352,7 @@ async fn a_foreign_key_fails_only_its_own_decision_in_a_shared_call() {
         }
     }
     assert!(
-        evalsha_calls(&redis) - before < 120,
+        fcall_calls(&redis) - before < 120,
         "the decisions shared calls"
     );
     server.stop().await;

@@ -3,7 +3,7 @@
 //! Every decision is one request of the script (`lua/slidegate.lua` decides a call's requests one
 //! after the other, each as it would be alone). On standalone Redis, a request that arrives
 //! while [`Batcher`]'s calls are all out waits, and the next call to go carries every request
-//! that waited: under load one `EVALSHA` (one socket write here, one read and one reply in Redis)
+//! that waited: under load one `FCALL` (one socket write here, one read and one reply in Redis)
 //! decides tens of requests, while a lone request is sent at once, never held back for company.
 //! On a cluster a call's keys must share a slot, and requests rarely do: they go one per call.
 
@@ -13,11 +13,10 @@ use std::time::Duration;
 
 use arc_swap::ArcSwap;
 use fred::prelude::*;
-use fred::types::scripts::Script;
 use tokio::sync::oneshot;
 use tokio::time::Instant;
 
-use super::call_failed;
+use super::{Library, call_failed};
 use crate::store::StoreError;
 
 /// How long to wait before sending a call Redis answered `TRYAGAIN` (a slot mid-migration).
@@ -42,7 +41,7 @@ pub(super) type Answer = Result<Vec<i64>, StoreError>;
 #[derive(Clone)]
 pub(super) struct Sender {
     pub pool: Arc<ArcSwap<Pool>>,
-    pub script: Script,
+    pub script: Library,
 }
 
 impl Sender {
@@ -72,22 +71,23 @@ impl Sender {
 
     /// Sends until Redis answers. TRYAGAIN: a slot is being migrated and this call's keys are
     /// split between two masters for a moment; Redis asks to send it again shortly (the caller's
-    /// deadline bounds the retries). NOSCRIPT (a restart, a failover, SCRIPT FLUSH): load it and
-    /// send again, once. Keys and arguments are shared buffers: a copy to send again is cheap.
+    /// deadline bounds the retries). A missing function (a restart, FUNCTION FLUSH, a node that
+    /// never saw it): load it and send again, once. Keys and arguments are shared buffers: a
+    /// copy to send again is cheap.
     async fn send(&self, keys: Vec<Key>, args: Vec<Value>) -> Result<Value, StoreError> {
         let mut loaded = false;
         loop {
             let pool = self.pool.load();
             let sent = pool
                 .next()
-                .evalsha::<Value, _, _, _>(self.script.sha1().clone(), keys.clone(), args.clone())
+                .fcall::<Value, _, _, _>(self.script.function.clone(), keys.clone(), args.clone())
                 .await;
             match sent {
                 Ok(reply) => return Ok(reply),
                 Err(e) if e.details().starts_with("TRYAGAIN") => {
                     tokio::time::sleep(TRY_AGAIN_AFTER).await;
                 }
-                Err(e) if e.details().starts_with("NOSCRIPT") && !loaded => {
+                Err(e) if e.details().contains("Function not found") && !loaded => {
                     loaded = true;
                     if let Err(e) = self.script.load(pool.next()).await {
                         return Err(call_failed(&e));
