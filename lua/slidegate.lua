@@ -254,7 +254,8 @@ local function bind(a, k)
             new_time = 0 }
       states[i] = d
     end
-    local rule = rules[ARGV[a + 1]]
+    -- Read again, not looked up: the rules kept may have been dropped since the check.
+    local rule = read_rule(ARGV[a + 1])
     d.rule, d.hits = rule, whole(ARGV[a])
     -- What the descriptor must fit: its hits, or 1 for a debit rule's check.
     d.size = (rule.debit and d.hits == 0) and 1 or d.hits

@@ -602,6 +602,62 @@ fn malformed_script_arguments_get_an_error_reply() {
     assert_eq!(cli(&["ZCARD", "v:log"]), "1");
 }
 
+/// The library keeps the rules it has read from call to call, up to 1,000, then drops them all
+/// at once: a call with more distinct rules than that (the drop happens between checking its
+/// arguments and deciding them) still decides every request.
+#[test]
+fn a_call_with_more_rules_than_the_library_keeps_decides_each_request() {
+    let redis = shared_standalone();
+    let library = slidegate::store::redis::Library::new();
+    let port = redis.port.to_string();
+    let cli = |args: &[String]| {
+        let out = std::process::Command::new("redis-cli")
+            .args(["-p", &port])
+            .args(args)
+            .output()
+            .expect("run redis-cli");
+        String::from_utf8_lossy(&out.stdout).trim().to_string()
+    };
+    let loaded = cli(&[
+        "FUNCTION".into(),
+        "LOAD".into(),
+        "REPLACE".into(),
+        library.code.to_string(),
+    ]);
+    assert_eq!(loaded, &*library.function);
+    let requests = 1_200;
+    let mut args = vec![
+        "FCALL".to_string(),
+        library.function.to_string(),
+        requests.to_string(),
+    ];
+    args.extend((0..requests).map(|r| format!("rl:{{many-rules}}:{r}:log")));
+    args.push(requests.to_string());
+    for r in 0..requests {
+        // Every request its own rule: limit 10 + r in a 1 s window.
+        args.extend([
+            "1000".to_string(),
+            format!("p{r}"),
+            "1".into(),
+            "1".into(),
+            "1".into(),
+            format!("0:0:0:0:{}:1000", 10 + r),
+        ]);
+    }
+    let reply = cli(&args);
+    let lines: Vec<&str> = reply.lines().collect();
+    // Each request: now, recorded, fits, ban, ban set, recorded, entry, m, count, reset.
+    assert_eq!(
+        lines.len(),
+        requests * 10,
+        "{}",
+        &reply[..reply.len().min(400)]
+    );
+    for (r, answer) in lines.chunks(10).enumerate() {
+        assert_eq!(answer[..3], ["1000", "1", "1"], "request {r} was admitted");
+    }
+}
+
 /// `rediss://` with a password: a real TLS Redis with a test CA, which the binary trusts through
 /// `SSL_CERT_FILE` (read by rustls' native roots). A wrong password fails start-up with the
 /// password redacted.
