@@ -6,6 +6,8 @@
 -- every call. slidegate replaces "slidegate_VERSION" (the library's name here and the name of
 -- the function it registers at the end) with "slidegate_" and the first 16 hex digits of this
 -- file's SHA-1, so that two versions side by side (a rolling upgrade) each call their own.
+-- Where FUNCTION LOAD is refused, slidegate runs this same file as a script (EVALSHA), with a
+-- bare "#!lua" first line and the last line calling the function instead of registering it.
 -- The function is registered without flags: it may write, so Redis refuses to start it when
 -- used memory is over `maxmemory` (with `noeviction`) instead of letting it write past the
 -- limit.

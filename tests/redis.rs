@@ -1246,15 +1246,57 @@ async fn healthz_holds_while_redis_is_down() {
     server.stop().await;
 }
 
-/// Calls of `FCALL` Redis has run, from `INFO commandstats`.
-fn fcall_calls(redis: &RedisProcess) -> u64 {
+/// Calls of a command Redis has run (`fcall`, `evalsha`), from `INFO commandstats`.
+fn calls_of(redis: &RedisProcess, command: &str) -> u64 {
     let stats = redis.cmd("INFO commandstats");
+    let prefix = format!("cmdstat_{command}:calls=");
     stats
         .lines()
-        .find_map(|l| l.strip_prefix("cmdstat_fcall:calls="))
+        .find_map(|l| l.strip_prefix(prefix.as_str()))
         .and_then(|rest| rest.split(',').next())
         .and_then(|n| n.parse().ok())
         .unwrap_or(0)
+}
+
+fn fcall_calls(redis: &RedisProcess) -> u64 {
+    calls_of(redis, "fcall")
+}
+
+/// Where `FUNCTION LOAD` is refused (the command renamed away, or an ACL user without it), the
+/// same code goes by `SCRIPT LOAD` and `EVALSHA`, and decides the same: 2 an hour admits two.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn without_function_load_the_script_goes_by_evalsha() {
+    let renamed = RedisProcess::start(&["--rename-command", "FUNCTION", ""]);
+    let limited = RedisProcess::start(&[]);
+    assert!(
+        limited
+            .cmd("ACL SETUSER limited on >secret ~* +@all -function")
+            .starts_with("+OK")
+    );
+    let limited_url = format!("redis://limited:secret@127.0.0.1:{}", limited.port);
+    for (redis, url) in [(&renamed, renamed.url()), (&limited, limited_url)] {
+        let store = connect(url.clone(), TEST_TIMEOUT).await;
+        let domain = unique_domain("evalsha");
+        let config = format!(
+            "domain: {domain}\ndescriptors:\n  - key: k\n    rate_limit: {{unit: hour, requests_per_unit: 2}}\n"
+        );
+        let server = TestServer::start(&config, store, LimiterOptions::default()).await;
+        let codes: Vec<_> = futures_util::future::join_all(
+            (0..3).map(|_| server.call(request(&domain, vec![descriptor(&[("k", "v")])]))),
+        )
+        .await
+        .into_iter()
+        .map(|r| r.overall_code)
+        .collect();
+        assert_eq!(
+            codes.iter().filter(|&&c| c == ok()).count(),
+            2,
+            "{url}: {codes:?}"
+        );
+        assert!(calls_of(redis, "evalsha") >= 3, "{url}: decided by EVALSHA");
+        assert_eq!(calls_of(redis, "fcall"), 0, "{url}");
+        server.stop().await;
+    }
 }
 
 /// A Redis of the test's own and a server on it with one pool connection (the store's calls

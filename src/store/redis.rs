@@ -3,7 +3,8 @@
 //!
 //! * The script is a Redis function library, loaded once on every primary (`FUNCTION LOAD`) and
 //!   called with `FCALL`; a missing function (restart, `FUNCTION FLUSH`, a node that never saw
-//!   it) loads it again on every primary and retries.
+//!   it) loads it again on every primary and retries. Where `FUNCTION LOAD` is refused, the same
+//!   code goes by `EVALSHA` (`library.rs`).
 //! * On standalone Redis, requests that arrive while every call is out go together in the next
 //!   call (`batch.rs`): one `FCALL` decides tens of requests under load, each on its own.
 //! * A request whose descriptors sit in several slots sends one call per slot, concurrently, in
@@ -19,12 +20,13 @@ use std::time::Duration;
 use arc_swap::ArcSwap;
 use tokio::time::Instant;
 
-use fred::bytes_utils::Str;
 use fred::prelude::*;
 use futures_util::future::join_all;
 
 mod batch;
+mod library;
 use batch::{Batcher, Request, Sender};
+pub use library::Library;
 
 pub use crate::tls::TlsFiles;
 
@@ -38,52 +40,6 @@ type UndoFuture<'a> =
 
 /// The script, embedded in the binary.
 pub const SCRIPT: &str = include_str!("../../lua/slidegate.lua");
-
-/// The script as Redis loads it: a function library (`FUNCTION LOAD`, called with `FCALL`).
-/// Its functions are made once, when it is loaded; a script sent with `EVALSHA` makes every
-/// one of its functions again on every call (callgrind: a lone call cost Redis 180k
-/// instructions that way, 112k as a function). Library and function are named after the
-/// script's version, the first 16 hex digits of its SHA-1, so that two versions side by side (a
-/// rolling upgrade) each call their own and never replace the other's.
-#[derive(Clone, Debug)]
-pub struct Library {
-    /// The function to `FCALL`.
-    pub function: Str,
-    /// The library, for `FUNCTION LOAD`.
-    pub code: Str,
-}
-
-impl Library {
-    /// slidegate's library.
-    pub fn new() -> Library {
-        Library::from_source(SCRIPT)
-    }
-
-    /// A library from a script written like `lua/slidegate.lua` (its name and function's
-    /// written `slidegate_VERSION`): for measuring another version beside this one.
-    pub fn from_source(source: &str) -> Library {
-        let sha1 = fred::util::sha1_hash(source);
-        let name = format!("slidegate_{}", &sha1[..16]);
-        Library {
-            code: source.replace("slidegate_VERSION", &name).into(),
-            function: name.into(),
-        }
-    }
-
-    /// Loads the library on every primary, replacing one of the same name (the same code).
-    pub async fn load(&self, client: &Client) -> Result<(), Error> {
-        client
-            .function_load_cluster::<Value, _>(true, self.code.clone())
-            .await
-            .map(|_| ())
-    }
-}
-
-impl Default for Library {
-    fn default() -> Self {
-        Library::new()
-    }
-}
 
 /// Where "now" comes from.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -1012,22 +968,6 @@ mod tests {
             "rediss-cluster://u:p@a:1?foo=1&node=b:2"
         );
         assert_eq!(client_url("redis://a:1"), "redis://a:1");
-    }
-
-    #[test]
-    fn the_library_is_named_after_the_script_version() {
-        let library = Library::new();
-        let name: &str = &library.function;
-        let version = name.strip_prefix("slidegate_").expect("slidegate_ prefix");
-        assert_eq!(version.len(), 16);
-        assert!(version.chars().all(|c| c.is_ascii_hexdigit()), "{name}");
-        let code: &str = &library.code;
-        assert!(code.starts_with(&format!("#!lua name={name}\n")));
-        assert!(code.contains(&format!("redis.register_function('{name}'")));
-        assert!(!code.contains("slidegate_VERSION"));
-        // Another version of the script, another name: the two never replace each other.
-        let other = Library::from_source(&format!("{SCRIPT}\n-- another version\n"));
-        assert_ne!(other.function, library.function);
     }
 
     #[test]

@@ -78,16 +78,16 @@ impl Sender {
         let mut loaded = false;
         loop {
             let pool = self.pool.load();
-            let sent = pool
-                .next()
-                .fcall::<Value, _, _, _>(self.script.function.clone(), keys.clone(), args.clone())
+            let sent = self
+                .script
+                .call(pool.next(), keys.clone(), args.clone())
                 .await;
             match sent {
                 Ok(reply) => return Ok(reply),
                 Err(e) if e.details().starts_with("TRYAGAIN") => {
                     tokio::time::sleep(TRY_AGAIN_AFTER).await;
                 }
-                Err(e) if e.details().contains("Function not found") && !loaded => {
+                Err(e) if Library::missing(&e) && !loaded => {
                     loaded = true;
                     if let Err(e) = self.script.load(pool.next()).await {
                         return Err(call_failed(&e));
