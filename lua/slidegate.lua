@@ -300,156 +300,144 @@ local function parse_member(member)
   return tonumber(cum), tonumber(weight)
 end
 
--- === Rarely needed: old-format logs, the reset of a rejected sliding_log descriptor, and
--- sliding_counter ===
--- Made on first use (a sliding_log descriptor that fits, most of them, needs none of these).
-local rare_made = nil
-local function rare()
-  if rare_made ~= nil then
-    return rare_made
-  end
-  local R = {}
-
-  -- Rewrites a log that holds members of the previous format: every entry keeps its time, an
-  -- old member weighs 1, and running totals are recomputed in time order.
-  function R.migrate(log)
-    local all = call('ZRANGE', log, '0', '-1', 'WITHSCORES')
-    call('DEL', log)
-    local cum, args = 0, {}
-    for e = 1, #all, 2 do
-      local _, weight = parse_member(all[e])
-      weight = weight or 1
-      cum = cum + weight
-      args[#args + 1] = all[e + 1]
-      args[#args + 1] = format('%020d', cum) .. ':' .. ms(weight) .. ':m:' .. ms((e + 1) / 2)
-      if #args >= 2000 then
-        call('ZADD', log, unpack(args))
-        args = {}
-      end
-    end
-    if #args > 0 then
+-- Rewrites a log that holds members of the previous format: every entry keeps its time, an
+-- old member weighs 1, and running totals are recomputed in time order.
+local function migrate(log)
+  local all = call('ZRANGE', log, '0', '-1', 'WITHSCORES')
+  call('DEL', log)
+  local cum, args = 0, {}
+  for e = 1, #all, 2 do
+    local _, weight = parse_member(all[e])
+    weight = weight or 1
+    cum = cum + weight
+    args[#args + 1] = all[e + 1]
+    args[#args + 1] = format('%020d', cum) .. ':' .. ms(weight) .. ':m:' .. ms((e + 1) / 2)
+    if #args >= 2000 then
       call('ZADD', log, unpack(args))
+      args = {}
     end
   end
-
-  -- The time of the first entry of the window whose running total reaches `total`, `need`
-  -- hits past the total before the window, or nil. Totals grow by at least 1 an entry, so it
-  -- is at most need - 1 ranks past the window's first entry; when every entry weighs 1
-  -- (requests) the first probe there finds it. Otherwise a binary search by rank.
-  function R.time_reaching(log, length, total, need)
-    local low = call('ZCOUNT', log, '-inf', ms(now - length))
-    local high = math.min(call('ZCARD', log) - 1, low + need - 1)
-    local probe = call('ZRANGE', log, ms(high), ms(high), 'WITHSCORES')
-    if probe[1] ~= nil and parse_member(probe[1]) == total then
-      return tonumber(probe[2])
-    end
-    local found = nil
-    while low <= high do
-      local mid = math.floor((low + high) / 2)
-      local entry = call('ZRANGE', log, ms(mid), ms(mid), 'WITHSCORES')
-      if entry[1] == nil then
-        break
-      end
-      if parse_member(entry[1]) >= total then
-        found = tonumber(entry[2])
-        high = mid - 1
-      else
-        low = mid + 1
-      end
-    end
-    return found
+  if #args > 0 then
+    call('ZADD', log, unpack(args))
   end
-
-  -- sliding_counter: buckets in a hash.
-
-  -- The buckets stored in a hash, as { size, index, hits, field }.
-  function R.read_buckets(key)
-    local raw = call('HGETALL', key)
-    local found = {}
-    for f = 1, #raw, 2 do
-      local size, index = string.match(raw[f], '^(%d+):(%d+)$')
-      if size then
-        found[#found + 1] = { size = tonumber(size), index = tonumber(index), hits = tonumber(raw[f + 1]) or 0,
-                              field = raw[f] }
-      end
-    end
-    return found
-  end
-
-  -- The first bucket that counts for window w of a rule: every bucket that overlaps the
-  -- window.
-  local function oldest(rule, w)
-    return math.floor(max(now - rule[3 * w - 1], 0) / rule[3 * w])
-  end
-
-  -- The buckets that count for window w of descriptor d, oldest first.
-  function R.counted(d, w)
-    local size, first, list = d.rule[3 * w], oldest(d.rule, w), {}
-    for bi = 1, #d.buckets do
-      local b = d.buckets[bi]
-      if b.size == size and b.index >= first then
-        list[#list + 1] = b
-      end
-    end
-    table.sort(list, function(x, y) return x.index < y.index end)
-    return list
-  end
-
-  function R.counted_hits(d, w)
-    local c, list = 0, R.counted(d, w)
-    for bi = 1, #list do
-      c = c + list[bi].hits
-    end
-    return c
-  end
-
-  function R.drop_stale_buckets(d)
-    local rule = d.rule
-    d.buckets = R.read_buckets(d.key)
-    local stale = {}
-    for bi = 1, #d.buckets do
-      local b = d.buckets[bi]
-      local keep = false
-      for w = 1, rule.m do
-        keep = keep or (b.size == rule[3 * w] and b.index >= oldest(rule, w))
-      end
-      if not keep then
-        stale[#stale + 1] = b.field
-      end
-    end
-    if #stale > 0 then
-      call('HDEL', d.key, unpack(stale))
-    end
-  end
-
-  -- The reset of window w of a sliding_counter descriptor, from its count after the call.
-  function R.counter_reset(d, w, count)
-    local length, limit, size_w = d.rule[3 * w - 1], d.rule[3 * w - 2], d.rule[3 * w]
-    local wanted = 1
-    if not d.fits then
-      local size = d.size
-      wanted = count + size - limit
-      if wanted <= 0 then
-        return 0
-      end
-      if size > limit then
-        return length
-      end
-    end
-    local list = R.counted(d, w)
-    for bi = 1, #list do
-      local bucket = list[bi]
-      wanted = wanted - bucket.hits
-      if bucket.hits > 0 and wanted <= 0 then
-        return (bucket.index + 1) * size_w + length - now
-      end
-    end
-    return d.fits and 0 or length
-  end
-
-  rare_made = R
-  return R
 end
+
+-- The time of the first entry of the window whose running total reaches `total`, `need`
+-- hits past the total before the window, or nil. Totals grow by at least 1 an entry, so it
+-- is at most need - 1 ranks past the window's first entry; when every entry weighs 1
+-- (requests) the first probe there finds it. Otherwise a binary search by rank.
+local function time_reaching(log, length, total, need)
+  local low = call('ZCOUNT', log, '-inf', ms(now - length))
+  local high = math.min(call('ZCARD', log) - 1, low + need - 1)
+  local probe = call('ZRANGE', log, ms(high), ms(high), 'WITHSCORES')
+  if probe[1] ~= nil and parse_member(probe[1]) == total then
+    return tonumber(probe[2])
+  end
+  local found = nil
+  while low <= high do
+    local mid = math.floor((low + high) / 2)
+    local entry = call('ZRANGE', log, ms(mid), ms(mid), 'WITHSCORES')
+    if entry[1] == nil then
+      break
+    end
+    if parse_member(entry[1]) >= total then
+      found = tonumber(entry[2])
+      high = mid - 1
+    else
+      low = mid + 1
+    end
+  end
+  return found
+end
+
+-- === sliding_counter: buckets in a hash ===
+
+-- The buckets stored in a hash, as { size, index, hits, field }.
+local function read_buckets(key)
+  local raw = call('HGETALL', key)
+  local found = {}
+  for f = 1, #raw, 2 do
+    local size, index = string.match(raw[f], '^(%d+):(%d+)$')
+    if size then
+      found[#found + 1] = { size = tonumber(size), index = tonumber(index), hits = tonumber(raw[f + 1]) or 0,
+                            field = raw[f] }
+    end
+  end
+  return found
+end
+
+-- The first bucket that counts for window w of a rule: every bucket that overlaps the
+-- window.
+local function oldest(rule, w)
+  return math.floor(max(now - rule[3 * w - 1], 0) / rule[3 * w])
+end
+
+-- The buckets that count for window w of descriptor d, oldest first.
+local function counted(d, w)
+  local size, first, list = d.rule[3 * w], oldest(d.rule, w), {}
+  for bi = 1, #d.buckets do
+    local b = d.buckets[bi]
+    if b.size == size and b.index >= first then
+      list[#list + 1] = b
+    end
+  end
+  table.sort(list, function(x, y) return x.index < y.index end)
+  return list
+end
+
+local function counted_hits(d, w)
+  local c, list = 0, counted(d, w)
+  for bi = 1, #list do
+    c = c + list[bi].hits
+  end
+  return c
+end
+
+local function drop_stale_buckets(d)
+  local rule = d.rule
+  d.buckets = read_buckets(d.key)
+  local stale = {}
+  for bi = 1, #d.buckets do
+    local b = d.buckets[bi]
+    local keep = false
+    for w = 1, rule.m do
+      keep = keep or (b.size == rule[3 * w] and b.index >= oldest(rule, w))
+    end
+    if not keep then
+      stale[#stale + 1] = b.field
+    end
+  end
+  if #stale > 0 then
+    call('HDEL', d.key, unpack(stale))
+  end
+end
+
+-- The reset of window w of a sliding_counter descriptor, from its count after the call.
+local function counter_reset(d, w, count)
+  local length, limit, size_w = d.rule[3 * w - 1], d.rule[3 * w - 2], d.rule[3 * w]
+  local wanted = 1
+  if not d.fits then
+    local size = d.size
+    wanted = count + size - limit
+    if wanted <= 0 then
+      return 0
+    end
+    if size > limit then
+      return length
+    end
+  end
+  local list = counted(d, w)
+  for bi = 1, #list do
+    local bucket = list[bi]
+    wanted = wanted - bucket.hits
+    if bucket.hits > 0 and wanted <= 0 then
+      return (bucket.index + 1) * size_w + length - now
+    end
+  end
+  return d.fits and 0 or length
+end
+
+-- === sliding_log, continued ===
 
 -- The log's newest entry: its cum and time (0, 0 when empty). Migrates an old log first.
 local function last_entry(log)
@@ -459,7 +447,7 @@ local function last_entry(log)
   end
   local cum = parse_member(last[1])
   if cum == nil then
-    rare().migrate(log)
+    migrate(log)
     last = call('ZRANGE', log, '-1', '-1', 'WITHSCORES')
     cum = parse_member(last[1])
   end
@@ -486,7 +474,7 @@ local function log_reset(d, w, count)
   if size > limit then
     return length
   end
-  local at = rare().time_reaching(d.key, length, (before or 0) + need, need)
+  local at = time_reaching(d.key, length, (before or 0) + need, need)
   return at and (at + length - now) or length
 end
 
@@ -531,10 +519,9 @@ local function count_and_fit(d)
       d[3 * w - 2] = d[3 * w - 1] and (st.head_cum - d[3 * w - 1]) or 0
     end
   else
-    local R = rare()
-    R.drop_stale_buckets(d)
+    drop_stale_buckets(d)
     for w = 1, rule.m do
-      d[3 * w - 2] = R.counted_hits(d, w)
+      d[3 * w - 2] = counted_hits(d, w)
     end
   end
   local p, size = st.pending, d.size
@@ -605,15 +592,15 @@ local function report(d, reply, r)
   end
   local added = d.st.recorded
   if rule.buckets > 0 and added > 0 then
-    d.buckets = rare().read_buckets(d.key)
+    d.buckets = read_buckets(d.key)
   end
   reply[r + 1] = rule.m
   r = r + 1
   for w = 1, rule.m do
     local c, reset
     if rule.buckets > 0 then
-      c = rare().counted_hits(d, w)
-      reset = rare().counter_reset(d, w, c)
+      c = counted_hits(d, w)
+      reset = counter_reset(d, w, c)
     else
       c = d[3 * w - 2] + added
       reset = log_reset(d, w, c)
