@@ -26,7 +26,9 @@ pub struct Library {
     pub function: Str,
     /// The library, for `FUNCTION LOAD`.
     pub code: Str,
-    /// The same code as a script that decides when run, for `EVALSHA`.
+    /// The same code as a script that decides when run, for `EVAL` (where functions are refused).
+    pub script_code: Str,
+    /// That script, for `EVALSHA`.
     script: Script,
     /// Set when `FUNCTION LOAD` was refused: calls go by `EVALSHA` from then on.
     by_script: Arc<AtomicBool>,
@@ -44,10 +46,12 @@ impl Library {
     pub fn from_source(source: &str) -> Library {
         let sha1 = fred::util::sha1_hash(source);
         let name = format!("slidegate_{}", &sha1[..16]);
+        let script_code = as_script(source);
         Library {
             code: source.replace(NAME_IN_SOURCE, &name).into(),
             function: name.into(),
-            script: Script::from_lua(as_script(source)),
+            script: Script::from_lua(script_code.clone()),
+            script_code: script_code.into(),
             by_script: Arc::new(AtomicBool::new(false)),
         }
     }

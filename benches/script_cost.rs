@@ -1,0 +1,214 @@
+//! What one decision costs Redis in instructions, counted by callgrind: exact and repeatable,
+//! whatever else the machine is doing (the load benchmark's CPU figures move with it).
+//!
+//!     cargo bench --bench script_cost
+//!
+//! For each case it starts `redis-server` under `valgrind --tool=callgrind` with
+//! instrumentation off, loads the script (as a function, and as the script slidegate falls back
+//! to where functions are refused), feeds a few warm-up calls, then turns instrumentation on for
+//! the measured calls only (fed by `redis-cli --pipe`, as slidegate sends them: one `user`
+//! descriptor per request, 1,000,000 a minute) and prints Redis's instructions per decision.
+//! Needs valgrind (`callgrind_control`, `callgrind_annotate`) and redis-server.
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::disallowed_methods,
+    clippy::too_many_lines
+)]
+
+#[allow(dead_code)] // shared with the tests; the bench uses part of it
+#[path = "../tests/common/redis.rs"]
+mod redis_proc;
+
+use std::io::Write;
+use std::path::Path;
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+use slidegate::store::redis::Library;
+
+/// How the script is called.
+#[derive(Clone, Copy)]
+enum Form {
+    /// `FCALL` of the loaded library: what slidegate does.
+    Function,
+    /// `EVALSHA` of the same code: slidegate's fallback where `FUNCTION LOAD` is refused.
+    Script,
+}
+
+/// One measured case: requests per call, whether each call reuses the same users (so their
+/// logs hold entries) or takes fresh ones, and how many calls.
+struct Case {
+    name: &'static str,
+    per_call: usize,
+    same_users: bool,
+    calls: usize,
+}
+
+const CASES: [Case; 3] = [
+    Case {
+        name: "new descriptors, one request per call",
+        per_call: 1,
+        same_users: false,
+        calls: 3_200,
+    },
+    Case {
+        name: "new descriptors, 32 requests per call",
+        per_call: 32,
+        same_users: false,
+        calls: 100,
+    },
+    Case {
+        name: "logs of about 100 entries, 32 requests per call",
+        per_call: 32,
+        same_users: true,
+        calls: 100,
+    },
+];
+
+/// One command in RESP, as `redis-cli --pipe` takes it.
+fn resp(args: &[String]) -> Vec<u8> {
+    let mut out = format!("*{}\r\n", args.len()).into_bytes();
+    for a in args {
+        out.extend_from_slice(format!("${}\r\n{a}\r\n", a.len()).as_bytes());
+    }
+    out
+}
+
+/// `calls` calls of `case`, numbered from `first_call` (each call 1 ms after the previous).
+fn commands(case: &Case, head: &[String], first_call: usize, calls: usize, tag: &str) -> Vec<u8> {
+    let mut out = Vec::new();
+    for c in first_call..first_call + calls {
+        let mut args = head.to_vec();
+        args.push(case.per_call.to_string());
+        for r in 0..case.per_call {
+            let user = if case.same_users {
+                r
+            } else {
+                c * case.per_call + r
+            };
+            args.push(format!("rl:{{bench:{tag}:user=u{user}}}:log"));
+        }
+        args.push(case.per_call.to_string());
+        let now = 1_767_225_600_000u64 + c as u64;
+        for r in 0..case.per_call {
+            // now, prefix, mode, n; hits, rule (role:ban_ms:buckets:debit:limit:window_ms)
+            args.extend([
+                now.to_string(),
+                format!("p{c}-{r}"),
+                "1".into(),
+                "1".into(),
+                "1".into(),
+                "0:0:0:0:1000000:60000".into(),
+            ]);
+        }
+        out.extend(resp(&args));
+    }
+    out
+}
+
+fn run(program: &str, args: &[&str]) -> String {
+    let out = Command::new(program)
+        .args(args)
+        .output()
+        .unwrap_or_else(|e| panic!("run {program} (valgrind and redis-tools are needed): {e}"));
+    assert!(
+        out.status.success(),
+        "{program} {args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// Feeds `commands` to Redis and checks that none was answered with an error.
+fn pipe(port: u16, commands: &[u8]) {
+    let mut child = Command::new("redis-cli")
+        .args(["-p", &port.to_string(), "--pipe"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .expect("redis-cli");
+    child
+        .stdin
+        .take()
+        .expect("stdin")
+        .write_all(commands)
+        .expect("commands");
+    let out = child.wait_with_output().expect("redis-cli");
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(text.contains("errors: 0,"), "redis-cli --pipe: {text}");
+}
+
+/// Redis's instructions per decision for `case` in `form`.
+fn measure(case: &Case, form: Form, library: &Library, dir: &Path) -> u64 {
+    let port = redis_proc::free_port();
+    let out_file = dir.join(format!("callgrind.{port}.out"));
+    let mut redis: Child = Command::new("valgrind")
+        .args(["--tool=callgrind", "--instr-atstart=no"])
+        .arg(format!("--callgrind-out-file={}", out_file.display()))
+        .args(["redis-server", "--port", &port.to_string()])
+        .args(["--save", "", "--appendonly", "no"])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("valgrind (Debian's valgrind package)");
+    redis_proc::wait_until(
+        "redis-server under valgrind",
+        Duration::from_secs(60),
+        || redis_proc::command(port, "PING").is_ok_and(|r| r.starts_with("+PONG")),
+    );
+    let cli = |args: &[&str]| {
+        let mut all = vec!["-p".to_string(), port.to_string()];
+        all.extend(args.iter().map(|a| (*a).to_string()));
+        let all: Vec<&str> = all.iter().map(String::as_str).collect();
+        run("redis-cli", &all).trim().to_string()
+    };
+    let head: Vec<String> = match form {
+        Form::Function => {
+            let name = cli(&["FUNCTION", "LOAD", "REPLACE", &library.code]);
+            assert_eq!(name, &*library.function, "FUNCTION LOAD");
+            vec!["FCALL".into(), name]
+        }
+        Form::Script => {
+            let sha = cli(&["SCRIPT", "LOAD", &library.script_code]);
+            assert_eq!(sha.len(), 40, "SCRIPT LOAD: {sha}");
+            vec!["EVALSHA".into(), sha]
+        }
+    };
+    pipe(port, &commands(case, &head, 0, 5, "warm"));
+    let pid = redis.id().to_string();
+    run("callgrind_control", &["-i", "on", &pid]);
+    pipe(port, &commands(case, &head, 5, case.calls, "run"));
+    run("callgrind_control", &["-i", "off", &pid]);
+    let _ = redis_proc::command(port, "SHUTDOWN NOSAVE");
+    let _ = redis.wait();
+    let annotated = run("callgrind_annotate", &[&out_file.display().to_string()]);
+    let total: u64 = annotated
+        .lines()
+        .find(|l| l.contains("PROGRAM TOTALS"))
+        .and_then(|l| l.split_whitespace().next())
+        .map(|n| n.replace(',', ""))
+        .and_then(|n| n.parse().ok())
+        .expect("callgrind_annotate: PROGRAM TOTALS");
+    total / (case.per_call * case.calls) as u64
+}
+
+fn main() {
+    // `cargo bench` passes --bench; a name filter picks cases.
+    let only: String = std::env::args()
+        .skip(1)
+        .find(|a| !a.starts_with("--"))
+        .unwrap_or_default();
+    let dir = std::env::temp_dir().join(format!("slidegate-script-cost-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("scratch dir");
+    let library = Library::new();
+    println!("redis-server instructions per decision (callgrind, measured calls only)\n");
+    println!("| case | FCALL (slidegate) | EVALSHA (the fallback) |");
+    println!("|---|---|---|");
+    for case in CASES.iter().filter(|c| c.name.contains(only.as_str())) {
+        let function = measure(case, Form::Function, &library, &dir);
+        let script = measure(case, Form::Script, &library, &dir);
+        println!("| {} | {function} | {script} |", case.name);
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
