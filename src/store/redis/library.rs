@@ -109,11 +109,13 @@ impl Default for Library {
     }
 }
 
-/// `FUNCTION LOAD` refused: the command is unknown (renamed away, an older or a compatible
-/// server) or not permitted to this user.
+/// `FUNCTION LOAD` refused: the command or its subcommand is unknown (renamed away, an older or
+/// a compatible server) or not permitted to this user.
 fn refused(e: &Error) -> bool {
-    let details = e.details();
-    details.starts_with("NOPERM") || details.to_ascii_lowercase().contains("unknown command")
+    let details = e.details().to_ascii_lowercase();
+    details.starts_with("noperm")
+        || details.contains("unknown command")
+        || details.contains("unknown subcommand")
 }
 
 /// The library's source as a script that decides when run: no library name on its first line,
@@ -143,6 +145,25 @@ mod tests {
         // Another version of the script, another name: the two never replace each other.
         let other = Library::from_source(&format!("{SCRIPT}\n-- another version\n"));
         assert_ne!(other.function, library.function);
+    }
+
+    #[test]
+    fn function_load_refusals_are_told_from_failures() {
+        let error = |text: &str| Error::new(ErrorKind::Unknown, text.to_string());
+        for refusal in [
+            "NOPERM User limited has no permissions to run the 'function|load' command",
+            "ERR unknown command 'FUNCTION', with args beginning with: 'LOAD' 'REPLACE'",
+            "ERR unknown subcommand 'LOAD'. Try FUNCTION HELP.",
+        ] {
+            assert!(refused(&error(refusal)), "{refusal}");
+        }
+        for failure in [
+            "ERR Error compiling function: user_function:1: unexpected symbol",
+            "LOADING Redis is loading the dataset in memory",
+            "Connection reset by peer",
+        ] {
+            assert!(!refused(&error(failure)), "{failure}");
+        }
     }
 
     #[test]
