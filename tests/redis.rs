@@ -609,14 +609,10 @@ fn malformed_script_arguments_get_an_error_reply() {
 fn a_call_with_more_rules_than_the_library_keeps_decides_each_request() {
     let redis = shared_standalone();
     let library = slidegate::store::redis::Library::new();
-    let port = redis.port.to_string();
+    // node_cli takes its arguments as text slices; these are built strings.
     let cli = |args: &[String]| {
-        let out = std::process::Command::new("redis-cli")
-            .args(["-p", &port])
-            .args(args)
-            .output()
-            .expect("run redis-cli");
-        String::from_utf8_lossy(&out.stdout).trim().to_string()
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        node_cli(redis.port, &args).join("\n")
     };
     let loaded = cli(&[
         "FUNCTION".into(),

@@ -204,12 +204,12 @@ impl PoolRecipe {
     }
 
     /// A new pool, connected and with the script loaded, or why not.
-    async fn fresh(&self, script: &Library) -> Result<Pool, StoreError> {
+    async fn fresh(&self, library: &Library) -> Result<Pool, StoreError> {
         let pool = self.build()?;
         let deadline = self.options.connect_timeout;
         let connect = async {
             pool.init().await?;
-            script.load(pool.next()).await
+            library.load(pool.next()).await
         };
         match tokio::time::timeout(deadline, connect).await {
             Ok(Ok(())) => Ok(pool),
@@ -394,7 +394,7 @@ fn client_config(options: &RedisOptions) -> Result<Config, StoreError> {
 /// the background.
 async fn start_pool(
     recipe: &PoolRecipe,
-    script: &Library,
+    library: &Library,
     reachable: bool,
 ) -> Result<Pool, StoreError> {
     let pool = recipe.build()?;
@@ -404,7 +404,7 @@ async fn start_pool(
             .await
             .map_err(|_| StoreError::Timeout(deadline))?
             .map_err(|e| unavailable(&e))?;
-        script
+        library
             .load(pool.next())
             .await
             .map_err(|e| unavailable(&e))?;
@@ -435,12 +435,12 @@ impl RedisStore {
             config,
             options: options.clone(),
         });
-        let script = Library::new();
-        let pool = start_pool(&recipe, &script, reachable).await?;
+        let library = Library::new();
+        let pool = start_pool(&recipe, &library, reachable).await?;
         Ok(RedisStore {
             sender: Sender {
                 pool: Arc::new(ArcSwap::from_pointee(pool)),
-                script,
+                library,
             },
             batcher: (!cluster).then(|| Batcher::new(CALLS_OUT, QUEUED_AT_MOST)),
             recipe,
@@ -505,9 +505,9 @@ impl RedisStore {
             self.recipe.clone(),
             self.health.clone(),
         );
-        let script = self.sender.script.clone();
+        let library = self.sender.library.clone();
         tokio::spawn(async move {
-            let replaced = recipe.fresh(&script).await;
+            let replaced = recipe.fresh(&library).await;
             let mut state = lock(&health);
             state.replacing = false;
             // Calls that succeeded meanwhile ended the streak: nothing more to count.

@@ -37,11 +37,11 @@ pub(super) struct Request {
 /// One request's answer: the script's reply for it, as integers.
 pub(super) type Answer = Result<Vec<i64>, StoreError>;
 
-/// What sends a call: the pool (replaced whole when it stays broken) and the script.
+/// What sends a call: the pool (replaced whole when it stays broken) and the script's library.
 #[derive(Clone)]
 pub(super) struct Sender {
     pub pool: Arc<ArcSwap<Pool>>,
-    pub script: Library,
+    pub library: Library,
 }
 
 impl Sender {
@@ -79,7 +79,7 @@ impl Sender {
         loop {
             let pool = self.pool.load();
             let sent = self
-                .script
+                .library
                 .call(pool.next(), keys.clone(), args.clone())
                 .await;
             match sent {
@@ -89,7 +89,7 @@ impl Sender {
                 }
                 Err(e) if Library::missing(&e) && !loaded => {
                     loaded = true;
-                    if let Err(e) = self.script.load(pool.next()).await {
+                    if let Err(e) = self.library.load(pool.next()).await {
                         return Err(call_failed(&e));
                     }
                 }
