@@ -89,7 +89,9 @@ impl Sender {
                 }
                 Err(e) if Library::missing(&e) && !loaded => {
                     loaded = true;
-                    if let Err(e) = self.library.load(pool.next()).await {
+                    // Boxed: rare, and its future (about 7 KB) would otherwise be part of
+                    // every call's, and of every decision's that awaits one.
+                    if let Err(e) = Box::pin(self.library.load(pool.next())).await {
                         return Err(call_failed(&e));
                     }
                 }
@@ -292,6 +294,33 @@ mod tests {
 
     fn ints(values: &[i64]) -> Value {
         Value::Array(values.iter().map(|&n| Value::Integer(n)).collect())
+    }
+
+    /// The client's future for one command is about 7 KB, and so is `Library::load`'s: were
+    /// either part of a call's future, every decision's future (which awaits one, or waits in
+    /// the queue with room for one) would be as large, made and copied per request.
+    #[test]
+    fn a_call_and_a_queued_request_are_small_futures() {
+        let pool = fred::types::Builder::default_centralized()
+            .build_pool(1)
+            .expect("a pool builds without connecting");
+        let sender = Sender {
+            pool: Arc::new(ArcSwap::from_pointee(pool)),
+            library: Library::new(),
+        };
+        let request = || Request {
+            keys: Vec::new(),
+            args: Vec::new(),
+        };
+        let call = sender.call_one(request());
+        let batcher = Batcher::new(1, Duration::from_secs(1));
+        let submit = batcher.submit(request(), &sender);
+        let (call, submit) = (std::mem::size_of_val(&call), std::mem::size_of_val(&submit));
+        assert!(call < 2_048, "a call's future is {call} bytes");
+        assert!(
+            submit < 2_048,
+            "a submitted request's future is {submit} bytes"
+        );
     }
 
     #[test]

@@ -8,6 +8,8 @@
 //! the first 16 hex digits of its SHA-1, so that two versions side by side (a rolling upgrade)
 //! each call their own and never replace the other's.
 
+use std::future::Future;
+use std::pin::Pin;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 
@@ -82,17 +84,19 @@ impl Library {
         }
     }
 
-    /// One call of the function (or the script).
-    pub async fn call(
-        &self,
-        client: &Client,
+    /// One call of the function (or the script). Boxed: the client's future for a call is
+    /// about 7 KB, and unboxed it would be part of (and copied with) every decision's future,
+    /// queued requests' too; boxed it is made once per call, however many requests it carries.
+    pub fn call<'a>(
+        &'a self,
+        client: &'a Client,
         keys: Vec<Key>,
         args: Vec<Value>,
-    ) -> Result<Value, Error> {
+    ) -> Pin<Box<dyn Future<Output = Result<Value, Error>> + Send + 'a>> {
         if self.by_script() {
-            self.script.evalsha(client, keys, args).await
+            Box::pin(self.script.evalsha(client, keys, args))
         } else {
-            client.fcall(self.function.clone(), keys, args).await
+            Box::pin(client.fcall(self.function.clone(), keys, args))
         }
     }
 
