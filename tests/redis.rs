@@ -197,6 +197,48 @@ async fn a_rejecting_slot_leaves_nothing_in_the_other_counters() {
     rejecting_slot_leaves_nothing_in_the_others("sliding_counter").await;
 }
 
+/// On a cluster a request takes a place per slot among the calls in flight; one over more
+/// slots than there are places (16 per pooled connection) takes them all, and is decided.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_over_more_slots_than_calls_in_flight_is_decided() {
+    let cluster = shared_cluster();
+    let domain = unique_domain("many_slots");
+    let config = format!(
+        "domain: {domain}\ndescriptors:\n  - key: k\n    rate_limit: {{unit: minute, requests_per_unit: 1}}\n"
+    );
+    let mut single = options(cluster.url(), TEST_TIMEOUT);
+    single.pool_size = 1;
+    let store = Arc::new(RedisStore::connect(single).await.expect("connect"));
+    let server = TestServer::start(&config, store, LimiterOptions::default()).await;
+    let values: Vec<String> = (0..40).map(|i| format!("v{i}")).collect();
+    let mut slots: Vec<u16> = values
+        .iter()
+        .map(|v| {
+            let k = key::build(
+                &domain,
+                &[Segment::Value { key: "k", value: v }],
+                Variant::Configured,
+                None,
+            );
+            slot(&k.log())
+        })
+        .collect();
+    slots.sort_unstable();
+    slots.dedup();
+    assert!(slots.len() > 16, "only {} slots", slots.len());
+    let all = || {
+        let descriptors = values.iter().map(|v| descriptor(&[("k", v)])).collect();
+        request(&domain, descriptors)
+    };
+    let first = server.call(all()).await;
+    assert_eq!(first.overall_code, ok());
+    // Each descriptor counted once: the second request is over in every slot.
+    let second = server.call(all()).await;
+    assert_eq!(second.overall_code, over());
+    assert!(second.statuses.iter().all(|s| s.code == over()));
+    server.stop().await;
+}
+
 /// sliding_counter memory stays constant: at most one field per bucket that still counts.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sliding_counter_memory_is_constant() {

@@ -78,8 +78,10 @@ pub struct RedisStore {
     /// Makes members unique across replicas: a random id per process plus a call counter.
     instance: String,
     calls: AtomicU64,
-    /// Cluster: decisions handed to the client at once; the rest wait here (see `checked`).
+    /// Cluster: script calls handed to the client at once; the rest wait here (see `checked`).
     in_flight: tokio::sync::Semaphore,
+    /// The places `in_flight` holds.
+    places: usize,
     /// Standalone Redis: gathers requests that wait into one call (`batch.rs`).
     batcher: Option<Arc<Batcher>>,
 }
@@ -437,6 +439,7 @@ impl RedisStore {
         });
         let library = Library::new();
         let pool = start_pool(&recipe, &library, reachable).await?;
+        let places = options.pool_size.max(1) * IN_FLIGHT_PER_CONNECTION;
         Ok(RedisStore {
             sender: Sender {
                 pool: Arc::new(ArcSwap::from_pointee(pool)),
@@ -457,9 +460,8 @@ impl RedisStore {
                 )
             ),
             calls: AtomicU64::new(0),
-            in_flight: tokio::sync::Semaphore::new(
-                options.pool_size.max(1) * IN_FLIGHT_PER_CONNECTION,
-            ),
+            in_flight: tokio::sync::Semaphore::new(places),
+            places,
         })
     }
 
@@ -592,6 +594,7 @@ impl RedisStore {
     async fn decide(
         &self,
         items: &[CheckItem<'_>],
+        groups: Vec<Vec<usize>>,
         now_ms: u64,
         rejected: bool,
     ) -> Result<CheckOutcome, StoreError> {
@@ -600,7 +603,6 @@ impl RedisStore {
             self.instance,
             self.calls.fetch_add(1, Ordering::Relaxed)
         );
-        let groups = self.groups(items);
         let mode = match (rejected, groups.len()) {
             (true, _) => Mode::Rejected,
             (false, 1) => Mode::Final,
@@ -844,13 +846,18 @@ impl RedisStore {
         now_ms: u64,
         rejected: bool,
     ) -> Result<CheckOutcome, StoreError> {
+        let groups = self.groups(items);
         let result = if self.batcher.is_some() {
             // The batcher queues (and bounds the wait) itself.
-            self.decide(items, now_ms, rejected).await
+            self.decide(items, groups, now_ms, rejected).await
         } else {
-            let turn = tokio::time::timeout(QUEUED_AT_MOST, self.in_flight.acquire()).await;
-            match turn {
-                Ok(Ok(_permit)) => self.decide(items, now_ms, rejected).await,
+            // A place per call: a request over three slots is three calls in flight. A request
+            // over more slots than there are places takes them all (it would wait forever for
+            // more).
+            let calls = u32::try_from(groups.len().min(self.places)).unwrap_or(1);
+            let turn = tokio::time::timeout(QUEUED_AT_MOST, self.in_flight.acquire_many(calls));
+            match turn.await {
+                Ok(Ok(_permit)) => self.decide(items, groups, now_ms, rejected).await,
                 _ => Err(StoreError::Timeout(QUEUED_AT_MOST)),
             }
         };
