@@ -90,7 +90,7 @@ pub struct RedisStore {
 /// filter timeout sent as `grpc-timeout`, ends it sooner).
 const QUEUED_AT_MOST: Duration = Duration::from_secs(1);
 
-/// Decisions sent to Redis at once, per connection of the pool: enough to keep the
+/// Cluster: script calls sent to Redis at once, per connection of the pool: enough to keep the
 /// connections' pipelines full, few enough that a command's time with the client and Redis is
 /// its own and not a queue's.
 const IN_FLIGHT_PER_CONNECTION: usize = 16;
@@ -838,7 +838,8 @@ impl RedisStore {
     /// leave it unmarked, and Redis would record hits for a call long answered with an error).
     /// Under load, decisions wait for their turn inside slidegate, where waiting sends nothing,
     /// up to [`QUEUED_AT_MOST`]: time spent behind other calls is not Redis being slow. On a
-    /// cluster the turn is a place among [`IN_FLIGHT_PER_CONNECTION`] per connection; on
+    /// cluster the turn is a place per script call among [`IN_FLIGHT_PER_CONNECTION`] per
+    /// connection (a request over three slots needs three: each is a call in Redis); on
     /// standalone Redis the batcher's queue is the wait (`batch.rs`).
     async fn checked(
         &self,
