@@ -20,6 +20,9 @@
 #[path = "../tests/common/redis.rs"]
 mod redis_proc;
 
+#[path = "common/callgrind.rs"]
+mod callgrind;
+
 use std::io::Write;
 use std::path::Path;
 use std::process::{Child, Command, Stdio};
@@ -107,19 +110,6 @@ fn commands(case: &Case, head: &[String], first_call: usize, calls: usize, tag: 
     out
 }
 
-fn run(program: &str, args: &[&str]) -> String {
-    let out = Command::new(program)
-        .args(args)
-        .output()
-        .unwrap_or_else(|e| panic!("run {program} (valgrind and redis-tools are needed): {e}"));
-    assert!(
-        out.status.success(),
-        "{program} {args:?}: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8_lossy(&out.stdout).into_owned()
-}
-
 /// Feeds `commands` to Redis and checks that none was answered with an error.
 fn pipe(port: u16, commands: &[u8]) {
     let mut child = Command::new("redis-cli")
@@ -161,7 +151,7 @@ fn measure(case: &Case, form: Form, library: &Library, dir: &Path) -> u64 {
         let mut all = vec!["-p".to_string(), port.to_string()];
         all.extend(args.iter().map(|a| (*a).to_string()));
         let all: Vec<&str> = all.iter().map(String::as_str).collect();
-        run("redis-cli", &all).trim().to_string()
+        callgrind::run("redis-cli", &all).trim().to_string()
     };
     let head: Vec<String> = match form {
         Form::Function => {
@@ -177,19 +167,12 @@ fn measure(case: &Case, form: Form, library: &Library, dir: &Path) -> u64 {
     };
     pipe(port, &commands(case, &head, 0, 5, "warm"));
     let pid = redis.id().to_string();
-    run("callgrind_control", &["-i", "on", &pid]);
+    callgrind::run("callgrind_control", &["-i", "on", &pid]);
     pipe(port, &commands(case, &head, 5, case.calls, "run"));
-    run("callgrind_control", &["-i", "off", &pid]);
+    callgrind::run("callgrind_control", &["-i", "off", &pid]);
     let _ = redis_proc::command(port, "SHUTDOWN NOSAVE");
     let _ = redis.wait();
-    let annotated = run("callgrind_annotate", &[&out_file.display().to_string()]);
-    let total: u64 = annotated
-        .lines()
-        .find(|l| l.contains("PROGRAM TOTALS"))
-        .and_then(|l| l.split_whitespace().next())
-        .map(|n| n.replace(',', ""))
-        .and_then(|n| n.parse().ok())
-        .expect("callgrind_annotate: PROGRAM TOTALS");
+    let (_, total) = callgrind::annotate(&out_file, &[]);
     total / (case.per_call * case.calls) as u64
 }
 

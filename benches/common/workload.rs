@@ -1,0 +1,71 @@
+//! The limits and requests the benchmarks send: shared by `load` (timed, under load) and
+//! `server_cost` (instructions counted by callgrind), so both measure the same work.
+
+use slidegate::proto::envoy::extensions::common::ratelimit::v3::rate_limit_descriptor::Entry;
+use slidegate::proto::{RateLimitDescriptor, RateLimitRequest};
+
+/// The limits every scenario runs against.
+pub fn config() -> String {
+    let mut yaml = String::from(
+        "domain: bench
+descriptors:
+  # 100,000 users, each far within its limit: the common case.
+  - key: user
+    rate_limit: {unit: minute, requests_per_unit: 1000000}
+  # One descriptor under attack: 100 a minute.
+  - key: attack
+    rate_limit: {unit: minute, requests_per_unit: 100}
+  # Three descriptors per request (user, tenant, route), each its own slot.
+  - key: tenant
+    rate_limit: {unit: minute, requests_per_unit: 1000000}
+  - key: route
+    rate_limit: {unit: minute, requests_per_unit: 1000000}
+",
+    );
+    // 1,000 wildcard rules on one key: /svc<n>/* each with its own limit.
+    for n in 0..1000 {
+        yaml.push_str(&format!(
+            "  - key: path\n    value: \"/svc{n}/*\"\n    rate_limit: {{unit: minute, requests_per_unit: 1000000}}\n"
+        ));
+    }
+    yaml
+}
+
+/// What one request of a scenario sends.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub enum Shape {
+    Users,
+    Attack,
+    ThreeSlots,
+    Wildcards,
+}
+
+pub fn request(shape: Shape, n: u64) -> RateLimitRequest {
+    let entry = |key: &str, value: String| Entry {
+        key: key.into(),
+        value,
+    };
+    let one = |entries: Vec<Entry>| RateLimitDescriptor {
+        entries,
+        ..Default::default()
+    };
+    let user = n.wrapping_mul(2_654_435_761) % 100_000;
+    let descriptors = match shape {
+        Shape::Users => vec![one(vec![entry("user", format!("u{user}"))])],
+        Shape::Attack => vec![one(vec![entry("attack", "hot".into())])],
+        Shape::ThreeSlots => vec![
+            one(vec![entry("user", format!("u{user}"))]),
+            one(vec![entry("tenant", format!("t{}", user % 97))]),
+            one(vec![entry("route", format!("r{}", user % 13))]),
+        ],
+        Shape::Wildcards => vec![one(vec![entry(
+            "path",
+            format!("/svc{}/items/{user}", user % 1000),
+        )])],
+    };
+    RateLimitRequest {
+        domain: "bench".into(),
+        descriptors,
+        hits_addend: 0,
+    }
+}
