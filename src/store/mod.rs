@@ -83,17 +83,26 @@ impl StoreKey {
 
     /// The sorted-set log of admitted hits.
     pub fn log(&self) -> String {
-        format!("{}:log", self.base)
+        self.with_suffix(":log")
     }
 
     /// The bucket counters of `sliding_counter` rules: a hash, field `<bucket_ms>:<bucket>`.
     pub fn counters(&self) -> String {
-        format!("{}:cnt", self.base)
+        self.with_suffix(":cnt")
     }
 
     /// The ban marker, present (with a TTL) while the descriptor is banned.
     pub fn ban(&self) -> String {
-        format!("{}:ban", self.base)
+        self.with_suffix(":ban")
+    }
+
+    /// Built for every descriptor of every Redis call: sized once and copied, without the
+    /// formatting machinery `format!` runs.
+    fn with_suffix(&self, suffix: &str) -> String {
+        let mut key = String::with_capacity(self.base.len() + suffix.len());
+        key.push_str(&self.base);
+        key.push_str(suffix);
+        key
     }
 
     /// The hash tag, without braces: keys with equal tags share a Redis Cluster slot.

@@ -598,11 +598,10 @@ impl RedisStore {
         now_ms: u64,
         rejected: bool,
     ) -> Result<CheckOutcome, StoreError> {
-        let prefix = format!(
-            "{}-{}",
-            self.instance,
-            self.calls.fetch_add(1, Ordering::Relaxed)
-        );
+        let mut prefix = String::with_capacity(self.instance.len() + 21);
+        prefix.push_str(&self.instance);
+        prefix.push('-');
+        push_decimal(&mut prefix, self.calls.fetch_add(1, Ordering::Relaxed));
         let mode = match (rejected, groups.len()) {
             (true, _) => Mode::Rejected,
             (false, 1) => Mode::Final,
@@ -751,7 +750,6 @@ struct GroupReply {
 /// An item's rule as the script reads it: `role:ban_ms:buckets:debit`, then `limit:window_ms`
 /// per window (layout in `lua/slidegate.lua`).
 fn rule_text(item: &CheckItem<'_>, ban_ms: u64) -> String {
-    use std::fmt::Write as _;
     let role = match item.role {
         Role::Enforce => 0,
         Role::Shadow => 1,
@@ -762,12 +760,36 @@ fn rule_text(item: &CheckItem<'_>, ban_ms: u64) -> String {
         Algorithm::SlidingCounter { buckets } => buckets,
     };
     let mut text = String::with_capacity(16 + item.windows.len() * 20);
-    // Writing to a String cannot fail.
-    let _ = write!(text, "{role}:{ban_ms}:{buckets}:{}", u8::from(item.debit));
+    push_decimal(&mut text, role);
+    for n in [ban_ms, u64::from(buckets), u64::from(item.debit)] {
+        text.push(':');
+        push_decimal(&mut text, n);
+    }
     for w in item.windows.iter() {
-        let _ = write!(text, ":{}:{}", w.limit, w.length_ms);
+        text.push(':');
+        push_decimal(&mut text, u64::from(w.limit));
+        text.push(':');
+        push_decimal(&mut text, w.length_ms);
     }
     text
+}
+
+/// Appends `n` in decimal. The rule text and the member prefix are made for every call:
+/// `write!` would run the formatting machinery, several times the work, for each number.
+fn push_decimal(text: &mut String, mut n: u64) {
+    let mut digits = [0u8; 20];
+    let mut at = digits.len();
+    loop {
+        at -= 1;
+        digits[at] = b'0' + u8::try_from(n % 10).unwrap_or(0);
+        n /= 10;
+        if n == 0 {
+            break;
+        }
+    }
+    for &d in &digits[at..] {
+        text.push(char::from(d));
+    }
 }
 
 /// Reads the script's reply (layout in `lua/slidegate.lua`); anything else is a protocol error.
@@ -963,6 +985,37 @@ mod tests {
             parse_reply(&good[..9], &items, &[0]),
             Err(StoreError::Protocol(_))
         ));
+    }
+
+    #[test]
+    fn numbers_in_the_rule_text_and_prefix_are_plain_decimal() {
+        for n in [0, 7, 10, 99, 1_000_000, u64::from(u32::MAX), u64::MAX] {
+            let mut text = String::from("x");
+            push_decimal(&mut text, n);
+            assert_eq!(text, format!("x{n}"));
+        }
+        let item = CheckItem {
+            key: crate::store::StoreKey::new("d:k=v", ""),
+            windows: std::borrow::Cow::Owned(vec![
+                crate::store::Window {
+                    limit: 5,
+                    length_ms: 1000,
+                },
+                crate::store::Window {
+                    limit: u32::MAX,
+                    length_ms: 86_400_000,
+                },
+            ]),
+            algorithm: Algorithm::SlidingCounter { buckets: 12 },
+            ban_ms: Some(900_000),
+            hits: 1,
+            role: Role::Quota,
+            debit: true,
+        };
+        assert_eq!(
+            rule_text(&item, 900_000),
+            "2:900000:12:1:5:1000:4294967295:86400000"
+        );
     }
 
     #[test]
