@@ -13,7 +13,7 @@
 
 use std::collections::HashSet;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
 use prometheus_client::encoding::EncodeLabelSet;
@@ -24,7 +24,7 @@ use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
 use prometheus_client::registry::Registry;
 
 use crate::limiter::observe::{CallResult, DescriptorReport, Observer};
-use crate::limiter::rules::Segment;
+use crate::limiter::rules::{Rule, Segment};
 use crate::limiter::{Clock, SystemClock};
 
 mod process;
@@ -103,6 +103,60 @@ pub struct Metrics {
     unknown_domain: Counter,
     global_shadow: Counter,
     detailed_seen: Mutex<HashSet<RuleLabels>>,
+    /// Tells this instance's series apart in the rules' observer slots (tests make several).
+    id: u64,
+    /// Series with fixed labels, looked up in their family once, on first use (so a series
+    /// still appears only once it has counted something): a lookup hashes the labels under a
+    /// lock, on every call.
+    requests_by_result: [OnceLock<Counter>; 4],
+    total_requests_method: OnceLock<Counter>,
+    response_seconds_method: OnceLock<Histogram>,
+    store_seconds_first: OnceLock<(&'static str, Histogram)>,
+}
+
+/// The per-rule counters.
+#[derive(Clone, Copy)]
+enum RuleCounter {
+    TotalHits,
+    OverLimit,
+    OverLimitWithLocalCache,
+    NearLimit,
+    WithinLimit,
+    ShadowMode,
+    Bans,
+}
+
+/// One rule's series under its plain labels (no descriptor values), kept in the rule's
+/// observer slot, each looked up on its first use, by `RuleCounter` order.
+struct RuleSeries {
+    owner: u64,
+    series: [OnceLock<Counter>; 7],
+}
+
+/// Ids of `Metrics` instances.
+static NEXT_METRICS_ID: AtomicU64 = AtomicU64::new(1);
+
+/// `family`'s series for the labels `labels` makes, looked up once and kept in `cell`.
+fn series<'a, L, M, C>(
+    cell: &'a OnceLock<M>,
+    family: &Family<L, M, C>,
+    labels: impl FnOnce() -> L,
+) -> &'a M
+where
+    L: Clone + std::hash::Hash + Eq,
+    M: Clone,
+    C: prometheus_client::metrics::family::MetricConstructor<M>,
+{
+    cell.get_or_init(|| family.get_or_create(&labels()).clone())
+}
+
+/// A rule's labels without descriptor values: its domain and the two parts of its path.
+fn plain_labels(rule: &Rule) -> RuleLabels {
+    RuleLabels {
+        domain: rule.domain.clone(),
+        key1: rule.stat_key1.clone(),
+        key2: rule.stat_key2.clone(),
+    }
 }
 
 fn latency_histogram() -> Histogram {
@@ -152,6 +206,11 @@ impl Metrics {
             global_shadow: Counter::default(),
             detailed_seen: Mutex::new(HashSet::new()),
             registry: Registry::default(),
+            id: NEXT_METRICS_ID.fetch_add(1, Ordering::Relaxed),
+            requests_by_result: Default::default(),
+            total_requests_method: OnceLock::new(),
+            response_seconds_method: OnceLock::new(),
+            store_seconds_first: OnceLock::new(),
         };
         m.register_rule_counters(&mut registry);
         m.register_service_metrics(&mut registry);
@@ -330,11 +389,7 @@ impl Metrics {
                 key2: keys.join(".").into(),
             };
         };
-        let plain = RuleLabels {
-            domain: rule.domain.clone(),
-            key1: rule.stat_key1.clone(),
-            key2: rule.stat_key2.clone(),
-        };
+        let plain = plain_labels(rule);
         if !rule.value_levels.iter().any(|v| *v) {
             return plain;
         }
@@ -371,18 +426,42 @@ impl Metrics {
     }
 }
 
+impl Metrics {
+    fn rule_family(&self, counter: RuleCounter) -> &Family<RuleLabels, Counter> {
+        match counter {
+            RuleCounter::TotalHits => &self.total_hits,
+            RuleCounter::OverLimit => &self.over_limit,
+            RuleCounter::OverLimitWithLocalCache => &self.over_limit_with_local_cache,
+            RuleCounter::NearLimit => &self.near_limit,
+            RuleCounter::WithinLimit => &self.within_limit,
+            RuleCounter::ShadowMode => &self.shadow_mode,
+            RuleCounter::Bans => &self.bans,
+        }
+    }
+}
+
 impl Observer for Metrics {
     fn call(&self, result: CallResult, elapsed: Duration) {
-        self.requests
-            .get_or_create(&ResultLabels {
+        let i = match result {
+            CallResult::Ok => 0,
+            CallResult::OverLimit => 1,
+            CallResult::Invalid => 2,
+            CallResult::StoreError => 3,
+        };
+        series(&self.requests_by_result[i], &self.requests, || {
+            ResultLabels {
                 result: result.as_str(),
-            })
-            .inc();
+            }
+        })
+        .inc();
         self.request_seconds.observe(elapsed.as_secs_f64());
-        self.total_requests.get_or_create(&METHOD).inc();
-        self.response_seconds
-            .get_or_create(&METHOD)
-            .observe(elapsed.as_secs_f64());
+        series(&self.total_requests_method, &self.total_requests, || METHOD).inc();
+        series(
+            &self.response_seconds_method,
+            &self.response_seconds,
+            || METHOD,
+        )
+        .observe(elapsed.as_secs_f64());
         let err_type = match result {
             CallResult::StoreError => "redis_error",
             CallResult::Invalid => "service_error",
@@ -394,25 +473,32 @@ impl Observer for Metrics {
     }
 
     fn descriptor(&self, report: &DescriptorReport<'_>) {
-        let labels = self.labels(report);
-        self.total_hits.get_or_create(&labels).inc_by(report.hits);
-        for (family, n) in [
-            (&self.over_limit, report.over),
-            (&self.near_limit, report.near),
-            (&self.within_limit, report.within),
-            (&self.shadow_mode, report.shadow),
-        ] {
-            if n > 0 {
-                family.get_or_create(&labels).inc_by(n);
+        // A rule without values in its labels counts through the series kept in the rule.
+        let kept = report
+            .rule
+            .filter(|rule| !rule.value_levels.contains(&true))
+            .and_then(|rule| {
+                let kept = rule.observer_slot.get_or_init(|| RuleSeries {
+                    owner: self.id,
+                    series: Default::default(),
+                })?;
+                (kept.owner == self.id).then_some((rule, kept))
+            });
+        match kept {
+            Some((rule, kept)) => count(report, |counter, n| {
+                series(
+                    &kept.series[counter as usize],
+                    self.rule_family(counter),
+                    || plain_labels(rule),
+                )
+                .inc_by(n);
+            }),
+            None => {
+                let labels = self.labels(report);
+                count(report, |counter, n| {
+                    self.rule_family(counter).get_or_create(&labels).inc_by(n);
+                });
             }
-        }
-        if report.from_cache && report.over > 0 {
-            self.over_limit_with_local_cache
-                .get_or_create(&labels)
-                .inc_by(report.over);
-        }
-        if report.ban_set {
-            self.bans.get_or_create(&labels).inc();
         }
     }
 
@@ -426,11 +512,108 @@ impl Observer for Metrics {
 
     fn store_call(&self, store: &'static str, elapsed: Duration, ok: bool) {
         let labels = StoreLabels { store };
-        self.store_seconds
-            .get_or_create(&labels)
-            .observe(elapsed.as_secs_f64());
+        // A server has one store: its series is kept after the first call.
+        let first = self
+            .store_seconds_first
+            .get_or_init(|| (store, self.store_seconds.get_or_create(&labels).clone()));
+        if first.0 == store {
+            first.1.observe(elapsed.as_secs_f64());
+        } else {
+            self.store_seconds
+                .get_or_create(&labels)
+                .observe(elapsed.as_secs_f64());
+        }
         if !ok {
             self.store_errors.get_or_create(&labels).inc();
         }
+    }
+}
+
+/// Adds a descriptor's report to the per-rule counters through `add`.
+fn count(report: &DescriptorReport<'_>, add: impl Fn(RuleCounter, u64)) {
+    add(RuleCounter::TotalHits, report.hits);
+    for (counter, n) in [
+        (RuleCounter::OverLimit, report.over),
+        (RuleCounter::NearLimit, report.near),
+        (RuleCounter::WithinLimit, report.within),
+        (RuleCounter::ShadowMode, report.shadow),
+    ] {
+        if n > 0 {
+            add(counter, n);
+        }
+    }
+    if report.from_cache && report.over > 0 {
+        add(RuleCounter::OverLimitWithLocalCache, report.over);
+    }
+    if report.ban_set {
+        add(RuleCounter::Bans, 1);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn report<'a>(rule: &'a Rule, segments: &'a [Segment<'a>], over: u64) -> DescriptorReport<'a> {
+        DescriptorReport {
+            domain: "d",
+            rule: Some(rule),
+            segments,
+            hits: 1,
+            within: 1 - over,
+            near: 0,
+            over,
+            shadow: 0,
+            ban_set: false,
+            from_cache: over > 0,
+        }
+    }
+
+    /// The series a rule keeps in its slot count for the instance that put them there: a
+    /// second instance observing the same rule counts in its own families, and a counter's
+    /// series appears only once it has counted.
+    #[test]
+    fn series_kept_in_a_rule_count_for_their_own_instance() {
+        let limits = crate::config::compile_sources(&[(
+            "t.yaml".into(),
+            "domain: d\ndescriptors:\n  - key: k\n    rate_limit: {unit: minute, requests_per_unit: 1}\n"
+                .into(),
+        )])
+        .expect("valid config");
+        let rules = limits.rules();
+        let rule = &rules[0].1;
+        let segments = [Segment::Value {
+            key: "k",
+            value: "v",
+        }];
+        let (first, second) = (Metrics::new(), Metrics::new());
+        first.descriptor(&report(rule, &segments, 0));
+        first.descriptor(&report(rule, &segments, 0));
+        second.descriptor(&report(rule, &segments, 1));
+        let line = |m: &Metrics, name: &str| {
+            m.render()
+                .1
+                .lines()
+                .find(|l| l.starts_with(&format!("ratelimit_service_rate_limit_{name}_total{{")))
+                .map(str::to_owned)
+        };
+        let value = |m: &Metrics, name: &str| {
+            line(m, name).and_then(|l| l.rsplit(' ').next().map(str::to_owned))
+        };
+        assert_eq!(value(&first, "total_hits").as_deref(), Some("2"));
+        assert_eq!(value(&first, "within_limit").as_deref(), Some("2"));
+        assert_eq!(line(&first, "over_limit"), None, "never counted: no series");
+        assert_eq!(value(&second, "total_hits").as_deref(), Some("1"));
+        assert_eq!(value(&second, "over_limit").as_deref(), Some("1"));
+        assert_eq!(
+            value(&second, "over_limit_with_local_cache").as_deref(),
+            Some("1")
+        );
+        assert_eq!(line(&second, "within_limit"), None);
+        assert!(
+            line(&first, "total_hits").is_some_and(|l| l.contains("key1=\"k\"")),
+            "{:?}",
+            line(&first, "total_hits")
+        );
     }
 }

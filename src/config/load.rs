@@ -11,6 +11,7 @@ use serde_saphyr::Spanned;
 use super::duration;
 use super::model::{RawDescriptor, RawFile, RawRateLimit};
 use crate::limiter::Unit;
+use crate::limiter::observe::ObserverSlot;
 use crate::limiter::rules::{
     Algorithm, Domain, FailurePolicy, KeyChildren, Limit, Limits, Node, Pattern, Rule,
     WildcardChild, Window,
@@ -780,6 +781,7 @@ impl Compiler<'_> {
             metadata: raw.metadata.clone(),
             tag_by: raw.tag_by.clone(),
             source: format!("{}:{}", self.file, at.line).into(),
+            observer_slot: ObserverSlot::default(),
         }
     }
 }

@@ -99,6 +99,8 @@ pub struct Rule {
     pub tag_by: Option<String>,
     /// File and line the rule came from, for introspection and errors.
     pub source: Arc<str>,
+    /// The observer's data about this rule (the metrics' counters for it).
+    pub observer_slot: super::observe::ObserverSlot,
 }
 
 impl Rule {

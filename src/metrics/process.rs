@@ -114,8 +114,25 @@ mod tests {
     use super::*;
 
     #[test]
+    #[allow(clippy::disallowed_methods)] // a test's deadline, not a limiter's time
     fn reads_this_process() {
-        let text = render(false);
+        // CPU time counts in ticks of 10 ms: a test binary run alone may not have used one
+        // yet. Work until it has (the reading must move), within a deadline.
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        let mut spin = 0u64;
+        let text = loop {
+            let text = render(false);
+            if !text.contains("process_cpu_seconds_total 0\n") {
+                break text;
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "CPU time never moved:\n{text}"
+            );
+            for i in 0..1_000_000u64 {
+                spin = std::hint::black_box(spin.wrapping_mul(31).wrapping_add(i));
+            }
+        };
         for name in [
             "process_cpu_seconds_total ",
             "process_resident_memory_bytes ",
