@@ -18,7 +18,7 @@ use crate::metrics::Metrics;
 use crate::net::{self, ConnectionLimits, GuardedListener};
 use crate::proto::FILE_DESCRIPTOR_SET;
 use crate::proto::rate_limit_service_server::RateLimitServiceServer;
-use crate::service::RateLimitGrpc;
+use crate::service::{RateLimitGrpc, ShouldRateLimitFirstLayer};
 use crate::tls::{self, ServerTls};
 
 #[derive(Debug, thiserror::Error)]
@@ -226,12 +226,17 @@ async fn finish_within_grace(
     Ok(())
 }
 
+/// tonic's router with `ShouldRateLimit` calls taken before it (`ShouldRateLimitFirst`).
+type GrpcRouter = tonic::transport::server::Router<
+    tower::layer::util::Stack<ShouldRateLimitFirstLayer, tower::layer::util::Identity>,
+>;
+
 /// The gRPC services: rate limit, health, and reflection (v1 and v1alpha, so every grpcurl
 /// finds the services without proto files).
 fn grpc_routes(
     app: &App,
     health_service: HealthServer<impl tonic_health::pb::health_server::Health>,
-) -> Result<tonic::transport::server::Router, ServerError> {
+) -> Result<GrpcRouter, ServerError> {
     // Each version also registers the other's descriptors, so both list the same four services
     // whichever one a client (old or new grpcurl) asks.
     let reflection_v1 = tonic_reflection::server::Builder::configure()
@@ -245,15 +250,15 @@ fn grpc_routes(
         .register_encoded_file_descriptor_set(tonic_reflection::pb::v1::FILE_DESCRIPTOR_SET)
         .build_v1alpha()?;
     let keep_alive = app.options.connections.keep_alive();
+    let rate_limit = RateLimitServiceServer::new(RateLimitGrpc::new(app.limiter.clone()));
     Ok(tonic::transport::Server::builder()
         .http2_keepalive_interval(Some(keep_alive))
         .http2_keepalive_timeout(Some(keep_alive))
+        .layer(ShouldRateLimitFirstLayer::new(rate_limit.clone()))
         .add_service(health_service)
         .add_service(reflection_v1)
         .add_service(reflection_v1alpha)
-        .add_service(RateLimitServiceServer::new(RateLimitGrpc::new(
-            app.limiter.clone(),
-        ))))
+        .add_service(rate_limit))
 }
 
 /// On the shutdown signal: readiness and health off at once, then after `delay` stop taking
