@@ -48,9 +48,13 @@
 --   limit and window_ms pair per window, at least one. (One text per rule: a call's requests
 --   mostly share their rules, and each distinct text is read once per call.)
 -- Reply: one array per request, in order, either
---   { now, recorded (0/1, anything), then per descriptor: fits (0/1), ban_remaining_ms,
---     ban_set (1 if this request set the ban), recorded (0/1), cum (of the log entry it
---     recorded; 0 if none), m', then m' pairs: count, reset_ms }   (m' = 0 while banned)
+--   { now, then per descriptor: flags, then ban_remaining_ms if banned (flag 8), then cum if
+--     it recorded (flag 4: of the log entry it recorded; 0 for sliding_counter), then unless
+--     banned one pair per window of its rule: count, reset_ms }
+--     flags: 1 fits, 2 this request set the ban, 4 recorded, 8 banned (nothing follows but
+--     ban_remaining_ms). An admitted request with one descriptor of one window is
+--     { now, 5, cum, count, reset_ms }: the caller decodes every integer of every reply, so
+--     what it can tell from the flags and its own rule is not sent.
 --   or { -1, error } when a Redis command of that request failed (a key of another type, say):
 --     that request alone failed, and what it wrote before the error stays, as with any script.
 --   count    hits in the window after this call
@@ -576,26 +580,27 @@ local function record(d, i)
   end
 end
 
--- 5. Adds descriptor d's part of the reply from reply[r + 1] on: each window's count after the
---    request (with every hit it recorded on the same key) and its reset. Returns the new end.
+-- 5. Adds descriptor d's part of the reply from reply[r + 1] on (layout in the header): its
+--    flags, its ban or the entry it recorded, and each window's count after the request (with
+--    every hit it recorded on the same key) and its reset. Returns the new end.
 local function report(d, reply, r)
   local rule = d.rule
-  reply[r + 1] = d.fits and 1 or 0
-  reply[r + 2] = d.banned
-  reply[r + 3] = d.ban_set
-  reply[r + 4] = d.records and 1 or 0
-  reply[r + 5] = d.cum
-  r = r + 5
-  if d.banned > 0 then
-    reply[r + 1] = 0
+  local banned = d.banned > 0
+  reply[r + 1] = (d.fits and 1 or 0) + (d.ban_set == 1 and 2 or 0) + (d.records and 4 or 0)
+    + (banned and 8 or 0)
+  r = r + 1
+  if banned then
+    reply[r + 1] = d.banned
     return r + 1
+  end
+  if d.records then
+    reply[r + 1] = d.cum
+    r = r + 1
   end
   local added = d.st.recorded
   if rule.buckets > 0 and added > 0 then
     d.buckets = read_buckets(d.key)
   end
-  reply[r + 1] = rule.m
-  r = r + 1
   for w = 1, rule.m do
     local c, reset
     if rule.buckets > 0 then
@@ -640,11 +645,9 @@ local function decide(a, k)
 
   -- 3. Record every fitting descriptor of an admitted request, and every debit that records
   --    whatever the decision.
-  local recorded = false
   for i = 1, n do
     local d = states[i]
     if d.records and (admitted or d.rule.debit) then
-      recorded = true
       record(d, i)
     else
       d.records = false
@@ -657,13 +660,14 @@ local function decide(a, k)
     call('PEXPIRE', states[i].key, states[i].rule.ttl)
   end
 
-  -- 5. Report. The reply is made with room for one descriptor of one window (the common
-  --    reply), so it is not grown step by step; what a shorter reply leaves over is cleared.
-  local reply, r = { now, recorded and 1 or 0, 0, 0, 0, 0, 0, 0, 0, 0 }, 2
+  -- 5. Report. The reply is made with room for one recording descriptor of one window (the
+  --    common reply), so it is not grown step by step; what a shorter reply leaves over is
+  --    cleared.
+  local reply, r = { now, 0, 0, 0, 0 }, 1
   for i = 1, n do
     r = report(states[i], reply, r)
   end
-  for j = r + 1, 10 do
+  for j = r + 1, 5 do
     reply[j] = nil
   end
   return reply

@@ -594,8 +594,8 @@ fn malformed_script_arguments_get_an_error_reply() {
         let reply = cli(&full);
         assert!(reply.starts_with("SLIDEGATE "), "FCALL {args:?} -> {reply}");
     }
-    // And a well-formed call answers the documented layout: now, recorded, then fits, ban,
-    // ban set, recorded, entry, m, count, reset.
+    // And a well-formed call answers the documented layout: now, then flags (1 fits, 4
+    // recorded), the entry it recorded, count, reset.
     let call = |key: &str, rule: &str| {
         let mut full = vec!["FCALL", function, "1", key];
         full.extend_from_slice(&["1", "1000", "p", "1", "1", "1", rule]);
@@ -603,7 +603,7 @@ fn malformed_script_arguments_get_an_error_reply() {
     };
     assert_eq!(
         call("t:log", "0:0:0:0:10:1000"),
-        vec!["1000", "1", "1", "0", "0", "1", "1", "1", "1", "1000"]
+        vec!["1000", "5", "1", "1", "1000"]
     );
     assert_eq!(
         cli(&["ZRANGE", "t:log", "0", "-1"]),
@@ -614,7 +614,7 @@ fn malformed_script_arguments_get_an_error_reply() {
     // stops counting at 1,100 + 1,000.
     assert_eq!(
         call("u:cnt", "0:0:10:0:10:1000"),
-        vec!["1000", "1", "1", "0", "0", "1", "0", "1", "1", "1100"]
+        vec!["1000", "5", "0", "1", "1100"]
     );
     assert_eq!(
         cli(&["HGETALL", "u:cnt"]).lines().collect::<Vec<_>>(),
@@ -637,8 +637,8 @@ fn malformed_script_arguments_get_an_error_reply() {
     assert_eq!(
         lines[2..],
         [
-            "2000", "1", "1", "0", "0", "1", "1", "1", "1", "1000", // admitted
-            "2001", "0", "0", "0", "0", "0", "0", "1", "1", "999", // 1 of 1: wait 999 ms
+            "2000", "5", "1", "1", "1000", // admitted: fits, recorded entry 1
+            "2001", "0", "1", "999", // 1 of 1, nothing recorded: wait 999 ms
         ]
     );
     assert_eq!(cli(&["ZCARD", "v:log"]), "1");
@@ -684,15 +684,15 @@ fn a_call_with_more_rules_than_the_library_keeps_decides_each_request() {
     }
     let reply = cli(&args);
     let lines: Vec<&str> = reply.lines().collect();
-    // Each request: now, recorded, fits, ban, ban set, recorded, entry, m, count, reset.
+    // Each request: now, flags, entry, count, reset.
     assert_eq!(
         lines.len(),
-        requests * 10,
+        requests * 5,
         "{}",
         &reply[..reply.len().min(400)]
     );
-    for (r, answer) in lines.chunks(10).enumerate() {
-        assert_eq!(answer[..3], ["1000", "1", "1"], "request {r} was admitted");
+    for (r, answer) in lines.chunks(5).enumerate() {
+        assert_eq!(answer[..3], ["1000", "5", "1"], "request {r} was admitted");
     }
 }
 

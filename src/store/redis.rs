@@ -792,6 +792,12 @@ fn push_decimal(text: &mut String, mut n: u64) {
     }
 }
 
+/// The flags of a descriptor in the script's reply (layout in `lua/slidegate.lua`).
+const FITS: u64 = 1;
+const BAN_SET: u64 = 2;
+const RECORDED: u64 = 4;
+const BANNED: u64 = 8;
+
 /// Reads the script's reply (layout in `lua/slidegate.lua`); anything else is a protocol error.
 fn parse_reply(
     reply: &[i64],
@@ -807,26 +813,26 @@ fn parse_reply(
         u64::try_from(v).map_err(|_| bad(&format!("has a negative {what}")))
     };
     let now_ms = next("now")?;
-    let recorded = next("recorded")? == 1;
     let mut outcomes = Vec::with_capacity(group.len());
     let mut entries = Vec::with_capacity(group.len());
     for &i in group {
-        let fits = next("fits")? == 1;
-        let ban_remaining_ms = next("ban")?;
-        let ban_set = next("ban set")? == 1;
-        let recorded = next("recorded")? == 1;
-        entries.push(next("entry")?);
-        // Checked against the request before anything is reserved: a banned item has none.
-        let expected = if ban_remaining_ms == 0 {
-            items[i].windows.len()
-        } else {
-            0
-        };
-        let m = next("window count")?;
-        if usize::try_from(m).ok() != Some(expected) {
-            return Err(bad("window count does not match the request"));
+        let flags = next("flags")?;
+        if flags >= BANNED * 2 {
+            return Err(bad("has unknown flags"));
         }
-        let mut windows = Vec::with_capacity(expected);
+        let has = |flag: u64| flags & flag != 0;
+        let ban_remaining_ms = if has(BANNED) { next("ban")? } else { 0 };
+        if has(BANNED) == (ban_remaining_ms == 0) {
+            return Err(bad("has a ban flag and time that disagree"));
+        }
+        entries.push(if has(RECORDED) { next("entry")? } else { 0 });
+        // A banned item reports no windows; the others one pair per window of their rule.
+        let m = if has(BANNED) {
+            0
+        } else {
+            items[i].windows.len()
+        };
+        let mut windows = Vec::with_capacity(m);
         for _ in 0..m {
             windows.push(WindowOutcome {
                 count: next("count")?,
@@ -834,10 +840,10 @@ fn parse_reply(
             });
         }
         outcomes.push(ItemOutcome {
-            recorded,
+            recorded: has(RECORDED),
             ban_remaining_ms,
-            ban_set,
-            fits,
+            ban_set: has(BAN_SET),
+            fits: has(FITS),
             windows,
         });
     }
@@ -846,7 +852,7 @@ fn parse_reply(
     }
     Ok(GroupReply {
         now_ms,
-        recorded,
+        recorded: outcomes.iter().any(|o| o.recorded),
         items: outcomes,
         entries,
     })
@@ -971,20 +977,39 @@ mod tests {
             role: Role::Enforce,
             debit: false,
         }];
-        // now, recorded, fits, ban, ban set, recorded, entry, m = 2^62 (never reserved), ...
-        let huge = [1_000, 1, 1, 0, 0, 1, 1, 1 << 62, 1, 0];
-        assert!(matches!(
-            parse_reply(&huge, &items, &[0]),
-            Err(StoreError::Protocol(m)) if m.contains("window count")
-        ));
-        let good = [1_000, 1, 1, 0, 0, 1, 1, 1, 1, 999];
+        // now, flags (fits, recorded), entry, count, reset.
+        let good = [1_000, 5, 7, 1, 999];
         let reply = parse_reply(&good, &items, &[0]).expect("well-formed");
+        assert!(reply.recorded && reply.items[0].fits && reply.items[0].recorded);
         assert_eq!(reply.items[0].windows[0].count, 1);
-        assert_eq!(reply.entries, [1]);
-        assert!(matches!(
-            parse_reply(&good[..9], &items, &[0]),
-            Err(StoreError::Protocol(_))
-        ));
+        assert_eq!(reply.items[0].windows[0].reset_ms, 999);
+        assert_eq!(reply.entries, [7]);
+        // Rejected: no entry, so the count follows the flags.
+        let rejected = parse_reply(&[1_000, 0, 5, 400], &items, &[0]).expect("well-formed");
+        assert!(!rejected.recorded && !rejected.items[0].fits);
+        assert_eq!(
+            (rejected.items[0].windows[0].count, rejected.entries[0]),
+            (5, 0)
+        );
+        // Banned by this request: the ban's time, and no windows.
+        let banned = parse_reply(&[1_000, 2 | 8, 900_000], &items, &[0]).expect("well-formed");
+        assert!(banned.items[0].ban_set && banned.items[0].windows.is_empty());
+        assert_eq!(banned.items[0].ban_remaining_ms, 900_000);
+        for wrong in [
+            &good[..4],                // ends early
+            &[1_000, 5, 7, 1, 999, 0], // longer
+            &[1_000, 16, 7, 1, 999],   // unknown flag
+            &[1_000, 8, 0],            // banned for no time
+            &[1_000, 5, -7, 1, 999],   // negative
+        ] {
+            assert!(
+                matches!(
+                    parse_reply(wrong, &items, &[0]),
+                    Err(StoreError::Protocol(_))
+                ),
+                "{wrong:?}"
+            );
+        }
     }
 
     #[test]
