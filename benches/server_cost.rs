@@ -12,7 +12,7 @@
 //! opens 8 HTTP/2 connections and sends warm-up calls, then turns instrumentation on for a
 //! fixed stream of calls (32 in flight, the same requests every run) and prints slidegate's
 //! instructions per decision over all its threads, and the inclusive share of a few layers
-//! (hyper's stream tasks, tonic's unary call, slidegate's service, the limiter, h2's
+//! (hyper's stream tasks, the `ShouldRateLimit` call inside them and its store's part, h2's
 //! connection tasks, the Redis client, memcpy). The server runs about 50 times slower
 //! under valgrind, and one thread at a time, so more calls wait in its queues than at native
 //! speed and a socket read finds several: the figure is for comparing builds, not a native cost.
@@ -162,24 +162,21 @@ fn measure(case: &Case, binary: &Path, config: &Path, dir: &Path) -> (u64, Strin
 }
 
 /// Where the instructions go: the inclusive share of a few layers, each the first entry of
-/// `callgrind_annotate --inclusive=yes` whose name holds the pattern (layers nest: the limiter
-/// is inside the service, which is inside the gRPC call, inside hyper's stream task).
-const LAYERS: [(&str, &str); 7] = [
+/// `callgrind_annotate --inclusive=yes` whose name holds the pattern (layers nest: the store's
+/// part is inside the call, inside hyper's stream task). The compiler inlines the limiter into
+/// the call, so it has no entry of its own.
+const LAYERS: [(&str, &str); 6] = [
     (
         "hyper::proto::h2::server::H2Stream",
         "hyper's HTTP/2 stream tasks",
     ),
     (
-        "RateLimitServiceServer<T> as tower_service::Service<http::request::Request<B>>>::call::{{closure}}",
-        "  tonic's unary call",
+        "ShouldRateLimitFirst<S> as tower_service::Service",
+        "  ShouldRateLimit (message, limiter, store)",
     ),
     (
-        "RateLimitService>::should_rate_limit::{{closure}}",
-        "    slidegate's service",
-    ),
-    (
-        "slidegate::limiter::engine::Limiter::should_rate_limit::{{closure}}",
-        "      the limiter",
+        "slidegate::limiter::engine::Limiter::ask_store::{{closure}}",
+        "    the store's part",
     ),
     (
         "h2::proto::connection::Connection<T,P,B>::poll",
@@ -202,7 +199,7 @@ fn top_lines(annotated: &str) -> String {
             .and_then(|p| p.split('%').next())
             .map(str::trim);
         if let Some(share) = share {
-            out.push_str(&format!("    {name:<30} {share:>6}%\n"));
+            out.push_str(&format!("    {name:<44} {share:>6}%\n"));
         }
     }
     out

@@ -250,15 +250,16 @@ fn grpc_routes(
         .register_encoded_file_descriptor_set(tonic_reflection::pb::v1::FILE_DESCRIPTOR_SET)
         .build_v1alpha()?;
     let keep_alive = app.options.connections.keep_alive();
-    let rate_limit = RateLimitServiceServer::new(RateLimitGrpc::new(app.limiter.clone()));
     Ok(tonic::transport::Server::builder()
         .http2_keepalive_interval(Some(keep_alive))
         .http2_keepalive_timeout(Some(keep_alive))
-        .layer(ShouldRateLimitFirstLayer::new(rate_limit.clone()))
+        .layer(ShouldRateLimitFirstLayer::new(app.limiter.clone()))
         .add_service(health_service)
         .add_service(reflection_v1)
         .add_service(reflection_v1alpha)
-        .add_service(rate_limit))
+        .add_service(RateLimitServiceServer::new(RateLimitGrpc::new(
+            app.limiter.clone(),
+        ))))
 }
 
 /// On the shutdown signal: readiness and health off at once, then after `delay` stop taking

@@ -1,0 +1,362 @@
+//! The gRPC `envoy.service.ratelimit.v3.RateLimitService`: protobuf in, [`Limiter`] decides,
+//! protobuf out (conversions in [`crate::wire`]). Envoy's calls are answered by [`direct`] ahead
+//! of tonic's router; tonic's generated server answers the same service behind the router.
+//!
+//! [`to_status`] is the only place a failure becomes a gRPC status; see its table.
+
+use std::convert::Infallible;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+
+use futures_util::future::Either;
+use tonic::{Request, Response};
+
+use crate::limiter::{Limiter, LimiterError};
+use crate::proto::rate_limit_service_server::RateLimitService;
+use crate::proto::{RateLimitRequest, RateLimitResponse};
+use crate::wire;
+
+pub mod direct;
+
+/// Serves `ShouldRateLimit` from a [`Limiter`].
+#[derive(Clone)]
+pub struct RateLimitGrpc {
+    limiter: Arc<Limiter>,
+}
+
+impl RateLimitGrpc {
+    pub fn new(limiter: Arc<Limiter>) -> RateLimitGrpc {
+        RateLimitGrpc { limiter }
+    }
+}
+
+#[tonic::async_trait]
+impl RateLimitService for RateLimitGrpc {
+    async fn should_rate_limit(
+        &self,
+        request: Request<RateLimitRequest>,
+    ) -> Result<Response<RateLimitResponse>, tonic::Status> {
+        decide(&self.limiter, request.into_inner())
+            .await
+            .map(Response::new)
+    }
+}
+
+/// One `ShouldRateLimit`, whichever way it came in.
+async fn decide(
+    limiter: &Limiter,
+    request: RateLimitRequest,
+) -> Result<RateLimitResponse, tonic::Status> {
+    let request = wire::from_proto(request);
+    match limiter.should_rate_limit(&request).await {
+        Ok(decision) => Ok(wire::to_proto(&request, decision)),
+        Err(e) => Err(to_status(&e)),
+    }
+}
+
+/// The one path Envoy calls.
+pub const SHOULD_RATE_LIMIT_PATH: &str =
+    "/envoy.service.ratelimit.v3.RateLimitService/ShouldRateLimit";
+
+/// Wraps the router of every gRPC service (`S`) so that `ShouldRateLimit` calls are answered
+/// at once by [`direct`], and only the other paths (health, reflection, unknown) go through the
+/// router. The router matches a path against every service's pattern, captures and
+/// percent-decodes the method as a URL parameter, and boxes the call; tonic's unary machinery
+/// then reads and writes the message through layers of adapters. Together about a sixth of a
+/// decision's instructions (`cargo bench --bench server_cost`), for a path known in advance.
+#[derive(Clone)]
+pub struct ShouldRateLimitFirst<S> {
+    limiter: Arc<Limiter>,
+    inner: S,
+}
+
+/// The [`tower::Layer`] that makes [`ShouldRateLimitFirst`] around the router.
+#[derive(Clone)]
+pub struct ShouldRateLimitFirstLayer {
+    limiter: Arc<Limiter>,
+}
+
+impl ShouldRateLimitFirstLayer {
+    pub fn new(limiter: Arc<Limiter>) -> Self {
+        ShouldRateLimitFirstLayer { limiter }
+    }
+}
+
+impl<S> tower::Layer<S> for ShouldRateLimitFirstLayer {
+    type Service = ShouldRateLimitFirst<S>;
+
+    fn layer(&self, inner: S) -> Self::Service {
+        ShouldRateLimitFirst {
+            limiter: self.limiter.clone(),
+            inner,
+        }
+    }
+}
+
+type GrpcRequest = tonic::codegen::http::Request<tonic::body::Body>;
+type GrpcResponse = tonic::codegen::http::Response<tonic::body::Body>;
+type DirectFuture = Pin<Box<dyn Future<Output = Result<GrpcResponse, Infallible>> + Send>>;
+
+impl<S> tower::Service<GrpcRequest> for ShouldRateLimitFirst<S>
+where
+    S: tower::Service<GrpcRequest, Response = GrpcResponse, Error = Infallible>,
+{
+    type Response = GrpcResponse;
+    type Error = Infallible;
+    type Future = Either<DirectFuture, S::Future>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        // `direct` takes calls as they come; the router says for itself.
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, request: GrpcRequest) -> Self::Future {
+        if request.uri().path() == SHOULD_RATE_LIMIT_PATH {
+            let limiter = self.limiter.clone();
+            Either::Left(Box::pin(async move {
+                Ok(direct::should_rate_limit(&limiter, request).await)
+            }))
+        } else {
+            Either::Right(self.inner.call(request))
+        }
+    }
+}
+
+/// Maps a limiter failure to a gRPC status:
+///
+/// | failure | status | why |
+/// |---|---|---|
+/// | malformed request (empty domain, no descriptors, empty key, unknown override unit) | `INVALID_ARGUMENT` | the caller must fix the request; retrying cannot help |
+/// | store timeout or error | `UNAVAILABLE` | transient; Envoy applies `failure_mode_deny` (some clients treat `UNKNOWN` as a bug, not an outage) |
+///
+/// Messages say what is wrong without internals (no addresses, no credentials).
+pub fn to_status(error: &LimiterError) -> tonic::Status {
+    match error {
+        LimiterError::InvalidRequest(message) => tonic::Status::invalid_argument(message.clone()),
+        LimiterError::Store(e) => tonic::Status::unavailable(e.to_string()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use http_body_util::BodyExt as _;
+    use prost::Message as _;
+    use prost::bytes::Bytes;
+    use tonic::codegen::http::{HeaderMap, HeaderValue, Method, StatusCode};
+    use tower::{Layer as _, Service as _};
+
+    use super::*;
+    use crate::proto::envoy::extensions::common::ratelimit::v3::RateLimitDescriptor;
+    use crate::proto::envoy::extensions::common::ratelimit::v3::rate_limit_descriptor::Entry;
+    use crate::proto::rate_limit_service_server::RateLimitServiceServer;
+
+    /// One a minute for `k`, on a clock that stands still (two limiters answer alike).
+    fn limiter() -> Arc<Limiter> {
+        let limits = crate::config::compile_sources(&[(
+            "t.yaml".into(),
+            "domain: d\ndescriptors:\n  - key: k\n    rate_limit: {unit: minute, requests_per_unit: 1}\n"
+                .into(),
+        )])
+        .expect("valid config");
+        Arc::new(Limiter::new(
+            limits,
+            Arc::new(crate::store::MemoryStore::new()),
+            Arc::new(crate::limiter::ManualClock::new(1_767_225_600_000)),
+            crate::limiter::LimiterOptions::default(),
+        ))
+    }
+
+    fn message(domain: &str) -> Vec<u8> {
+        RateLimitRequest {
+            domain: domain.into(),
+            descriptors: vec![RateLimitDescriptor {
+                entries: vec![Entry {
+                    key: "k".into(),
+                    value: "v".into(),
+                }],
+                ..Default::default()
+            }],
+            hits_addend: 0,
+        }
+        .encode_to_vec()
+    }
+
+    /// `payload` behind a gRPC prefix with `flag` and `length`.
+    fn framed(flag: u8, length: usize, payload: &[u8]) -> Vec<u8> {
+        let mut body = vec![flag];
+        body.extend(u32::try_from(length).expect("small").to_be_bytes());
+        body.extend(payload);
+        body
+    }
+
+    /// A header's name and value.
+    type Header = (&'static str, &'static str);
+
+    /// A named request: its body's frames and extra headers.
+    type Case = (&'static str, Vec<Vec<u8>>, &'static [Header]);
+
+    /// A gRPC request to `path` whose body arrives as `frames`, with `headers` added.
+    fn request(path: &str, frames: Vec<Vec<u8>>, headers: &[Header]) -> GrpcRequest {
+        let frames = frames
+            .into_iter()
+            .map(|f| Ok::<_, Infallible>(http_body::Frame::data(Bytes::from(f))));
+        let body = http_body_util::StreamBody::new(futures_util::stream::iter(frames));
+        let mut request = GrpcRequest::new(tonic::body::Body::new(body));
+        *request.method_mut() = Method::POST;
+        *request.uri_mut() = format!("http://slidegate{path}").parse().expect("uri");
+        request
+            .headers_mut()
+            .insert("content-type", HeaderValue::from_static("application/grpc"));
+        for (name, value) in headers {
+            request
+                .headers_mut()
+                .insert(*name, HeaderValue::from_static(value));
+        }
+        request
+    }
+
+    /// What a client sees of a response: HTTP status, content type, gRPC status and message
+    /// (from the headers of a trailers-only response, or the trailers), and the body.
+    #[derive(Debug, PartialEq)]
+    struct Seen {
+        http: StatusCode,
+        content_type: Option<HeaderValue>,
+        grpc_status: Option<HeaderValue>,
+        grpc_message: Option<HeaderValue>,
+        accept_encoding: Option<HeaderValue>,
+        body: Bytes,
+    }
+
+    async fn seen(response: GrpcResponse) -> Seen {
+        let (parts, body) = response.into_parts();
+        let collected = body.collect().await.expect("a body");
+        let trailers = collected.trailers().cloned().unwrap_or_default();
+        let either = |name: &str, headers: &HeaderMap| {
+            headers.get(name).or_else(|| trailers.get(name)).cloned()
+        };
+        Seen {
+            http: parts.status,
+            content_type: parts.headers.get("content-type").cloned(),
+            grpc_status: either("grpc-status", &parts.headers),
+            grpc_message: either("grpc-message", &parts.headers),
+            accept_encoding: either("grpc-accept-encoding", &parts.headers),
+            body: collected.to_bytes(),
+        }
+    }
+
+    /// `service::direct` answers every request as tonic's generated server does: the same
+    /// HTTP status, content type, gRPC status and message, and the same message bytes, for
+    /// good requests, requests the limiter refuses and requests broken at the gRPC layer.
+    #[tokio::test]
+    async fn direct_answers_as_tonics_generated_server_does() {
+        let ok = message("d");
+        let cases: Vec<Case> = vec![
+            ("admitted", vec![framed(0, ok.len(), &ok)], &[]),
+            (
+                "over the limit (second of one a minute)",
+                vec![framed(0, ok.len(), &ok)],
+                &[],
+            ),
+            (
+                "in two frames",
+                vec![framed(0, ok.len(), &ok[..3]), ok[3..].to_vec()],
+                &[],
+            ),
+            (
+                "prefix split",
+                vec![vec![0, 0], framed(0, ok.len(), &ok)[2..].to_vec()],
+                &[],
+            ),
+            (
+                "empty domain",
+                vec![framed(0, message("").len(), &message(""))],
+                &[],
+            ),
+            ("not protobuf", vec![framed(0, 3, &[0xff, 0xff, 0xff])], &[]),
+            ("no message", vec![], &[]),
+            ("compressed flag", vec![framed(1, ok.len(), &ok)], &[]),
+            ("unknown flag", vec![framed(7, ok.len(), &ok)], &[]),
+            (
+                "too large",
+                vec![framed(0, direct::MAX_REQUEST_BYTES + 1, &[])],
+                &[],
+            ),
+            (
+                "gzip",
+                vec![framed(1, ok.len(), &ok)],
+                &[("grpc-encoding", "gzip")],
+            ),
+            (
+                "identity",
+                vec![framed(0, ok.len(), &ok)],
+                &[("grpc-encoding", "identity")],
+            ),
+        ];
+        let (direct_limiter, tonic_limiter) = (limiter(), limiter());
+        let mut tonic_server = RateLimitServiceServer::new(RateLimitGrpc::new(tonic_limiter));
+        for (name, frames, headers) in cases {
+            let ours = seen(
+                direct::should_rate_limit(
+                    &direct_limiter,
+                    request(SHOULD_RATE_LIMIT_PATH, frames.clone(), headers),
+                )
+                .await,
+            )
+            .await;
+            let theirs = seen(
+                tonic_server
+                    .call(request(SHOULD_RATE_LIMIT_PATH, frames, headers))
+                    .await
+                    .expect("infallible"),
+            )
+            .await;
+            assert_eq!(ours, theirs, "{name}");
+        }
+    }
+
+    /// The rate-limit call is answered ahead of the router; the router (a stand-in here,
+    /// answering 404) gets every other path.
+    #[tokio::test]
+    async fn should_rate_limit_skips_the_router_and_other_paths_reach_it() {
+        let router = tower::service_fn(|_: GrpcRequest| async {
+            let mut response = GrpcResponse::new(tonic::body::Body::empty());
+            *response.status_mut() = StatusCode::NOT_FOUND;
+            Ok::<_, Infallible>(response)
+        });
+        let mut service = ShouldRateLimitFirstLayer::new(limiter()).layer(router);
+        let ok = message("d");
+        let call = |path: &str| request(path, vec![framed(0, ok.len(), &ok)], &[]);
+        let answer = seen(
+            service
+                .call(call(SHOULD_RATE_LIMIT_PATH))
+                .await
+                .expect("infallible"),
+        )
+        .await;
+        assert_eq!(answer.http, StatusCode::OK);
+        assert_eq!(answer.grpc_status, Some(HeaderValue::from_static("0")));
+        let decoded = RateLimitResponse::decode(answer.body.get(5..).expect("a gRPC message"))
+            .expect("a RateLimitResponse");
+        assert_eq!(decoded.overall_code, 1, "OK: the first of one a minute");
+        let other = service
+            .call(call("/grpc.health.v1.Health/Check"))
+            .await
+            .expect("infallible");
+        assert_eq!(other.status(), StatusCode::NOT_FOUND, "the router answered");
+    }
+
+    #[test]
+    fn errors_map_to_the_documented_codes() {
+        let invalid = to_status(&LimiterError::InvalidRequest("x".into()));
+        assert_eq!(invalid.code(), tonic::Code::InvalidArgument);
+        let store = to_status(&LimiterError::Store(crate::store::StoreError::Timeout(
+            Duration::from_millis(15),
+        )));
+        assert_eq!(store.code(), tonic::Code::Unavailable);
+        assert_eq!(store.message(), "store timed out after 15 ms");
+    }
+}
