@@ -11,10 +11,10 @@ use serde_saphyr::Spanned;
 use super::duration;
 use super::model::{RawDescriptor, RawFile, RawRateLimit};
 use crate::limiter::Unit;
-use crate::limiter::observe::ObserverSlot;
+
 use crate::limiter::rules::{
-    Algorithm, Domain, FailurePolicy, KeyChildren, Limit, Limits, Node, Pattern, Rule,
-    WildcardChild, Window,
+    Algorithm, Domain, FailurePolicy, KeyChildren, Limit, Limits, Node, ObserverSlot, Pattern,
+    Rule, WildcardChild, Window,
 };
 
 /// One problem in the config.

@@ -1,8 +1,6 @@
 //! What the limiter tells an observer (metrics) about each decision. The limiter knows nothing
 //! of how it is exported.
 
-use std::any::Any;
-use std::sync::OnceLock;
 use std::time::Duration;
 
 use super::rules::{Rule, Segment};
@@ -72,42 +70,4 @@ impl Observer for NoObserver {
     fn unknown_domain(&self) {}
     fn global_shadow(&self) {}
     fn store_call(&self, _: &'static str, _: Duration, _: bool) {}
-}
-
-/// Room in each rule for an observer's own data about it (the metrics keep the rule's counters
-/// there, so that counting a decision needs no lookup by labels). Filled on the rule's first
-/// report and kept as long as the rule: a reload makes new rules and new slots. A cache, not
-/// part of the rule: any two compare equal, and a clone starts empty.
-#[derive(Default)]
-pub struct ObserverSlot(OnceLock<Box<dyn Any + Send + Sync>>);
-
-impl ObserverSlot {
-    /// The slot's value, made by `make` the first time; `None` when another type fills it.
-    pub fn get_or_init<T: Any + Send + Sync>(&self, make: impl FnOnce() -> T) -> Option<&T> {
-        self.0.get_or_init(|| Box::new(make())).downcast_ref()
-    }
-}
-
-impl Clone for ObserverSlot {
-    fn clone(&self) -> Self {
-        ObserverSlot::default()
-    }
-}
-
-impl PartialEq for ObserverSlot {
-    fn eq(&self, _: &Self) -> bool {
-        true
-    }
-}
-
-impl Eq for ObserverSlot {}
-
-impl std::fmt::Debug for ObserverSlot {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(if self.0.get().is_some() {
-            "ObserverSlot(filled)"
-        } else {
-            "ObserverSlot(empty)"
-        })
-    }
 }
