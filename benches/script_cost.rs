@@ -2,6 +2,7 @@
 //! whatever else the machine is doing (the load benchmark's CPU figures move with it).
 //!
 //!     cargo bench --bench script_cost
+//!     SLIDEGATE_COST_KEEP=/tmp/cost cargo bench --bench script_cost -- 32   # keep the profiles
 //!
 //! For each case it starts `redis-server` under `valgrind --tool=callgrind` with
 //! instrumentation off, loads the script (as a function, and as the script slidegate falls back
@@ -182,7 +183,11 @@ fn main() {
         .skip(1)
         .find(|a| !a.starts_with("--"))
         .unwrap_or_default();
-    let dir = std::env::temp_dir().join(format!("slidegate-script-cost-{}", std::process::id()));
+    // SLIDEGATE_COST_KEEP=<dir>: keep callgrind's files there, for callgrind_annotate.
+    let keep = std::env::var_os("SLIDEGATE_COST_KEEP").map(std::path::PathBuf::from);
+    let dir = keep.clone().unwrap_or_else(|| {
+        std::env::temp_dir().join(format!("slidegate-script-cost-{}", std::process::id()))
+    });
     std::fs::create_dir_all(&dir).expect("scratch dir");
     let library = Library::new();
     println!("redis-server instructions per decision (callgrind, measured calls only)\n");
@@ -193,5 +198,7 @@ fn main() {
         let script = measure(case, Form::Script, &library, &dir);
         println!("| {} | {function} | {script} |", case.name);
     }
-    let _ = std::fs::remove_dir_all(&dir);
+    if keep.is_none() {
+        let _ = std::fs::remove_dir_all(&dir);
+    }
 }
