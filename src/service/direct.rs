@@ -89,7 +89,7 @@ async fn read_message(mut body: tonic::body::Body) -> Result<Bytes, Status> {
     Err(if seen.is_empty() {
         Status::internal("Missing request message.")
     } else {
-        Status::internal("protocol error: the request message ends before its length")
+        Status::internal("Unexpected EOF decoding stream.")
     })
 }
 

@@ -278,6 +278,8 @@ mod tests {
             ),
             ("not protobuf", vec![framed(0, 3, &[0xff, 0xff, 0xff])], &[]),
             ("no message", vec![], &[]),
+            ("ends early", vec![framed(0, ok.len(), &ok[..3])], &[]),
+            ("prefix only in part", vec![vec![0, 0, 0]], &[]),
             ("compressed flag", vec![framed(1, ok.len(), &ok)], &[]),
             ("unknown flag", vec![framed(7, ok.len(), &ok)], &[]),
             (
