@@ -626,7 +626,7 @@ impl RedisStore {
         for (group, reply) in groups.iter().zip(replies) {
             match reply {
                 Ok(reply) => {
-                    if reply.recorded {
+                    if reply.recorded() {
                         recorded_groups.push((group, reply.now_ms, reply.entries));
                     }
                     for (&i, outcome) in group.iter().zip(reply.items) {
@@ -741,10 +741,16 @@ impl RedisStore {
 
 struct GroupReply {
     now_ms: u64,
-    recorded: bool,
     items: Vec<ItemOutcome>,
     /// Per item, the running total of the log entry it recorded (0: none), which names it.
     entries: Vec<u64>,
+}
+
+impl GroupReply {
+    /// Whether the call recorded anything (a descriptor's entry or hits) for its request.
+    fn recorded(&self) -> bool {
+        self.items.iter().any(|o| o.recorded)
+    }
 }
 
 /// An item's rule as the script reads it: `role:ban_ms:buckets:debit`, then `limit:window_ms`
@@ -852,7 +858,6 @@ fn parse_reply(
     }
     Ok(GroupReply {
         now_ms,
-        recorded: outcomes.iter().any(|o| o.recorded),
         items: outcomes,
         entries,
     })
@@ -980,13 +985,13 @@ mod tests {
         // now, flags (fits, recorded), entry, count, reset.
         let good = [1_000, 5, 7, 1, 999];
         let reply = parse_reply(&good, &items, &[0]).expect("well-formed");
-        assert!(reply.recorded && reply.items[0].fits && reply.items[0].recorded);
+        assert!(reply.recorded() && reply.items[0].fits && reply.items[0].recorded);
         assert_eq!(reply.items[0].windows[0].count, 1);
         assert_eq!(reply.items[0].windows[0].reset_ms, 999);
         assert_eq!(reply.entries, [7]);
         // Rejected: no entry, so the count follows the flags.
         let rejected = parse_reply(&[1_000, 0, 5, 400], &items, &[0]).expect("well-formed");
-        assert!(!rejected.recorded && !rejected.items[0].fits);
+        assert!(!rejected.recorded() && !rejected.items[0].fits);
         assert_eq!(
             (rejected.items[0].windows[0].count, rejected.entries[0]),
             (5, 0)
