@@ -3,6 +3,7 @@
 //!
 //!     cargo bench --bench script_cost
 //!     SLIDEGATE_COST_KEEP=/tmp/cost cargo bench --bench script_cost -- 32   # keep the profiles
+//!     SLIDEGATE_COST_SCRIPT=/tmp/other.lua cargo bench --bench script_cost   # another version
 //!
 //! For each case it starts `redis-server` under `valgrind --tool=callgrind` with
 //! instrumentation off, loads the script (as a function, and as the script slidegate falls back
@@ -47,26 +48,45 @@ struct Case {
     per_call: usize,
     same_users: bool,
     calls: usize,
+    /// The rule's window: calls come 1 ms apart, so a window shorter than the calls lets one
+    /// entry per log leave the window on each call (the trim has work to do).
+    window_ms: u64,
+    /// Calls on the measured keys before measuring (the logs fill first).
+    fill: usize,
 }
 
-const CASES: [Case; 3] = [
+const CASES: [Case; 4] = [
     Case {
         name: "new descriptors, one request per call",
         per_call: 1,
         same_users: false,
         calls: 3_200,
+        window_ms: 60_000,
+        fill: 0,
     },
     Case {
         name: "new descriptors, 32 requests per call",
         per_call: 32,
         same_users: false,
         calls: 100,
+        window_ms: 60_000,
+        fill: 0,
     },
     Case {
         name: "logs of about 100 entries, 32 requests per call",
         per_call: 32,
         same_users: true,
         calls: 100,
+        window_ms: 60_000,
+        fill: 0,
+    },
+    Case {
+        name: "logs of 50 entries, one leaving per call, 32 requests per call",
+        per_call: 32,
+        same_users: true,
+        calls: 100,
+        window_ms: 50,
+        fill: 50,
     },
 ];
 
@@ -103,7 +123,7 @@ fn commands(case: &Case, head: &[String], first_call: usize, calls: usize, tag: 
                 "1".into(),
                 "1".into(),
                 "1".into(),
-                "0:0:0:0:1000000:60000".into(),
+                format!("0:0:0:0:1000000:{}", case.window_ms),
             ]);
         }
         out.extend(resp(&args));
@@ -167,9 +187,15 @@ fn measure(case: &Case, form: Form, library: &Library, dir: &Path) -> u64 {
         }
     };
     pipe(port, &commands(case, &head, 0, 5, "warm"));
+    if case.fill > 0 {
+        pipe(port, &commands(case, &head, 5, case.fill, "run"));
+    }
     let pid = redis.id().to_string();
     callgrind::run("callgrind_control", &["-i", "on", &pid]);
-    pipe(port, &commands(case, &head, 5, case.calls, "run"));
+    pipe(
+        port,
+        &commands(case, &head, 5 + case.fill, case.calls, "run"),
+    );
     callgrind::run("callgrind_control", &["-i", "off", &pid]);
     let _ = redis_proc::command(port, "SHUTDOWN NOSAVE");
     let _ = redis.wait();
@@ -189,7 +215,17 @@ fn main() {
         std::env::temp_dir().join(format!("slidegate-script-cost-{}", std::process::id()))
     });
     std::fs::create_dir_all(&dir).expect("scratch dir");
-    let library = Library::new();
+    // SLIDEGATE_COST_SCRIPT=<file>: measure another version of the script (written like
+    // `lua/slidegate.lua`, taking the same arguments) instead of the built-in one, without a
+    // rebuild.
+    let library = match std::env::var_os("SLIDEGATE_COST_SCRIPT") {
+        Some(path) => {
+            let source = std::fs::read_to_string(&path).expect("read SLIDEGATE_COST_SCRIPT");
+            println!("script: {}", Path::new(&path).display());
+            Library::from_source(&source)
+        }
+        None => Library::new(),
+    };
     println!("redis-server instructions per decision (callgrind, measured calls only)\n");
     println!("| case | FCALL (slidegate) | EVALSHA (the fallback) |");
     println!("|---|---|---|");

@@ -87,15 +87,18 @@ local function fail(message)
   return redis.error_reply('SLIDEGATE ' .. message)
 end
 
--- Whole numbers read so far in this call, by their text (false: not a whole number). Turning
--- text into a number costs a strtod, thousands of instructions, and a call's arguments repeat
--- ("0", "1", the same limits and windows, the same ms): a table lookup is far cheaper.
-local read
+-- Whole numbers read so far, by their text (false: not a whole number). Turning text into a
+-- number costs a strtod, thousands of instructions, and arguments repeat ("0", "1", the same
+-- limits and windows, the same ms): a table lookup is far cheaper. Kept from call to call up
+-- to about NUMBERS_KEPT of them (with `texts`), then dropped all at once when a call starts
+-- (never during one: `bind` finds here every number `check_request` read).
+local NUMBERS_KEPT = 1000
+local read, numbers_kept = {}, 0
 -- The other way: the text of a whole number, for every number this script passes to
 -- redis.call. Redis 7.0 turns a Lua number argument into text with snprintf("%.17g"), a
 -- floating-point printf of about 2,600 instructions (a tenth of a decision's cost when every
 -- number went that way); a table lookup, or a "%d" once per distinct number, is far cheaper.
-local texts
+local texts = {}
 local function whole(text)
   local v = read[text]
   if v == nil then
@@ -104,7 +107,7 @@ local function whole(text)
       v = false
     end
     if text ~= nil then
-      read[text] = v
+      read[text], numbers_kept = v, numbers_kept + 1
     end
   end
   return v or nil
@@ -115,7 +118,7 @@ local function ms(v)
   local t = texts[v]
   if t == nil then
     t = format('%d', v)
-    texts[v] = t
+    texts[v], numbers_kept = t, numbers_kept + 1
   end
   return t
 end
@@ -194,13 +197,12 @@ end
 -- fail the call with nothing written.
 local function check_request(r, a, k)
   local problem = nil
-  local now = ARGV[a]
-  local n = whole(ARGV[a + 3])
+  local now, mode, n = ARGV[a], whole(ARGV[a + 2]), whole(ARGV[a + 3])
   if now == nil or (now ~= '' and whole(now) == nil) then
     problem = 'now must be a whole number of ms or empty'
   elseif ARGV[a + 1] == nil or ARGV[a + 1] == '' then
     problem = 'member prefix is missing'
-  elseif not (whole(ARGV[a + 2]) == 0 or whole(ARGV[a + 2]) == 1 or whole(ARGV[a + 2]) == 2) then
+  elseif mode == nil or mode > 2 then
     problem = 'mode must be 0, 1 or 2'
   elseif n == nil or n < 1 then
     problem = 'descriptor count must be at least 1'
@@ -243,13 +245,17 @@ local now, prefix, mode, n
 local states = {}
 
 -- Reads the request from ARGV[a] and KEYS[k + 1] on (checked by `check_request`) into `states`.
+-- Its numbers are in `read`: `check_request` read each of these texts in this call. Only what a
+-- later step reads before writing is reset here (every step runs once per request: on a
+-- deployment's hot path each table write is a measurable share of the call).
 local function bind(a, k)
-  if ARGV[a] == '' then
+  local text = ARGV[a]
+  if text == '' then
     now = redis_now()
   else
-    now = whole(ARGV[a])
+    now = read[text]
   end
-  prefix, mode, n = ARGV[a + 1], whole(ARGV[a + 2]), whole(ARGV[a + 3])
+  prefix, mode, n = ARGV[a + 1], read[ARGV[a + 2]], read[ARGV[a + 3]]
   a = a + 4
   for i = 1, n do
     local d = states[i]
@@ -257,12 +263,14 @@ local function bind(a, k)
       d = { rule = false, hits = 0, key = false, ban = false, fits = false, records = false,
             banned = 0, ban_set = 0, cum = 0, buckets = false, st = false, size = 0, head_read = false,
             head_cum = 0, head_time = 0, pending = 0, recorded = 0, new_before = false,
-            new_time = 0 }
+            new_time = 0, trimmed = false }
       states[i] = d
     end
-    -- Read again, not looked up: the rules kept may have been dropped since the check.
-    local rule = read_rule(ARGV[a + 1])
-    d.rule, d.hits = rule, whole(ARGV[a])
+    -- Read again where it is no longer kept: the rules kept may have been dropped since the
+    -- check.
+    text = ARGV[a + 1]
+    local rule = rules[text] or read_rule(text)
+    d.rule, d.hits = rule, read[ARGV[a]]
     -- What the descriptor must fit: its hits, or 1 for a debit rule's check.
     d.size = (rule.debit and d.hits == 0) and 1 or d.hits
     d.key = KEYS[k + 1]
@@ -273,7 +281,8 @@ local function bind(a, k)
       d.ban = false
       k = k + 1
     end
-    d.fits, d.records, d.banned, d.ban_set, d.cum, d.buckets = false, false, 0, 0, 0, false
+    -- (buckets is read by a sliding_counter's step 1 before anything reads it.)
+    d.fits, d.records, d.banned, d.ban_set, d.cum = false, false, 0, 0, 0
     local st = d
     for j = 1, i - 1 do
       if states[j].key == d.key then
@@ -282,12 +291,14 @@ local function bind(a, k)
       end
     end
     if st == d then
-      d.head_read, d.head_cum, d.head_time, d.pending, d.recorded, d.new_before, d.new_time =
-        false, 0, 0, 0, 0, false, 0
+      -- head_cum, head_time and trimmed are set where head_read is, new_time where
+      -- new_before is.
+      d.head_read, d.pending, d.recorded, d.new_before = false, 0, 0, false
     end
     d.st = st
+    -- Counts are set by step 1 for every window; a first entry's time is read only with it.
     for w = 1, rule.m do
-      d[3 * w - 2], d[3 * w - 1], d[3 * w] = 0, false, 0
+      d[3 * w - 1] = false
     end
     a = a + 2
   end
@@ -295,13 +306,23 @@ end
 
 -- === sliding_log: a log of weighted entries with running totals ===
 
--- cum and weight of a member, or nil for a member of the previous format.
+-- cum and weight of a member, or nil for a member of the previous format. (Numbers from
+-- text by arithmetic, `text + 0`, which reads the text once, where `tonumber` reads it twice:
+-- the captures are digits, so the arithmetic cannot fail.)
+local MEMBER = '^(%d%d%d%d%d%d%d%d%d%d%d%d%d%d%d%d%d%d%d%d):(%d+):'
 local function parse_member(member)
-  local cum, weight = string.match(member, '^(%d%d%d%d%d%d%d%d%d%d%d%d%d%d%d%d%d%d%d%d):(%d+):')
+  local cum, weight = string.match(member, MEMBER)
   if cum == nil then
     return nil
   end
-  return tonumber(cum), tonumber(weight)
+  return cum + 0, weight + 0
+end
+
+-- The cum of a member alone (the newest entry's), or nil for a member of the previous format.
+local CUM = '^(%d%d%d%d%d%d%d%d%d%d%d%d%d%d%d%d%d%d%d%d):%d'
+local function member_cum(member)
+  local cum = string.match(member, CUM)
+  return cum and cum + 0
 end
 
 -- Rewrites a log that holds members of the previous format: every entry keeps its time, an
@@ -335,7 +356,7 @@ local function time_reaching(log, length, total, need)
   local high = math.min(call('ZCARD', log) - 1, low + need - 1)
   local probe = call('ZRANGE', log, ms(high), ms(high), 'WITHSCORES')
   if probe[1] ~= nil and parse_member(probe[1]) == total then
-    return tonumber(probe[2])
+    return probe[2] + 0
   end
   local found = nil
   while low <= high do
@@ -345,7 +366,7 @@ local function time_reaching(log, length, total, need)
       break
     end
     if parse_member(entry[1]) >= total then
-      found = tonumber(entry[2])
+      found = entry[2] + 0
       high = mid - 1
     else
       low = mid + 1
@@ -449,13 +470,13 @@ local function last_entry(log)
   if last[1] == nil then
     return 0, 0
   end
-  local cum = parse_member(last[1])
+  local cum = member_cum(last[1])
   if cum == nil then
     migrate(log)
     last = call('ZRANGE', log, '-1', '-1', 'WITHSCORES')
-    cum = parse_member(last[1])
+    cum = member_cum(last[1])
   end
-  return cum, tonumber(last[2])
+  return cum, last[2] + 0
 end
 
 -- The reset of window w of a sliding_log descriptor, from its count after the call.
@@ -503,21 +524,29 @@ local function count_and_fit(d)
       st.head_read = true
       st.head_cum, st.head_time = last_entry(d.key)
       if st.head_cum > 0 then
-        if st.head_time <= now - rule.longest then
+        st.trimmed = now - rule.longest
+        if st.head_time <= st.trimmed then
           call('DEL', d.key)
         else
-          call('ZREMRANGEBYSCORE', d.key, '-inf', ms(now - rule.longest))
+          call('ZREMRANGEBYSCORE', d.key, '-inf', ms(st.trimmed))
         end
       end
     end
     for w = 1, rule.m do
-      if st.head_cum > 0 and st.head_time > now - rule[3 * w - 1] then
-        -- The window's first entry: the cum before it and its time.
-        local first = call('ZRANGEBYSCORE', d.key, '(' .. ms(now - rule[3 * w - 1]), '+inf',
-                           'WITHSCORES', 'LIMIT', '0', '1')
+      local bound = now - rule[3 * w - 1]
+      if st.head_cum > 0 and st.head_time > bound then
+        -- The window's first entry: the cum before it and its time. Where the log was just
+        -- trimmed to this window, that is the log's first entry (found by rank: no score
+        -- range to read).
+        local first
+        if bound == st.trimmed then
+          first = call('ZRANGE', d.key, '0', '0', 'WITHSCORES')
+        else
+          first = call('ZRANGEBYSCORE', d.key, '(' .. ms(bound), '+inf', 'WITHSCORES', 'LIMIT', '0', '1')
+        end
         if first[1] ~= nil then
           local cum, weight = parse_member(first[1])
-          d[3 * w - 1], d[3 * w] = cum - weight, tonumber(first[2])
+          d[3 * w - 1], d[3 * w] = cum - weight, first[2] + 0
         end
       end
       d[3 * w - 2] = d[3 * w - 1] and (st.head_cum - d[3 * w - 1]) or 0
@@ -562,7 +591,9 @@ local function record(d, i)
   if rule.buckets == 0 then
     d.cum = st.head_cum + d.hits
     local stamp = max(now, st.head_time)
-    call('ZADD', d.key, ms(stamp), format('%020d:%d:%s:%d', d.cum, d.hits, prefix, i))
+    -- (One printf for the padded total; the rest joined from text: each directive of a
+    -- format is a printf of its own.)
+    call('ZADD', d.key, ms(stamp), format('%020d', d.cum) .. ':' .. ms(d.hits) .. ':' .. prefix .. ':' .. ms(i))
     if not st.new_before then
       st.new_before, st.new_time = st.head_cum, stamp
     end
@@ -620,14 +651,12 @@ end
 -- Decides the request whose arguments start at ARGV[a] and keys after KEYS[k]: its reply.
 local function decide(a, k)
   bind(a, k)
-  for i = 1, n do
-    count_and_fit(states[i])
-  end
-
-  -- 2. Decide.
+  -- 1. and 2. Count each descriptor, then decide. (Steps that can run in one pass over the
+  --    descriptors do: each pass costs the interpreter.)
   local enforced_fit, quota_seen, quota_fit = true, false, false
   for i = 1, n do
     local d = states[i]
+    count_and_fit(d)
     local role = d.rule.role
     if role == 0 and not d.fits then
       enforced_fit = false
@@ -644,7 +673,9 @@ local function decide(a, k)
   end
 
   -- 3. Record every fitting descriptor of an admitted request, and every debit that records
-  --    whatever the decision.
+  --    whatever the decision. 4. Keep every data key as long as its longest window, whether
+  --    or not this request recorded: a key under constant rejection must not expire and
+  --    reopen.
   for i = 1, n do
     local d = states[i]
     if d.records and (admitted or d.rule.debit) then
@@ -652,12 +683,7 @@ local function decide(a, k)
     else
       d.records = false
     end
-  end
-
-  -- 4. Keep every data key as long as its longest window, whether or not this request
-  --    recorded: a key under constant rejection must not expire and reopen.
-  for i = 1, n do
-    call('PEXPIRE', states[i].key, states[i].rule.ttl)
+    call('PEXPIRE', d.key, d.rule.ttl)
   end
 
   -- 5. Report. The reply is made with room for one recording descriptor of one window (the
@@ -675,7 +701,10 @@ end
 
 -- One call: checks every request's arguments, then decides each on its own.
 local function decide_call(keys, args)
-  KEYS, ARGV, read, texts, time_now = keys, args, {}, {}, nil
+  KEYS, ARGV, time_now = keys, args, nil
+  if numbers_kept > NUMBERS_KEPT then
+    read, texts, numbers_kept = {}, {}, 0
+  end
   if call == nil then
     tonumber, format, max, call = _G.tonumber, _G.string.format, _G.math.max, _G.redis.call
   end

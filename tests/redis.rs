@@ -644,17 +644,17 @@ fn malformed_script_arguments_get_an_error_reply() {
     assert_eq!(cli(&["ZCARD", "v:log"]), "1");
 }
 
-/// The library keeps the rules it has read from call to call, up to 1,000, then drops them all
-/// at once: a call with more distinct rules than that (the drop happens between checking its
-/// arguments and deciding them) still decides every request.
-#[test]
-fn a_call_with_more_rules_than_the_library_keeps_decides_each_request() {
-    let redis = shared_standalone();
+/// slidegate's library loaded into the shared standalone Redis, and a `redis-cli` there that
+/// takes built strings (its replies one per line).
+fn library_on_shared_redis() -> (
+    slidegate::store::redis::Library,
+    impl Fn(&[String]) -> String,
+) {
+    let port = shared_standalone().port;
     let library = slidegate::store::redis::Library::new();
-    // node_cli takes its arguments as text slices; these are built strings.
-    let cli = |args: &[String]| {
+    let cli = move |args: &[String]| {
         let args: Vec<&str> = args.iter().map(String::as_str).collect();
-        node_cli(redis.port, &args).join("\n")
+        node_cli(port, &args).join("\n")
     };
     let loaded = cli(&[
         "FUNCTION".into(),
@@ -663,6 +663,28 @@ fn a_call_with_more_rules_than_the_library_keeps_decides_each_request() {
         library.code.to_string(),
     ]);
     assert_eq!(loaded, &*library.function);
+    (library, cli)
+}
+
+/// A script reply to `requests` requests of one descriptor each, admitted, split per request:
+/// now, flags, entry, count, reset.
+fn one_descriptor_answers(reply: &str, requests: usize) -> Vec<Vec<&str>> {
+    let lines: Vec<&str> = reply.lines().collect();
+    assert_eq!(
+        lines.len(),
+        requests * 5,
+        "{}",
+        &reply[..reply.len().min(400)]
+    );
+    lines.chunks(5).map(<[&str]>::to_vec).collect()
+}
+
+/// The library keeps the rules it has read from call to call, up to 1,000, then drops them all
+/// at once: a call with more distinct rules than that (the drop happens between checking its
+/// arguments and deciding them) still decides every request.
+#[test]
+fn a_call_with_more_rules_than_the_library_keeps_decides_each_request() {
+    let (library, cli) = library_on_shared_redis();
     let requests = 1_200;
     let mut args = vec![
         "FCALL".to_string(),
@@ -683,16 +705,50 @@ fn a_call_with_more_rules_than_the_library_keeps_decides_each_request() {
         ]);
     }
     let reply = cli(&args);
-    let lines: Vec<&str> = reply.lines().collect();
-    // Each request: now, flags, entry, count, reset.
-    assert_eq!(
-        lines.len(),
-        requests * 5,
-        "{}",
-        &reply[..reply.len().min(400)]
-    );
-    for (r, answer) in lines.chunks(5).enumerate() {
+    for (r, answer) in one_descriptor_answers(&reply, requests).iter().enumerate() {
         assert_eq!(answer[..3], ["1000", "5", "1"], "request {r} was admitted");
+    }
+}
+
+/// The library keeps the numbers it has read (and their text) from call to call, and drops them
+/// all when a call starts with more than it keeps (1,000), never during a call: a call whose own
+/// arguments hold more distinct numbers than that decides each request, and the calls after the
+/// drop still count every hit (two calls of 1,200 requests on one log, each request at its own
+/// millisecond).
+#[test]
+fn calls_across_the_dropped_numbers_count_every_hit() {
+    let (library, cli) = library_on_shared_redis();
+    let requests = 1_200;
+    let mut total = 0u64;
+    for call in 0..2u64 {
+        let mut args = vec![
+            "FCALL".to_string(),
+            library.function.to_string(),
+            requests.to_string(),
+        ];
+        args.extend((0..requests).map(|_| "rl:{many-numbers}:log".to_string()));
+        args.push(requests.to_string());
+        for r in 0..requests as u64 {
+            let now = 1_000_000 + call * 10_000 + r;
+            args.extend([
+                now.to_string(),
+                format!("p{call}-{r}"),
+                "1".into(),
+                "1".into(),
+                (1 + r % 3).to_string(),
+                "0:0:0:0:1000000:100000000".into(),
+            ]);
+        }
+        let reply = cli(&args);
+        for (r, answer) in one_descriptor_answers(&reply, requests).iter().enumerate() {
+            total += 1 + r as u64 % 3;
+            let expected = total.to_string();
+            assert_eq!(
+                answer[1..4],
+                ["5", expected.as_str(), expected.as_str()],
+                "call {call}, request {r}: admitted, recorded at the running total, counted"
+            );
+        }
     }
 }
 
