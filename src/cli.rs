@@ -135,6 +135,10 @@ pub struct ServeArgs {
     /// Then wait at most this long for in-flight calls before exiting.
     #[arg(long, env = "SLIDEGATE_SHUTDOWN_GRACE", default_value = "20s", value_parser = duration_arg)]
     pub shutdown_grace: Duration,
+    /// Threads that serve calls; without it, one per CPU this process may use (its CPU
+    /// affinity and cgroup quota, e.g. a Kubernetes CPU limit, count).
+    #[arg(long, env = "SLIDEGATE_WORKER_THREADS")]
+    pub worker_threads: Option<std::num::NonZeroUsize>,
     /// Answer OK overall for every request (statuses still say what would happen).
     #[arg(long, env = "SLIDEGATE_SHADOW_MODE", action = ArgAction::SetTrue, value_parser = BoolishValueParser::new())]
     pub shadow_mode: bool,

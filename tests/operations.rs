@@ -508,6 +508,42 @@ fn start_binary(extra: &[&str]) -> (u16, u16, KillOnDrop) {
     (grpc, http, child)
 }
 
+/// Threads of process `pid` named as tokio names its workers.
+fn worker_threads(pid: u32) -> usize {
+    std::fs::read_dir(format!("/proc/{pid}/task"))
+        .expect("threads of the server")
+        .filter(|task| {
+            let comm = task.as_ref().map(|t| t.path().join("comm")).ok();
+            comm.and_then(|c| std::fs::read_to_string(c).ok())
+                .is_some_and(|name| name.trim() == "tokio-rt-worker")
+        })
+        .count()
+}
+
+/// `--worker-threads` sets how many threads serve calls (one per CPU without it); zero is
+/// refused with a message that names the flag.
+#[test]
+fn worker_threads_are_as_many_as_asked() {
+    for asked in [1, 3] {
+        let (_, _, child) = start_binary(&["--worker-threads", &asked.to_string()]);
+        assert_eq!(
+            worker_threads(child.0.id()),
+            asked,
+            "--worker-threads {asked}"
+        );
+    }
+    let cpus = std::thread::available_parallelism().map_or(1, std::num::NonZero::get);
+    let (_, _, child) = start_binary(&[]);
+    assert_eq!(worker_threads(child.0.id()), cpus, "one per CPU by default");
+    let refused = Command::new(env!("CARGO_BIN_EXE_slidegate"))
+        .args(["--worker-threads", "0"])
+        .output()
+        .expect("run slidegate");
+    let stderr = String::from_utf8_lossy(&refused.stderr);
+    assert!(!refused.status.success(), "{stderr}");
+    assert!(stderr.contains("--worker-threads"), "{stderr}");
+}
+
 /// Whether the server has closed `stream` (a read ends or fails, rather than waiting).
 fn closed_by_server(stream: &mut std::net::TcpStream) -> bool {
     use std::io::Read;

@@ -44,6 +44,10 @@ pub fn serve(args: ServeArgs, notes: Vec<String>) -> ExitCode {
     }
     let mut builder = tokio::runtime::Builder::new_multi_thread();
     builder.enable_all();
+    // Without the flag tokio starts one worker per CPU this process may use.
+    if let Some(threads) = args.worker_threads {
+        builder.worker_threads(threads.get());
+    }
     // Without the LIFO slot a woken task waits its turn instead of running next. Under load that
     // lets a connection's task find several finished responses and write them in one `writev`
     // (with the slot it ran right after each stream and wrote one at a time): about a third
