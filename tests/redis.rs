@@ -644,6 +644,61 @@ fn malformed_script_arguments_get_an_error_reply() {
     assert_eq!(cli(&["ZCARD", "v:log"]), "1");
 }
 
+/// Loading the script at start-up waits as long as connecting may (`--redis-connect-timeout`),
+/// not a decision's deadline: a Redis that holds every write for 300 ms when slidegate starts
+/// (`CLIENT PAUSE 300 WRITE`; `FUNCTION LOAD` is a write) still gets the library loaded, and the
+/// store starts, with a 15 ms decision deadline.
+#[tokio::test]
+async fn a_slow_script_load_at_start_is_waited_for() {
+    let redis = RedisProcess::start(&[]);
+    let paused = command(redis.port, "CLIENT PAUSE 300 WRITE\r\n").expect("CLIENT PAUSE");
+    assert!(paused.starts_with("+OK"), "{paused}");
+    let started = std::time::Instant::now();
+    let store = RedisStore::connect(options(redis.url(), Duration::from_millis(15))).await;
+    assert!(store.is_ok(), "start-up failed: {:?}", store.err());
+    assert!(
+        started.elapsed() >= Duration::from_millis(200),
+        "the load did not wait for the pause: {:?}",
+        started.elapsed()
+    );
+    let libraries = node_cli(redis.port, &["FUNCTION", "LIST"]).join("\n");
+    let library = slidegate::store::redis::Library::new();
+    assert!(libraries.contains(&*library.function), "{libraries}");
+}
+
+/// A script load that takes longer than connecting may (`--redis-connect-timeout`, 500 ms here:
+/// Redis holds writes for 5 s) does not stop the start: the store starts, and once Redis takes
+/// writes again the first decision loads the script and is decided.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_script_load_past_the_connect_timeout_is_left_to_the_first_call() {
+    let redis = RedisProcess::start(&[]);
+    let paused = command(redis.port, "CLIENT PAUSE 5000 WRITE\r\n").expect("CLIENT PAUSE");
+    assert!(paused.starts_with("+OK"), "{paused}");
+    let mut opts = options(redis.url(), TEST_TIMEOUT);
+    opts.connect_timeout = Duration::from_millis(500);
+    let store = RedisStore::connect(opts).await;
+    let store: Arc<dyn Store> = Arc::new(store.expect("the store starts"));
+    let libraries = node_cli(redis.port, &["FUNCTION", "LIST"]).join("\n");
+    assert!(
+        !libraries.contains("slidegate_"),
+        "loaded during the pause: {libraries}"
+    );
+    let unpaused = command(redis.port, "CLIENT UNPAUSE\r\n").expect("CLIENT UNPAUSE");
+    assert!(unpaused.starts_with("+OK"), "{unpaused}");
+    let domain = unique_domain("lateload");
+    let config = format!(
+        "domain: {domain}\ndescriptors:\n  - key: k\n    rate_limit: {{unit: hour, requests_per_unit: 1}}\n"
+    );
+    let server = TestServer::start(&config, store, LimiterOptions::default()).await;
+    let mut codes = Vec::new();
+    for _ in 0..2 {
+        let call = server.call(request(&domain, vec![descriptor(&[("k", "v")])]));
+        codes.push(call.await.overall_code);
+    }
+    assert_eq!(codes, vec![ok(), over()]);
+    server.stop().await;
+}
+
 /// slidegate's library loaded into the shared standalone Redis, and a `redis-cli` there that
 /// takes built strings (its replies one per line).
 fn library_on_shared_redis() -> (

@@ -211,7 +211,9 @@ impl PoolRecipe {
         let deadline = self.options.connect_timeout;
         let connect = async {
             pool.init().await?;
-            library.load(pool.next()).await
+            library
+                .load(pool.next(), self.options.connect_timeout)
+                .await
         };
         match tokio::time::timeout(deadline, connect).await {
             Ok(Ok(())) => Ok(pool),
@@ -393,7 +395,11 @@ fn client_config(options: &RedisOptions) -> Result<Config, StoreError> {
 }
 
 /// The pool: connected and with the script loaded when Redis is reachable, else connecting in
-/// the background.
+/// the background. Redis answered the probe, yet the pool's connections or the script may take
+/// longer than `--redis-connect-timeout` on a busy machine: then the connections keep coming up
+/// in the background and the first call loads the script (as after a `FUNCTION FLUSH`), rather
+/// than slidegate refusing to start over what waiting fixes. What waiting will not fix (a
+/// refused password, a script Redis rejects) still stops the start.
 async fn start_pool(
     recipe: &PoolRecipe,
     library: &Library,
@@ -402,14 +408,21 @@ async fn start_pool(
     let pool = recipe.build()?;
     let deadline = recipe.options.connect_timeout;
     if reachable {
-        tokio::time::timeout(deadline, pool.init())
-            .await
-            .map_err(|_| StoreError::Timeout(deadline))?
-            .map_err(|e| unavailable(&e))?;
-        library
-            .load(pool.next())
-            .await
-            .map_err(|e| unavailable(&e))?;
+        match tokio::time::timeout(deadline, pool.init()).await {
+            Ok(Ok(_)) => match library.load(pool.next(), deadline).await {
+                Ok(()) => {}
+                Err(e) if transient(&e) => tracing::warn!(
+                    error = %unavailable(&e),
+                    "the script was not loaded into Redis at start; the first call loads it"
+                ),
+                Err(e) => return Err(unavailable(&e)),
+            },
+            Ok(Err(e)) => return Err(unavailable(&e)),
+            // The connections keep coming up: dropping the wait does not stop them.
+            Err(_) => tracing::warn!(
+                "Redis answered, but the connections were not all up within {deadline:?}; they keep connecting, and calls answer by the store-failure policy until they are"
+            ),
+        }
     } else {
         let connecting = pool.clone();
         tokio::spawn(async move {
@@ -444,6 +457,7 @@ impl RedisStore {
             sender: Sender {
                 pool: Arc::new(ArcSwap::from_pointee(pool)),
                 library,
+                load_timeout: options.connect_timeout,
             },
             batcher: (!cluster).then(|| Batcher::new(CALLS_OUT, QUEUED_AT_MOST)),
             recipe,

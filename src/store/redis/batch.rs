@@ -42,6 +42,8 @@ pub(super) type Answer = Result<Vec<i64>, StoreError>;
 pub(super) struct Sender {
     pub pool: Arc<ArcSwap<Pool>>,
     pub library: Library,
+    /// How long loading the library may take (`--redis-connect-timeout`).
+    pub load_timeout: Duration,
 }
 
 impl Sender {
@@ -91,7 +93,9 @@ impl Sender {
                     loaded = true;
                     // Boxed: rare, and its future (about 7 KB) would otherwise be part of
                     // every call's, and of every decision's that awaits one.
-                    if let Err(e) = Box::pin(self.library.load(pool.next())).await {
+                    if let Err(e) =
+                        Box::pin(self.library.load(pool.next(), self.load_timeout)).await
+                    {
                         return Err(call_failed(&e));
                     }
                 }
@@ -307,6 +311,7 @@ mod tests {
         let sender = Sender {
             pool: Arc::new(ArcSwap::from_pointee(pool)),
             library: Library::new(),
+            load_timeout: Duration::from_secs(2),
         };
         let request = || Request {
             keys: Vec::new(),

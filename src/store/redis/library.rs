@@ -12,9 +12,11 @@ use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
 
 use fred::bytes_utils::Str;
 use fred::prelude::*;
+use fred::types::config::Options;
 use fred::types::scripts::Script;
 
 use super::SCRIPT;
@@ -64,8 +66,15 @@ impl Library {
     }
 
     /// Loads the library on every primary, replacing one of the same name (the same code); where
-    /// `FUNCTION LOAD` is refused, loads the script instead.
-    pub async fn load(&self, client: &Client) -> Result<(), Error> {
+    /// `FUNCTION LOAD` is refused, loads the script instead. `timeout` bounds each command:
+    /// Redis compiles the library, a few milliseconds alone and many more on a busy machine, so
+    /// the client's default (the deadline of a decision) would fail a start-up or a reload that
+    /// only had to wait, and a load given up on keeps Redis compiling anyway.
+    pub async fn load(&self, client: &Client, timeout: Duration) -> Result<(), Error> {
+        let client = client.with_options(&Options {
+            timeout: Some(timeout),
+            ..Options::default()
+        });
         match client
             .function_load_cluster::<Value, _>(true, self.code.clone())
             .await
@@ -78,7 +87,9 @@ impl Library {
                 if !self.by_script.swap(true, Ordering::Relaxed) {
                     tracing::warn!(error = %e.details(), "FUNCTION LOAD refused: the script goes by EVALSHA (slower on a lone call)");
                 }
-                self.script.load(client).await
+                client
+                    .script_load_cluster::<(), _>(self.script_code.clone())
+                    .await
             }
             Err(e) => Err(e),
         }
