@@ -191,6 +191,10 @@ fn sidecar_carries_what_the_readme_promises() {
         "Envoy reaches the sidecar on loopback: {args}"
     );
     assert!(
+        args.contains(r#""--worker-threads","1""#),
+        "a sidecar on shared cores runs one worker: {args}"
+    );
+    assert!(
         container(deployment, "envoy")["image"]
             .as_str()
             .is_some_and(|i| i.starts_with("envoyproxy/envoy:"))
