@@ -281,7 +281,7 @@ local function bind(a, k)
       d.ban = false
       k = k + 1
     end
-    -- (buckets is read by a sliding_counter's step 1 before anything reads it.)
+    -- (buckets is written by a sliding_counter's step 1 before anything reads it.)
     d.fits, d.records, d.banned, d.ban_set, d.cum = false, false, 0, 0, 0
     local st = d
     for j = 1, i - 1 do
