@@ -197,20 +197,36 @@ end
 -- fail the call with nothing written.
 local function check_request(r, a, k)
   local problem = nil
-  local now, mode, n = ARGV[a], whole(ARGV[a + 2]), whole(ARGV[a + 3])
-  if now == nil or (now ~= '' and whole(now) == nil) then
+  -- Numbers and rules read before are looked up here rather than through `whole` and
+  -- `read_rule` (false: read before, and not valid): this runs for every request of every
+  -- call, and a Lua function call costs several lookups.
+  local now, mode, n = ARGV[a], read[ARGV[a + 2]], read[ARGV[a + 3]]
+  if mode == nil then
+    mode = whole(ARGV[a + 2])
+  end
+  if n == nil then
+    n = whole(ARGV[a + 3])
+  end
+  if now == nil or (now ~= '' and not (read[now] or whole(now))) then
     problem = 'now must be a whole number of ms or empty'
   elseif ARGV[a + 1] == nil or ARGV[a + 1] == '' then
     problem = 'member prefix is missing'
-  elseif mode == nil or mode > 2 then
+  elseif not mode or mode > 2 then
     problem = 'mode must be 0, 1 or 2'
-  elseif n == nil or n < 1 then
+  elseif not n or n < 1 then
     problem = 'descriptor count must be at least 1'
   else
     a = a + 4
     for i = 1, n do
-      local rule = read_rule(ARGV[a + 1])
-      if whole(ARGV[a]) == nil or rule == nil then
+      local text, hits = ARGV[a + 1], read[ARGV[a]]
+      local rule = rules[text]
+      if rule == nil then
+        rule = read_rule(text)
+      end
+      if hits == nil then
+        hits = whole(ARGV[a])
+      end
+      if not hits or not rule then
         -- Messages are built only on failure: turning a number into text costs a printf.
         problem = 'descriptor ' .. i .. ': hits and a rule "role(0-2):ban_ms:buckets:debit(0-1):limit:window_ms(>= 1)[:limit:window_ms...]" are required'
         break
