@@ -171,7 +171,7 @@ const LAYERS: [(&str, &str); 6] = [
         "hyper's HTTP/2 stream tasks",
     ),
     (
-        "ShouldRateLimitFirst<S> as tower_service::Service",
+        "GrpcService<S> as hyper::service::service::Service",
         "  ShouldRateLimit (message, limiter, store)",
     ),
     (

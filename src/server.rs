@@ -1,13 +1,19 @@
 //! Serving: gRPC (rate limit, health, reflection) and HTTP on listeners the caller binds, until
 //! a shutdown future completes. Tests bind `127.0.0.1:0`; `main` binds the configured addresses.
 
+use std::convert::Infallible;
 use std::future::Future;
+use std::pin::Pin;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
+use futures_util::{Stream, StreamExt as _};
+use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use tokio::net::TcpListener;
 use tokio::sync::watch;
+use tonic::codegen::http::{Request as HttpRequest, Response as HttpResponse};
+use tonic::service::Routes;
 use tonic_health::ServingStatus;
 use tonic_health::pb::health_server::HealthServer;
 use tonic_health::server::HealthReporter;
@@ -18,13 +24,12 @@ use crate::metrics::Metrics;
 use crate::net::{self, ConnectionLimits, GuardedListener};
 use crate::proto::FILE_DESCRIPTOR_SET;
 use crate::proto::rate_limit_service_server::RateLimitServiceServer;
-use crate::service::{RateLimitGrpc, ShouldRateLimitFirstLayer};
+use crate::service::{GrpcBody, GrpcService, RateLimitGrpc};
+use crate::tls::server::GrpcConn;
 use crate::tls::{self, ServerTls};
 
 #[derive(Debug, thiserror::Error)]
 pub enum ServerError {
-    #[error("gRPC server failed: {0}")]
-    Grpc(#[from] tonic::transport::Error),
     #[error("HTTP server failed: {0}")]
     Http(#[from] std::io::Error),
     #[error("reflection service could not be built: {0}")]
@@ -154,12 +159,14 @@ pub async fn run(
         .grpc_tls
         .clone()
         .map(|tls| AbortOnDrop(tls.spawn_reloader(app.options.tls_reload_interval)));
-    let grpc_server = grpc_routes(&app, health_service)?.serve_with_incoming_shutdown(
+    let grpc_server = serve_grpc(
         tls::server::incoming(
             GuardedListener::new(listeners.grpc, limits),
             listeners.grpc_tls,
             limits.header_timeout(),
         ),
+        grpc_service(&app, health_service)?,
+        limits.keep_alive(),
         wait_for(stop.clone()),
     );
     let http_state = HttpState {
@@ -182,8 +189,7 @@ pub async fn run(
         ready.store(true, Ordering::SeqCst);
     }
     let servers = async {
-        let (grpc_result, ()) = tokio::join!(grpc_server, http_server);
-        grpc_result
+        tokio::join!(grpc_server, http_server);
     };
     finish_within_grace(servers, stop, app.options.shutdown_grace).await
 }
@@ -209,7 +215,7 @@ fn spawn_metrics_listener(
 /// Waits for the servers to finish, or, once `stop` is set, at most `grace` for their
 /// in-flight calls.
 async fn finish_within_grace(
-    servers: impl Future<Output = Result<(), tonic::transport::Error>>,
+    servers: impl Future<Output = ()>,
     stop: watch::Receiver<bool>,
     grace: Duration,
 ) -> Result<(), ServerError> {
@@ -218,7 +224,7 @@ async fn finish_within_grace(
         tokio::time::sleep(grace).await;
     };
     tokio::select! {
-        result = servers => result?,
+        () = servers => {}
         () = deadline => {
             tracing::warn!(grace = ?grace, "shutdown grace period over; exiting with calls still in flight");
         }
@@ -226,17 +232,12 @@ async fn finish_within_grace(
     Ok(())
 }
 
-/// tonic's router with `ShouldRateLimit` calls taken before it (`ShouldRateLimitFirst`).
-type GrpcRouter = tonic::transport::server::Router<
-    tower::layer::util::Stack<ShouldRateLimitFirstLayer, tower::layer::util::Identity>,
->;
-
-/// The gRPC services: rate limit, health, and reflection (v1 and v1alpha, so every grpcurl
-/// finds the services without proto files).
-fn grpc_routes(
+/// The gRPC services: rate limit (answered ahead of the router, see [`GrpcService`]), health,
+/// and reflection (v1 and v1alpha, so every grpcurl finds the services without proto files).
+fn grpc_service(
     app: &App,
     health_service: HealthServer<impl tonic_health::pb::health_server::Health>,
-) -> Result<GrpcRouter, ServerError> {
+) -> Result<GrpcService<Routes>, ServerError> {
     // Each version also registers the other's descriptors, so both list the same four services
     // whichever one a client (old or new grpcurl) asks.
     let reflection_v1 = tonic_reflection::server::Builder::configure()
@@ -249,17 +250,70 @@ fn grpc_routes(
         .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
         .register_encoded_file_descriptor_set(tonic_reflection::pb::v1::FILE_DESCRIPTOR_SET)
         .build_v1alpha()?;
-    let keep_alive = app.options.connections.keep_alive();
-    Ok(tonic::transport::Server::builder()
-        .http2_keepalive_interval(Some(keep_alive))
-        .http2_keepalive_timeout(Some(keep_alive))
-        .layer(ShouldRateLimitFirstLayer::new(app.limiter.clone()))
-        .add_service(health_service)
+    let routes = Routes::new(health_service)
         .add_service(reflection_v1)
         .add_service(reflection_v1alpha)
         .add_service(RateLimitServiceServer::new(RateLimitGrpc::new(
             app.limiter.clone(),
-        ))))
+        )))
+        .prepare();
+    Ok(GrpcService::new(app.limiter.clone(), routes))
+}
+
+/// Serves HTTP/2 (only: gRPC has no HTTP/1) on each connection `incoming` yields, with
+/// keep-alive pings every `keep_alive`, until `shutdown`; then takes no more connections, asks
+/// the open ones to finish (`GOAWAY`) and returns once they have. hyper serves the connections
+/// directly, without tonic's server around it (see [`GrpcService`] for what that saves).
+async fn serve_grpc<S>(
+    incoming: Pin<Box<dyn Stream<Item = std::io::Result<GrpcConn>> + Send>>,
+    service: S,
+    keep_alive: Duration,
+    shutdown: impl Future<Output = ()>,
+) where
+    S: hyper::service::Service<
+            HttpRequest<hyper::body::Incoming>,
+            Response = HttpResponse<GrpcBody>,
+            Error = Infallible,
+        > + Clone
+        + Send
+        + 'static,
+    S::Future: Send + 'static,
+{
+    let mut builder = hyper::server::conn::http2::Builder::new(TokioExecutor::new());
+    builder
+        .timer(TokioTimer::new())
+        .keep_alive_interval(keep_alive)
+        .keep_alive_timeout(keep_alive)
+        // No cap on a connection's streams, as tonic's server set (hyper's own default is
+        // 200): Envoy multiplexes a worker's calls on one connection. hyper's other defaults
+        // stay, among them its cap on streams a peer makes the server reset (1,024), which
+        // tonic's server turned off.
+        .max_concurrent_streams(None);
+    let graceful = hyper_util::server::graceful::GracefulShutdown::new();
+    tokio::pin!(shutdown);
+    {
+        // Dropped when the loop ends: the TLS acceptor behind it stops with it.
+        let mut incoming = incoming;
+        loop {
+            tokio::select! {
+                accepted = incoming.next() => match accepted {
+                    Some(Ok(io)) => {
+                        let connection = graceful
+                            .watch(builder.serve_connection(TokioIo::new(io), service.clone()));
+                        tokio::spawn(async move {
+                            if let Err(e) = connection.await {
+                                tracing::debug!("gRPC connection ended: {e}");
+                            }
+                        });
+                    }
+                    Some(Err(e)) => tracing::debug!("gRPC connection not accepted: {e}"),
+                    None => break,
+                },
+                () = &mut shutdown => break,
+            }
+        }
+    }
+    graceful.shutdown().await;
 }
 
 /// On the shutdown signal: readiness and health off at once, then after `delay` stop taking

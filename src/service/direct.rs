@@ -10,6 +10,7 @@
 use std::convert::Infallible;
 use std::pin::Pin;
 use std::task::{Context, Poll};
+use std::time::Duration;
 
 use http_body::{Frame, SizeHint};
 use http_body_util::BodyExt as _;
@@ -17,9 +18,9 @@ use prost::Message as _;
 use prost::bytes::{BufMut as _, Bytes, BytesMut};
 use tonic::Status;
 use tonic::codegen::http::header::CONTENT_TYPE;
-use tonic::codegen::http::{HeaderMap, HeaderValue};
+use tonic::codegen::http::{HeaderMap, HeaderValue, Request, Response};
 
-use super::{GrpcRequest, GrpcResponse, decide};
+use super::{BoxError, GrpcBody, decide};
 use crate::limiter::Limiter;
 use crate::proto::{RateLimitRequest, RateLimitResponse};
 
@@ -29,15 +30,52 @@ pub const MAX_REQUEST_BYTES: usize = 4 * 1024 * 1024;
 /// A gRPC message's prefix: the compressed flag and the length (big-endian `u32`).
 const PREFIX: usize = 5;
 
-/// Answers one `ShouldRateLimit` call.
-pub async fn should_rate_limit(limiter: &Limiter, request: GrpcRequest) -> GrpcResponse {
-    match answer(limiter, request).await {
+/// Answers one `ShouldRateLimit` call, within the caller's `grpc-timeout` when it sends one (as
+/// Envoy does, with its filter timeout): past it the answer is `CANCELLED`, as tonic's server
+/// answers, and whatever the decision still waited for is dropped.
+pub async fn should_rate_limit<B>(limiter: &Limiter, request: Request<B>) -> Response<GrpcBody>
+where
+    B: http_body::Body<Data = Bytes>,
+    B::Error: Into<BoxError>,
+{
+    let deadline = request.headers().get("grpc-timeout").and_then(grpc_timeout);
+    let answered = match deadline {
+        None => answer(limiter, request).await,
+        Some(deadline) => tokio::time::timeout(deadline, answer(limiter, request))
+            .await
+            .unwrap_or_else(|_| Err(Status::cancelled("Timeout expired"))),
+    };
+    match answered {
         Ok(response) => response,
-        Err(status) => status.into_http(),
+        Err(status) => status.into_http().map(GrpcBody::Other),
     }
 }
 
-async fn answer(limiter: &Limiter, request: GrpcRequest) -> Result<GrpcResponse, Status> {
+/// A `grpc-timeout` header's value (<https://github.com/grpc/grpc/blob/master/doc/PROTOCOL-HTTP2.md>:
+/// at most 8 digits and a unit). A malformed value is ignored, as tonic ignores it.
+fn grpc_timeout(value: &HeaderValue) -> Option<Duration> {
+    let value = value.to_str().ok()?;
+    let (digits, unit) = value.split_at_checked(value.len().checked_sub(1)?)?;
+    if digits.is_empty() || digits.len() > 8 || !digits.bytes().all(|b| b.is_ascii_digit()) {
+        return None;
+    }
+    let amount: u64 = digits.parse().ok()?;
+    Some(match unit {
+        "H" => Duration::from_secs(amount * 3600),
+        "M" => Duration::from_secs(amount * 60),
+        "S" => Duration::from_secs(amount),
+        "m" => Duration::from_millis(amount),
+        "u" => Duration::from_micros(amount),
+        "n" => Duration::from_nanos(amount),
+        _ => return None,
+    })
+}
+
+async fn answer<B>(limiter: &Limiter, request: Request<B>) -> Result<Response<GrpcBody>, Status>
+where
+    B: http_body::Body<Data = Bytes>,
+    B::Error: Into<BoxError>,
+{
     if let Some(encoding) = request.headers().get("grpc-encoding")
         && encoding.as_bytes() != b"identity"
     {
@@ -59,13 +97,20 @@ async fn answer(limiter: &Limiter, request: GrpcRequest) -> Result<GrpcResponse,
 
 /// The request's one message, without its prefix. Reads until the message is whole (a client
 /// that keeps the stream open after it is not waited for) or the body ends.
-async fn read_message(mut body: tonic::body::Body) -> Result<Bytes, Status> {
+async fn read_message<B>(body: B) -> Result<Bytes, Status>
+where
+    B: http_body::Body<Data = Bytes>,
+    B::Error: Into<BoxError>,
+{
+    let mut body = std::pin::pin!(body);
     // Nearly always the whole message arrives in one frame: it is used as it came, and only a
     // message spread over frames is copied together.
     let mut first: Option<Bytes> = None;
     let mut joined = BytesMut::new();
     while let Some(frame) = body.frame().await {
-        let Ok(data) = frame?.into_data() else {
+        // As tonic maps a body's error (a reset stream's reason becomes its status).
+        let frame = frame.map_err(|e| Status::from_error(e.into()))?;
+        let Ok(data) = frame.into_data() else {
             continue; // trailers: tonic adds them to the metadata, which the service never reads
         };
         if first.is_none() && joined.is_empty() {
@@ -122,17 +167,19 @@ fn whole_message(seen: &[u8]) -> Result<Option<usize>, Status> {
 }
 
 /// The response: headers, the message, and `grpc-status: 0` in the trailers.
-fn reply(message: &RateLimitResponse) -> GrpcResponse {
+fn reply(message: &RateLimitResponse) -> Response<GrpcBody> {
     let length = message.encoded_len();
     let Ok(prefix_length) = u32::try_from(length) else {
-        return Status::internal("response too large").into_http();
+        return Status::internal("response too large")
+            .into_http()
+            .map(GrpcBody::Other);
     };
     let mut framed = BytesMut::with_capacity(PREFIX + length);
     framed.put_u8(0);
     framed.put_u32(prefix_length);
     // Into a growable buffer: encoding cannot run out of room.
     message.encode_raw(&mut framed);
-    let mut response = GrpcResponse::new(tonic::body::Body::new(UnaryBody {
+    let mut response = Response::new(GrpcBody::Unary(UnaryBody {
         message: Some(framed.freeze()),
         trailers: true,
     }));
@@ -143,7 +190,7 @@ fn reply(message: &RateLimitResponse) -> GrpcResponse {
 }
 
 /// One message, then the OK trailers.
-struct UnaryBody {
+pub struct UnaryBody {
     message: Option<Bytes>,
     trailers: bool,
 }
@@ -174,5 +221,94 @@ impl http_body::Body for UnaryBody {
     fn size_hint(&self) -> SizeHint {
         let length = self.message.as_ref().map_or(0, Bytes::len);
         SizeHint::with_exact(u64::try_from(length).unwrap_or(u64::MAX))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use http_body::Body as _;
+
+    use super::*;
+
+    #[test]
+    fn grpc_timeout_reads_every_unit_and_ignores_what_is_malformed() {
+        let read = |v: &'static str| grpc_timeout(&HeaderValue::from_static(v));
+        assert_eq!(read("20m"), Some(Duration::from_millis(20)));
+        assert_eq!(read("1H"), Some(Duration::from_secs(3600)));
+        assert_eq!(read("2M"), Some(Duration::from_secs(120)));
+        assert_eq!(read("3S"), Some(Duration::from_secs(3)));
+        assert_eq!(read("250u"), Some(Duration::from_micros(250)));
+        assert_eq!(read("99999999n"), Some(Duration::from_nanos(99_999_999)));
+        for malformed in ["", "m", "20", "20x", "-5m", "123456789m", "1.5S", " 5m"] {
+            assert_eq!(read(malformed), None, "{malformed:?}");
+        }
+    }
+
+    /// A body that never sends anything: the decision waits until the caller's deadline.
+    struct Silent;
+
+    impl http_body::Body for Silent {
+        type Data = Bytes;
+        type Error = Infallible;
+
+        fn poll_frame(
+            self: Pin<&mut Self>,
+            _: &mut Context<'_>,
+        ) -> Poll<Option<Result<Frame<Bytes>, Infallible>>> {
+            Poll::Pending
+        }
+    }
+
+    fn limiter() -> Limiter {
+        Limiter::new(
+            crate::config::compile_sources(&[]).expect("no config"),
+            std::sync::Arc::new(crate::store::MemoryStore::new()),
+            std::sync::Arc::new(crate::limiter::ManualClock::new(1_767_225_600_000)),
+            crate::limiter::LimiterOptions::default(),
+        )
+    }
+
+    fn silent_call(timeout: Option<&'static str>) -> Request<Silent> {
+        let mut request = Request::new(Silent);
+        if let Some(timeout) = timeout {
+            request
+                .headers_mut()
+                .insert("grpc-timeout", HeaderValue::from_static(timeout));
+        }
+        request
+    }
+
+    /// tonic's server ended a call at the caller's `grpc-timeout` with `CANCELLED`; serving
+    /// connections with hyper directly must keep that.
+    #[tokio::test(start_paused = true)]
+    async fn a_call_ends_cancelled_at_its_grpc_timeout() {
+        let limiter = limiter();
+        let started = tokio::time::Instant::now();
+        let response = should_rate_limit(&limiter, silent_call(Some("20m"))).await;
+        assert_eq!(started.elapsed(), Duration::from_millis(20));
+        let (head, body) = response.into_parts();
+        assert_eq!(head.status, tonic::codegen::http::StatusCode::OK);
+        // Trailers-only: the status is in the headers and the body is empty.
+        assert_eq!(
+            head.headers.get("grpc-status").map(HeaderValue::as_bytes),
+            Some(&b"1"[..])
+        );
+        assert_eq!(
+            head.headers.get("grpc-message").map(HeaderValue::as_bytes),
+            Some(&b"Timeout%20expired"[..]), // percent-encoded, as gRPC sends a message
+        );
+        assert!(body.is_end_stream());
+    }
+
+    /// Without the header nothing ends the call but the caller going away.
+    #[tokio::test(start_paused = true)]
+    async fn a_call_without_grpc_timeout_waits() {
+        let limiter = limiter();
+        let call = should_rate_limit(&limiter, silent_call(None));
+        assert!(
+            tokio::time::timeout(Duration::from_secs(3600), call)
+                .await
+                .is_err()
+        );
     }
 }

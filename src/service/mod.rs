@@ -1,6 +1,7 @@
 //! The gRPC `envoy.service.ratelimit.v3.RateLimitService`: protobuf in, [`Limiter`] decides,
 //! protobuf out (conversions in [`crate::wire`]). Envoy's calls are answered by [`direct`] ahead
-//! of tonic's router; tonic's generated server answers the same service behind the router.
+//! of tonic's router ([`GrpcService`]); tonic's generated server answers the same service behind
+//! the router.
 //!
 //! [`to_status`] is the only place a failure becomes a gRPC status; see its table.
 
@@ -10,8 +11,8 @@ use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll};
 
-use futures_util::future::Either;
-use tonic::{Request, Response};
+use prost::bytes::Bytes;
+use tonic::codegen::http::{Request, Response};
 
 use crate::limiter::{Limiter, LimiterError};
 use crate::proto::rate_limit_service_server::RateLimitService;
@@ -36,11 +37,11 @@ impl RateLimitGrpc {
 impl RateLimitService for RateLimitGrpc {
     async fn should_rate_limit(
         &self,
-        request: Request<RateLimitRequest>,
-    ) -> Result<Response<RateLimitResponse>, tonic::Status> {
+        request: tonic::Request<RateLimitRequest>,
+    ) -> Result<tonic::Response<RateLimitResponse>, tonic::Status> {
         decide(&self.limiter, request.into_inner())
             .await
-            .map(Response::new)
+            .map(tonic::Response::new)
     }
 }
 
@@ -60,66 +61,98 @@ async fn decide(
 pub const SHOULD_RATE_LIMIT_PATH: &str =
     "/envoy.service.ratelimit.v3.RateLimitService/ShouldRateLimit";
 
-/// Wraps the router of every gRPC service (`S`) so that `ShouldRateLimit` calls are answered
-/// at once by [`direct`], and only the other paths (health, reflection, unknown) go through the
-/// router. The router matches a path against every service's pattern, captures and
-/// percent-decodes the method as a URL parameter, and boxes the call; tonic's unary machinery
-/// then reads and writes the message through layers of adapters. Together about a sixth of a
-/// decision's instructions (`cargo bench --bench server_cost`), for a path known in advance.
+/// The gRPC port's service: `ShouldRateLimit` calls are answered at once by [`direct`], and only
+/// the other paths (health, reflection, unknown) go to the router (`S`, tonic's `Routes`). The
+/// router matches a path against every service's pattern, captures and percent-decodes the
+/// method as a URL parameter, and boxes the call; tonic's unary machinery then reads and writes
+/// the message through layers of adapters. Together about a sixth of a decision's instructions
+/// (`cargo bench --bench server_cost`), for a path known in advance. It is hyper's service
+/// itself (`crate::server` serves connections with hyper directly): tonic's server would add a
+/// clone of the service, its timeout, error and connection-info layers, and two body adapters
+/// around each call.
 #[derive(Clone)]
-pub struct ShouldRateLimitFirst<S> {
+pub struct GrpcService<S> {
     limiter: Arc<Limiter>,
-    inner: S,
+    router: S,
 }
 
-/// The [`tower::Layer`] that makes [`ShouldRateLimitFirst`] around the router.
-#[derive(Clone)]
-pub struct ShouldRateLimitFirstLayer {
-    limiter: Arc<Limiter>,
-}
-
-impl ShouldRateLimitFirstLayer {
-    pub fn new(limiter: Arc<Limiter>) -> Self {
-        ShouldRateLimitFirstLayer { limiter }
+impl<S> GrpcService<S> {
+    pub fn new(limiter: Arc<Limiter>, router: S) -> Self {
+        GrpcService { limiter, router }
     }
 }
 
-impl<S> tower::Layer<S> for ShouldRateLimitFirstLayer {
-    type Service = ShouldRateLimitFirst<S>;
+pub type GrpcRequest = tonic::codegen::http::Request<tonic::body::Body>;
+pub type GrpcResponse = tonic::codegen::http::Response<tonic::body::Body>;
+type ServiceFuture = Pin<Box<dyn Future<Output = Result<Response<GrpcBody>, Infallible>> + Send>>;
+type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
-    fn layer(&self, inner: S) -> Self::Service {
-        ShouldRateLimitFirst {
-            limiter: self.limiter.clone(),
-            inner,
+impl<S, B> hyper::service::Service<Request<B>> for GrpcService<S>
+where
+    S: tower::Service<GrpcRequest, Response = GrpcResponse, Error = Infallible>
+        + Clone
+        + Send
+        + 'static,
+    S::Future: Send,
+    B: http_body::Body<Data = Bytes> + Send + 'static,
+    B::Error: Into<BoxError>,
+{
+    type Response = Response<GrpcBody>;
+    type Error = Infallible;
+    type Future = ServiceFuture;
+
+    fn call(&self, request: Request<B>) -> Self::Future {
+        if request.uri().path() == SHOULD_RATE_LIMIT_PATH {
+            let limiter = self.limiter.clone();
+            Box::pin(async move { Ok(direct::should_rate_limit(&limiter, request).await) })
+        } else {
+            let router = self.router.clone();
+            Box::pin(async move {
+                let request = request.map(tonic::body::Body::new);
+                let response = tower::ServiceExt::oneshot(router, request).await?;
+                Ok(response.map(GrpcBody::Other))
+            })
         }
     }
 }
 
-type GrpcRequest = tonic::codegen::http::Request<tonic::body::Body>;
-type GrpcResponse = tonic::codegen::http::Response<tonic::body::Body>;
-type DirectFuture = Pin<Box<dyn Future<Output = Result<GrpcResponse, Infallible>> + Send>>;
+/// A response body: the one message and OK trailers of [`direct`] without a box around them,
+/// or whatever the router answered.
+pub enum GrpcBody {
+    Unary(direct::UnaryBody),
+    Other(tonic::body::Body),
+}
 
-impl<S> tower::Service<GrpcRequest> for ShouldRateLimitFirst<S>
-where
-    S: tower::Service<GrpcRequest, Response = GrpcResponse, Error = Infallible>,
-{
-    type Response = GrpcResponse;
-    type Error = Infallible;
-    type Future = Either<DirectFuture, S::Future>;
+impl http_body::Body for GrpcBody {
+    type Data = Bytes;
+    type Error = tonic::Status;
 
-    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
-        // `direct` takes calls as they come; the router says for itself.
-        self.inner.poll_ready(cx)
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<http_body::Frame<Bytes>, tonic::Status>>> {
+        match self.get_mut() {
+            GrpcBody::Unary(body) => match Pin::new(body).poll_frame(cx) {
+                Poll::Ready(Some(Ok(frame))) => Poll::Ready(Some(Ok(frame))),
+                Poll::Ready(Some(Err(never))) => match never {},
+                Poll::Ready(None) => Poll::Ready(None),
+                Poll::Pending => Poll::Pending,
+            },
+            GrpcBody::Other(body) => Pin::new(body).poll_frame(cx),
+        }
     }
 
-    fn call(&mut self, request: GrpcRequest) -> Self::Future {
-        if request.uri().path() == SHOULD_RATE_LIMIT_PATH {
-            let limiter = self.limiter.clone();
-            Either::Left(Box::pin(async move {
-                Ok(direct::should_rate_limit(&limiter, request).await)
-            }))
-        } else {
-            Either::Right(self.inner.call(request))
+    fn is_end_stream(&self) -> bool {
+        match self {
+            GrpcBody::Unary(body) => body.is_end_stream(),
+            GrpcBody::Other(body) => body.is_end_stream(),
+        }
+    }
+
+    fn size_hint(&self) -> http_body::SizeHint {
+        match self {
+            GrpcBody::Unary(body) => body.size_hint(),
+            GrpcBody::Other(body) => body.size_hint(),
         }
     }
 }
@@ -147,7 +180,7 @@ mod tests {
     use prost::Message as _;
     use prost::bytes::Bytes;
     use tonic::codegen::http::{HeaderMap, HeaderValue, Method, StatusCode};
-    use tower::{Layer as _, Service as _};
+    use tower::Service as _;
 
     use super::*;
     use crate::proto::envoy::extensions::common::ratelimit::v3::RateLimitDescriptor;
@@ -231,7 +264,11 @@ mod tests {
         body: Bytes,
     }
 
-    async fn seen(response: GrpcResponse) -> Seen {
+    async fn seen<B>(response: Response<B>) -> Seen
+    where
+        B: http_body::Body<Data = Bytes>,
+        B::Error: std::fmt::Debug,
+    {
         let (parts, body) = response.into_parts();
         let collected = body.collect().await.expect("a body");
         let trailers = collected.trailers().cloned().unwrap_or_default();
@@ -329,12 +366,11 @@ mod tests {
             *response.status_mut() = StatusCode::NOT_FOUND;
             Ok::<_, Infallible>(response)
         });
-        let mut service = ShouldRateLimitFirstLayer::new(limiter()).layer(router);
+        let service = GrpcService::new(limiter(), router);
         let ok = message("d");
         let call = |path: &str| request(path, vec![framed(0, ok.len(), &ok)], &[]);
         let answer = seen(
-            service
-                .call(call(SHOULD_RATE_LIMIT_PATH))
+            hyper::service::Service::call(&service, call(SHOULD_RATE_LIMIT_PATH))
                 .await
                 .expect("infallible"),
         )
@@ -344,8 +380,7 @@ mod tests {
         let decoded = RateLimitResponse::decode(answer.body.get(5..).expect("a gRPC message"))
             .expect("a RateLimitResponse");
         assert_eq!(decoded.overall_code, 1, "OK: the first of one a minute");
-        let other = service
-            .call(call("/grpc.health.v1.Health/Check"))
+        let other = hyper::service::Service::call(&service, call("/grpc.health.v1.Health/Check"))
             .await
             .expect("infallible");
         assert_eq!(other.status(), StatusCode::NOT_FOUND, "the router answered");
