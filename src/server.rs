@@ -288,7 +288,10 @@ async fn serve_grpc<S>(
         // 200): Envoy multiplexes a worker's calls on one connection. hyper's other defaults
         // stay, among them its cap on streams a peer makes the server reset (1,024), which
         // tonic's server turned off.
-        .max_concurrent_streams(None);
+        .max_concurrent_streams(None)
+        // No `date` header: gRPC does not use it (grpc-go's and gRPC core's servers send none),
+        // and every response would encode it.
+        .auto_date_header(false);
     let graceful = hyper_util::server::graceful::GracefulShutdown::new();
     tokio::pin!(shutdown);
     {

@@ -12,7 +12,7 @@ use std::pin::Pin;
 use std::task::{Context, Poll};
 use std::time::Duration;
 
-use http_body::{Frame, SizeHint};
+use http_body::Frame;
 use http_body_util::BodyExt as _;
 use prost::Message as _;
 use prost::bytes::{BufMut as _, Bytes, BytesMut};
@@ -218,10 +218,8 @@ impl http_body::Body for UnaryBody {
         self.message.is_none() && !self.trailers
     }
 
-    fn size_hint(&self) -> SizeHint {
-        let length = self.message.as_ref().map_or(0, Bytes::len);
-        SizeHint::with_exact(u64::try_from(length).unwrap_or(u64::MAX))
-    }
+    // No `size_hint`: with an exact one hyper adds `content-length`, a header gRPC does not use
+    // (its messages carry their own length) and every response would encode.
 }
 
 #[cfg(test)]
