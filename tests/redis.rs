@@ -699,6 +699,90 @@ async fn a_script_load_past_the_connect_timeout_is_left_to_the_first_call() {
     server.stop().await;
 }
 
+/// The caller's `grpc-timeout` (Envoy sends its filter timeout) ends a call there, over a real
+/// connection: Redis holds every command (`CLIENT PAUSE ... ALL`) and the store would wait 10 s,
+/// but a call sent with `grpc-timeout: 50m` is answered `CANCELLED` long before either ends. The
+/// call goes from hyper's HTTP/2 client with the header written by hand: tonic's client would
+/// also end the call itself at the same moment, hiding whether the server did.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_callers_grpc_timeout_ends_the_call_while_redis_holds_it() {
+    use http_body_util::BodyExt as _;
+    use prost::Message as _;
+
+    let redis = RedisProcess::start(&[]);
+    let store = RedisStore::connect(options(redis.url(), Duration::from_secs(10)))
+        .await
+        .expect("the store starts");
+    let domain = unique_domain("grpctimeout");
+    let config = format!(
+        "domain: {domain}\ndescriptors:\n  - key: k\n    rate_limit: {{unit: hour, requests_per_unit: 10}}\n"
+    );
+    let server = TestServer::start(&config, Arc::new(store), LimiterOptions::default()).await;
+    let tcp = tokio::net::TcpStream::connect(server.grpc_addr)
+        .await
+        .expect("connect");
+    let (mut send, connection) = hyper::client::conn::http2::handshake(
+        hyper_util::rt::TokioExecutor::new(),
+        hyper_util::rt::TokioIo::new(tcp),
+    )
+    .await
+    .expect("HTTP/2 handshake");
+    tokio::spawn(connection);
+    let message = request(&domain, vec![descriptor(&[("k", "v")])]).encode_to_vec();
+    let mut body = vec![0u8];
+    body.extend(u32::try_from(message.len()).expect("small").to_be_bytes());
+    body.extend(message);
+    let call = |timeout: Option<&'static str>| {
+        let mut call = hyper::Request::post(format!(
+            "http://{}/envoy.service.ratelimit.v3.RateLimitService/ShouldRateLimit",
+            server.grpc_addr
+        ))
+        .header("content-type", "application/grpc")
+        .header("te", "trailers");
+        if let Some(timeout) = timeout {
+            call = call.header("grpc-timeout", timeout);
+        }
+        call.body(http_body_util::Full::new(prost::bytes::Bytes::from(
+            body.clone(),
+        )))
+        .expect("a request")
+    };
+    // The store answers while Redis runs: the script is loaded and the call path works.
+    let answered = send.send_request(call(None)).await.expect("an answer");
+    let trailers = answered.into_body().collect().await.expect("a body");
+    let status = trailers
+        .trailers()
+        .and_then(|t| t.get("grpc-status"))
+        .cloned();
+    assert_eq!(status.as_ref().map(|v| v.as_bytes()), Some(&b"0"[..]));
+
+    let paused = command(redis.port, "CLIENT PAUSE 3000 ALL\r\n").expect("CLIENT PAUSE");
+    assert!(paused.starts_with("+OK"), "{paused}");
+    let started = Instant::now();
+    let answer = tokio::time::timeout(Duration::from_secs(2), send.send_request(call(Some("50m"))))
+        .await
+        .expect("answered before the pause and the store deadline end")
+        .expect("an answer");
+    let waited = started.elapsed();
+    let headers = answer.headers();
+    assert_eq!(
+        headers.get("grpc-status").map(|v| v.as_bytes()),
+        Some(&b"1"[..]),
+        "CANCELLED, trailers-only: {headers:?}"
+    );
+    assert_eq!(
+        headers.get("grpc-message").map(|v| v.as_bytes()),
+        Some(&b"Timeout%20expired"[..])
+    );
+    assert!(
+        waited >= Duration::from_millis(50),
+        "answered at {waited:?}"
+    );
+    // The pause ends by itself (Redis holds even `CLIENT UNPAUSE` from a client during it).
+    drop(send);
+    server.stop().await;
+}
+
 /// slidegate's library loaded into the shared standalone Redis, and a `redis-cli` there that
 /// takes built strings (its replies one per line).
 fn library_on_shared_redis() -> (
