@@ -9,7 +9,8 @@
 //! instrumentation off, loads the script (as a function, and as the script slidegate falls back
 //! to where functions are refused), feeds a few warm-up calls, then turns instrumentation on for
 //! the measured calls only (fed by `redis-cli --pipe`, as slidegate sends them: one `user`
-//! descriptor per request, 1,000,000 a minute) and prints Redis's instructions per decision.
+//! descriptor per request, 1,000,000 a minute, or three on logs of their own) and prints Redis's
+//! instructions per decision (per request).
 //! Needs valgrind (`callgrind_control`, `callgrind_annotate`) and redis-server.
 #![allow(
     clippy::unwrap_used,
@@ -41,11 +42,12 @@ enum Form {
     Script,
 }
 
-/// One measured case: requests per call, whether each call reuses the same users (so their
-/// logs hold entries) or takes fresh ones, and how many calls.
+/// One measured case: requests per call and descriptors per request, whether each call reuses
+/// the same users (so their logs hold entries) or takes fresh ones, and how many calls.
 struct Case {
     name: &'static str,
     per_call: usize,
+    descriptors: usize,
     same_users: bool,
     calls: usize,
     /// The rule's window: calls come 1 ms apart, so a window shorter than the calls lets one
@@ -55,10 +57,11 @@ struct Case {
     fill: usize,
 }
 
-const CASES: [Case; 4] = [
+const CASES: [Case; 6] = [
     Case {
         name: "new descriptors, one request per call",
         per_call: 1,
+        descriptors: 1,
         same_users: false,
         calls: 3_200,
         window_ms: 60_000,
@@ -67,6 +70,7 @@ const CASES: [Case; 4] = [
     Case {
         name: "new descriptors, 32 requests per call",
         per_call: 32,
+        descriptors: 1,
         same_users: false,
         calls: 100,
         window_ms: 60_000,
@@ -75,6 +79,7 @@ const CASES: [Case; 4] = [
     Case {
         name: "logs of about 100 entries, 32 requests per call",
         per_call: 32,
+        descriptors: 1,
         same_users: true,
         calls: 100,
         window_ms: 60_000,
@@ -83,10 +88,31 @@ const CASES: [Case; 4] = [
     Case {
         name: "logs of 50 entries, one leaving per call, 32 requests per call",
         per_call: 32,
+        descriptors: 1,
         same_users: true,
         calls: 100,
         window_ms: 50,
         fill: 50,
+    },
+    // Three descriptors per request, each on a log of its own: a call carries at most 32
+    // descriptors, so 10 such requests.
+    Case {
+        name: "three new descriptors per request, 10 requests per call",
+        per_call: 10,
+        descriptors: 3,
+        same_users: false,
+        calls: 100,
+        window_ms: 60_000,
+        fill: 0,
+    },
+    Case {
+        name: "three descriptors per request on logs of about 100 entries, 10 requests per call",
+        per_call: 10,
+        descriptors: 3,
+        same_users: true,
+        calls: 100,
+        window_ms: 60_000,
+        fill: 0,
     },
 ];
 
@@ -104,14 +130,17 @@ fn commands(case: &Case, head: &[String], first_call: usize, calls: usize, tag: 
     let mut out = Vec::new();
     for c in first_call..first_call + calls {
         let mut args = head.to_vec();
-        args.push(case.per_call.to_string());
+        // numkeys, the keys, then ARGV[1], the number of requests.
+        args.push((case.per_call * case.descriptors).to_string());
         for r in 0..case.per_call {
             let user = if case.same_users {
                 r
             } else {
                 c * case.per_call + r
             };
-            args.push(format!("rl:{{bench:{tag}:user=u{user}}}:log"));
+            for d in 0..case.descriptors {
+                args.push(format!("rl:{{bench:{tag}:user=u{user}:d{d}}}:log"));
+            }
         }
         args.push(case.per_call.to_string());
         let now = 1_767_225_600_000u64 + c as u64;
@@ -121,10 +150,11 @@ fn commands(case: &Case, head: &[String], first_call: usize, calls: usize, tag: 
                 now.to_string(),
                 format!("p{c}-{r}"),
                 "1".into(),
-                "1".into(),
-                "1".into(),
-                format!("0:0:0:0:1000000:{}", case.window_ms),
+                case.descriptors.to_string(),
             ]);
+            for _ in 0..case.descriptors {
+                args.extend(["1".into(), format!("0:0:0:0:1000000:{}", case.window_ms)]);
+            }
         }
         out.extend(resp(&args));
     }
