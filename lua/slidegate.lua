@@ -136,9 +136,10 @@ end
 -- Rules read so far, by their text (false: not a rule), kept from call to call (a process's
 -- rules repeat) up to RULES_KEPT of them, then dropped all at once. A rule, once made, is only
 -- read: role, ban_ms, buckets, debit (boolean), m (windows), longest (window), ttl (the
--- data key's, as text), and per window w, in its array part: limit at [3w - 2], length in ms
--- at [3w - 1], bucket length at [3w] (sliding_counter; 0 for sliding_log). (One table per
--- rule: each table costs an allocation, and this runs for every call.)
+-- data key's, as text), one_log (one sliding_log window and no ban), and per window w, in its
+-- array part: limit at [3w - 2], length in ms at [3w - 1], bucket length at [3w]
+-- (sliding_counter; 0 for sliding_log). (One table per rule: each table costs an allocation,
+-- and this runs for every call.)
 local RULES_KEPT = 1000
 local rules, rules_kept = {}, 0
 local function read_rule(text)
@@ -179,6 +180,9 @@ local function read_rule(text)
         ttl = ttl + math.ceil(rule.longest / buckets)
       end
       rule.ttl = ms(ttl)
+      -- The common kind, which `decide_logs` and `decide_single` decide: one sliding_log
+      -- window, no ban (one field to read where three were).
+      rule.one_log = buckets == 0 and rule.ban_ms == 0 and rule.m == 1
     else
       rule = false
     end
@@ -209,7 +213,7 @@ local function check_request(r, a, k)
   end
   if now == nil or (now ~= '' and not (read[now] or whole(now))) then
     problem = 'now must be a whole number of ms or empty'
-  elseif ARGV[a + 1] == nil or ARGV[a + 1] == '' then
+  elseif (ARGV[a + 1] or '') == '' then
     problem = 'member prefix is missing'
   elseif not mode or mode > 2 then
     problem = 'mode must be 0, 1 or 2'
@@ -781,7 +785,7 @@ local function decide_logs(a, k)
   for i = 1, n do
     local text = ARGV[a + 3 + 2 * i]
     local rule = rules[text] or read_rule(text)
-    if rule.buckets ~= 0 or rule.ban_ms ~= 0 or rule.m ~= 1 then
+    if not rule.one_log then
       return nil
     end
     local key = KEYS[k + i]
@@ -861,13 +865,14 @@ end
 local function decide_single(a, k)
   local text = ARGV[a + 5]
   local rule = rules[text] or read_rule(text)
-  if rule.buckets ~= 0 or rule.ban_ms ~= 0 or rule.m ~= 1 then
+  if not rule.one_log then
     return nil
   end
   begin_request(a)
   local hits, key = read[ARGV[a + 4]], KEYS[k + 1]
   local limit, length = rule[1], rule[2]
-  local size = (rule.debit and hits == 0) and 1 or hits
+  local debit = rule.debit
+  local size = (debit and hits == 0) and 1 or hits
   -- 1. The newest entry, the trim, the window's first entry (the log was just trimmed to
   --    this window, so it is the log's first) and the count.
   local head_cum, head_time, before, time, count = trim_and_count(key, length)
@@ -876,10 +881,10 @@ local function decide_single(a, k)
   --    nothing here: only a request the caller already rejected (mode 2) records no fitting
   --    hits.
   local fits = count + size <= limit
-  local records = hits > 0 and (fits or (rule.debit and count < limit))
+  local records = hits > 0 and (fits or (debit and count < limit))
   -- 3. Record, 4. keep the key.
   local flags, cum = fits and 1 or 0, 0
-  if records and (mode ~= 2 or rule.debit) then
+  if records and (mode ~= 2 or debit) then
     cum = head_cum + hits
     local stamp = max(now, head_time)
     call('ZADD', key, ms(stamp), format('%020d', cum) .. ':' .. ms(hits) .. ':' .. prefix .. ':1')
