@@ -17,8 +17,9 @@
 -- One call carries one or more requests (requests that reached the store at the same moment),
 -- decided one after the other, each as it would be alone: a request's descriptors are admitted
 -- all together or not at all. Batching saves Redis a command, a read and a write per request.
--- The script only touches keys passed in KEYS; on Redis Cluster a call's keys share one hash
--- tag, so it runs on any master.
+-- The script only touches keys passed in KEYS (or, by the `_spread` function at the end, in
+-- ARGV); on Redis Cluster a call's keys share one hash tag, or with `_spread` sit in slots of one
+-- master.
 --
 -- KEYS, per descriptor of each request in order: its data key, then its ban key if it has a
 -- ban (a descriptor with ban_ms 0 takes one key, with a ban two):
@@ -903,8 +904,10 @@ local function decide_single(a, k)
   return { now, flags, count, reset }
 end
 
--- One call: checks every request's arguments, then decides each on its own.
-local function decide_call(keys, args)
+-- One call: checks every request's arguments, then decides each on its own. With `spread`
+-- (the `_spread` function below) the keys come first in ARGV, after their number, and the
+-- requests' arguments follow them.
+local function decide_call(keys, args, spread)
   KEYS, ARGV, time_now = keys, args, nil
   if numbers_kept > NUMBERS_KEPT then
     read, texts, numbers_kept = {}, {}, 0
@@ -912,12 +915,24 @@ local function decide_call(keys, args)
   if call == nil then
     tonumber, format, max, call = _G.tonumber, _G.string.format, _G.math.max, _G.redis.call
   end
-  local count = whole(ARGV[1])
+  local base = 0
+  if spread then
+    local m = whole(ARGV[1])
+    if m == nil or m < 1 then
+      return fail('ARGV[1] (key count) must be at least 1')
+    end
+    KEYS = {}
+    for i = 1, m do
+      KEYS[i] = ARGV[i + 1]
+    end
+    base = m + 1
+  end
+  local count = whole(ARGV[base + 1])
   if count == nil or count < 1 then
-    return fail('ARGV[1] (request count) must be at least 1')
+    return fail('ARGV[' .. (base + 1) .. '] (request count) must be at least 1')
   end
   -- Where each request's arguments and keys start: request r's at [2r - 1] and [2r].
-  local starts, a, k = {}, 2, 0
+  local starts, a, k = {}, base + 2, 0
   for r = 1, count do
     starts[2 * r - 1], starts[2 * r] = a, k
     local next_a, next_k = check_request(r, a, k)
@@ -951,4 +966,16 @@ local function decide_call(keys, args)
   return replies
 end
 
+-- The same for requests whose keys sit in several hash slots of one Redis Cluster master:
+-- FCALL slidegate_VERSION_spread 1 <any one of the keys> <key count> <keys...> <request count>
+-- <requests...>. The one declared key routes the call to the master; the others are not
+-- declared (Redis refuses declared keys of several slots), and the flag lets the function reach
+-- them while this master serves their slots. A key it no longer serves (a slot moved, or
+-- mid-migration and the key already gone) fails the request that reached for it with "Script
+-- attempted to access a non local key" before that request recorded a hit (every key of a
+-- request is read before any hit is written; what it did before is stale entries trimmed and a
+-- ban set on a descriptor over its limit, which deciding it again does alike), and the caller
+-- sends that request again on its own, keys declared, where the client follows the cluster's
+-- redirection.
+redis.register_function{function_name = 'slidegate_VERSION_spread', callback = function(keys, args) return decide_call(keys, args, true) end, flags = { 'allow-cross-slot-keys' }}
 redis.register_function('slidegate_VERSION', decide_call)

@@ -197,10 +197,11 @@ async fn a_rejecting_slot_leaves_nothing_in_the_other_counters() {
     rejecting_slot_leaves_nothing_in_the_others("sliding_counter").await;
 }
 
-/// On a cluster a request takes a place per slot among the calls in flight; one over more
-/// slots than there are places (16 per pooled connection) takes them all, and is decided.
+/// On a cluster a request over 40 slots is a call per slot, more than each master has out at
+/// once (two): the rest wait in the masters' queues and go together, and every descriptor is
+/// counted exactly once.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_request_over_more_slots_than_calls_in_flight_is_decided() {
+async fn a_request_over_more_slots_than_calls_out_is_decided() {
     let cluster = shared_cluster();
     let domain = unique_domain("many_slots");
     let config = format!(
@@ -1320,16 +1321,25 @@ fn node_cli(port: u16, args: &[&str]) -> Vec<String> {
         .collect()
 }
 
-/// Moves `slot` from the master that holds it to another, the way `redis-cli --cluster
-/// reshard` does: IMPORTING, MIGRATING, MIGRATE of its keys in batches, then SETSLOT NODE on
-/// every master. Returns the ports (from, to).
-fn migrate_slot(cluster: &RedisCluster, slot: u16) -> (u16, u16) {
-    let ports: Vec<u16> = cluster.nodes.iter().map(|n| n.port).collect();
-    let id = |port: u16| node_cli(port, &["CLUSTER", "MYID"])[0].clone();
-    let owner = *ports
+/// A cluster of the test's own and a server on it with `config`, one pool connection (the
+/// store's calls share it) and `timeout` per call.
+async fn on_own_cluster(config: &str, timeout: Duration) -> (RedisCluster, TestServer) {
+    let cluster = RedisCluster::start();
+    let mut opts = options(cluster.url(), timeout);
+    opts.pool_size = 1;
+    let store: Arc<dyn Store> = Arc::new(RedisStore::connect(opts).await.expect("connect"));
+    let server = TestServer::start(config, store, LimiterOptions::default()).await;
+    (cluster, server)
+}
+
+/// The port of the master that serves `slot`, as it says itself.
+fn owner_of(cluster: &RedisCluster, slot: u16) -> u16 {
+    cluster
+        .nodes
         .iter()
+        .map(|n| n.port)
         .find(|p| {
-            node_cli(**p, &["CLUSTER", "NODES"]).iter().any(|line| {
+            node_cli(*p, &["CLUSTER", "NODES"]).iter().any(|line| {
                 line.contains("myself")
                     && line.split_whitespace().skip(8).any(|range| {
                         let (a, b) = range.split_once('-').unwrap_or((range, range));
@@ -1340,7 +1350,196 @@ fn migrate_slot(cluster: &RedisCluster, slot: u16) -> (u16, u16) {
                     })
             })
         })
-        .expect("an owner");
+        .expect("an owner")
+}
+
+/// The script's spread function on a cluster master: requests whose keys sit in two of its
+/// slots are decided in one call; a request reaching for a key of another master's slot fails
+/// alone, with Redis's "non local key" error, and records nothing.
+#[test]
+fn a_spread_call_decides_one_masters_slots_and_refuses_others() {
+    let cluster = shared_cluster();
+    let library = slidegate::store::redis::Library::new();
+    for node in &cluster.nodes {
+        let loaded = node_cli(node.port, &["FUNCTION", "LOAD", "REPLACE", &library.code]);
+        assert_eq!(loaded, [library.function.to_string()]);
+    }
+    let domain = unique_domain("spread");
+    let key = |n: usize| format!("rl:{{{domain}-{n}}}:log");
+    // Every master's slot ranges, from one node's view: "<id> <ip:port@cport> <flags> ... <ranges>".
+    let ranges: Vec<(u16, u16, u16)> = node_cli(cluster.nodes[0].port, &["CLUSTER", "NODES"])
+        .iter()
+        .flat_map(|line| {
+            let fields: Vec<&str> = line.split_whitespace().collect();
+            let port: u16 = fields[1]
+                .split(['@', ':'])
+                .nth(1)
+                .and_then(|p| p.parse().ok())
+                .expect("a port");
+            fields[8..]
+                .iter()
+                .filter_map(|r| {
+                    let (a, b) = r.split_once('-').unwrap_or((r, r));
+                    Some((a.parse().ok()?, b.parse().ok()?, port))
+                })
+                .collect::<Vec<_>>()
+        })
+        .collect();
+    let owner = |k: &str| {
+        let s = slot(k);
+        ranges
+            .iter()
+            .find(|(a, b, _)| (*a..=*b).contains(&s))
+            .map(|r| r.2)
+            .expect("an owner")
+    };
+    let here = owner(&key(0));
+    let local: Vec<String> = (1..200)
+        .map(key)
+        .filter(|k| slot(k) != slot(&key(0)) && owner(k) == here)
+        .take(1)
+        .collect();
+    let foreign: Vec<String> = (1..200)
+        .map(key)
+        .filter(|k| owner(k) != here)
+        .take(1)
+        .collect();
+    let keys = [key(0), local[0].clone(), foreign[0].clone()];
+    let mut args = vec![
+        "FCALL".to_string(),
+        library.spread.to_string(),
+        "1".into(),
+        keys[0].clone(),
+        "3".into(),
+    ];
+    args.extend(keys.iter().cloned());
+    args.push("3".into());
+    for r in 0..3 {
+        args.extend([
+            "1000".to_string(),
+            format!("p{r}"),
+            "1".into(),
+            "1".into(),
+            "1".into(),
+            "0:0:0:0:5:60000".into(),
+        ]);
+    }
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let reply = node_cli(here, &args);
+    // Two admitted requests (now, flags, entry, count, reset), then -1 and Redis's error.
+    assert_eq!(reply.len(), 12, "{reply:?}");
+    assert_eq!(reply[..3], ["1000", "5", "1"], "{reply:?}");
+    assert_eq!(reply[5..8], ["1000", "5", "1"], "{reply:?}");
+    assert_eq!(reply[10], "-1", "{reply:?}");
+    assert!(reply[11].contains("non local key"), "{reply:?}");
+    assert_eq!(zcard(cluster, &keys[0]), 1);
+    assert_eq!(zcard(cluster, &keys[1]), 1);
+    assert_eq!(
+        zcard(cluster, &keys[2]),
+        0,
+        "the refused request recorded nothing"
+    );
+    // The same keys declared are refused before the function runs.
+    let mut declared = vec!["FCALL", &library.function, "2", &keys[0], &keys[1]];
+    declared.extend_from_slice(&args[args.len() - 13..]);
+    let refused = node_cli(here, &declared).join(" ");
+    assert!(refused.contains("CROSSSLOT"), "{refused}");
+}
+
+/// On a cluster each master's decisions share its script calls, whatever their slots, and stay
+/// exact, also right after a slot moved under the client (its routing, and slidegate's copy, out
+/// of date): the requests a master no longer serves are refused there and sent again on their
+/// own. 100 users of one team (one slot, by `tag_by`) and 200 others, 2 a minute each, three
+/// waves of concurrent requests: two admitted per user, the third refused, no errors.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_masters_slots_share_calls_and_stay_exact_when_a_slot_moves() {
+    let domain = unique_domain("node_batch");
+    let config = format!(
+        "domain: {domain}\ndescriptors:\n  - key: team\n    descriptors:\n      - key: user\n        tag_by: team\n        rate_limit: {{unit: minute, requests_per_unit: 2}}\n"
+    );
+    let (cluster, server) = on_own_cluster(&config, Duration::from_secs(2)).await;
+    let users: Vec<(String, String)> = (0..300)
+        .map(|n| {
+            let team = if n < 100 {
+                "t0".to_string()
+            } else {
+                format!("t{n}")
+            };
+            (team, format!("u{n}"))
+        })
+        .collect();
+    let wave = |server: &TestServer| {
+        let calls: Vec<_> = users
+            .iter()
+            .map(|(team, user)| {
+                let mut client = server.client.clone();
+                let request = request(&domain, vec![descriptor(&[("team", team), ("user", user)])]);
+                tokio::spawn(async move { client.should_rate_limit(request).await })
+            })
+            .collect();
+        async move {
+            let mut codes = Vec::new();
+            for call in calls {
+                let answer = call.await.expect("task").expect("an answer, not an error");
+                codes.push(answer.get_ref().overall_code);
+            }
+            codes
+        }
+    };
+    let fcalls = || -> u64 { cluster.nodes.iter().map(fcall_calls).sum() };
+    let before = fcalls();
+    let first = wave(&server).await;
+    assert!(first.iter().all(|&c| c == ok()), "{first:?}");
+    let used = fcalls() - before;
+    assert!(used < 300, "{used} script calls for 300 decisions");
+
+    let team_key = key::build(
+        &domain,
+        &[
+            Segment::Value {
+                key: "team",
+                value: "t0",
+            },
+            Segment::Value {
+                key: "user",
+                value: "u0",
+            },
+        ],
+        Variant::Configured,
+        Some("team"),
+    );
+    let moved = slot(&team_key.log());
+    let errors = |port: u16| -> u64 {
+        node_cli(port, &["INFO", "errorstats"])
+            .iter()
+            .find_map(|l| l.strip_prefix("errorstat_ERR:count="))
+            .and_then(|n| n.trim().parse().ok())
+            .unwrap_or(0)
+    };
+    let refused = || -> u64 { cluster.nodes.iter().map(|n| errors(n.port)).sum() };
+    let cluster_ref = &cluster;
+    tokio::task::block_in_place(|| migrate_slot(cluster_ref, moved));
+    let refused_before = refused();
+    let second = wave(&server).await;
+    assert!(second.iter().all(|&c| c == ok()), "{second:?}");
+    // Redis counts a script's refused key access (caught by the script) as an ERR reply.
+    assert!(
+        refused() > refused_before,
+        "a master refused requests of the moved slot"
+    );
+    let third = wave(&server).await;
+    assert!(third.iter().all(|&c| c == over()), "{third:?}");
+    assert_eq!(zcard(&cluster, &team_key.log()), 2, "u0's log moved whole");
+    server.stop().await;
+}
+
+/// Moves `slot` from the master that holds it to another, the way `redis-cli --cluster
+/// reshard` does: IMPORTING, MIGRATING, MIGRATE of its keys in batches, then SETSLOT NODE on
+/// every master. Returns the ports (from, to).
+fn migrate_slot(cluster: &RedisCluster, slot: u16) -> (u16, u16) {
+    let ports: Vec<u16> = cluster.nodes.iter().map(|n| n.port).collect();
+    let id = |port: u16| node_cli(port, &["CLUSTER", "MYID"])[0].clone();
+    let owner = owner_of(cluster, slot);
     let target = *ports.iter().find(|p| **p != owner).expect("another master");
     let (owner_id, target_id) = (id(owner), id(target));
     let s = slot.to_string();
@@ -1376,15 +1575,11 @@ fn migrate_slot(cluster: &RedisCluster, slot: u16) -> (u16, u16) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn resharding_a_hot_slot_under_load() {
     use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::SeqCst};
-    let cluster = RedisCluster::start();
     let domain = unique_domain("reshard");
     let config = format!(
         "domain: {domain}\ndescriptors:\n  - key: user\n    descriptors:\n      - key: item\n        tag_by: user\n        rate_limit: {{unit: hour, requests_per_unit: 5}}\n  - key: other\n    rate_limit: {{unit: hour, requests_per_unit: 1000000}}\n"
     );
-    let mut options = options(cluster.url(), Duration::from_millis(500));
-    options.pool_size = 1;
-    let store: Arc<dyn Store> = Arc::new(RedisStore::connect(options).await.expect("connect"));
-    let server = TestServer::start(&config, store, LimiterOptions::default()).await;
+    let (cluster, server) = on_own_cluster(&config, Duration::from_millis(500)).await;
     let hot = key::build(
         &domain,
         &[

@@ -5,8 +5,10 @@
 //!   called with `FCALL`; a missing function (restart, `FUNCTION FLUSH`, a node that never saw
 //!   it) loads it again on every primary and retries. Where `FUNCTION LOAD` is refused, the same
 //!   code goes by `EVALSHA` (`library.rs`).
-//! * On standalone Redis, requests that arrive while every call is out go together in the next
-//!   call (`batch.rs`): one `FCALL` decides tens of requests under load, each on its own.
+//! * Requests that arrive while every call to a Redis is out go together in the next call
+//!   (`batch.rs`): one `FCALL` decides tens of requests under load, each on its own. On a
+//!   cluster each master batches its own, requests of many of its slots in one call
+//!   (`nodes.rs`).
 //! * A request whose descriptors sit in several slots sends one call per slot, concurrently, in
 //!   tentative mode; if the combined answer is a rejection, members recorded by the slots that
 //!   recorded are removed again. That can briefly make other requests see a fuller log (never an
@@ -25,8 +27,10 @@ use futures_util::future::join_all;
 
 mod batch;
 mod library;
+mod nodes;
 use batch::{Batcher, Request, Sender};
 pub use library::Library;
+use nodes::Nodes;
 
 pub use crate::tls::TlsFiles;
 
@@ -78,28 +82,21 @@ pub struct RedisStore {
     /// Makes members unique across replicas: a random id per process plus a call counter.
     instance: String,
     calls: AtomicU64,
-    /// Cluster: script calls handed to the client at once; the rest wait here (see `checked`).
-    in_flight: tokio::sync::Semaphore,
-    /// The places `in_flight` holds.
-    places: usize,
     /// Standalone Redis: gathers requests that wait into one call (`batch.rs`).
     batcher: Option<Arc<Batcher>>,
+    /// Redis Cluster: the same per master (`nodes.rs`).
+    nodes: Option<Nodes>,
 }
 
 /// The longest a decision waits for its turn to be sent (a caller's own deadline, Envoy's
 /// filter timeout sent as `grpc-timeout`, ends it sooner).
 const QUEUED_AT_MOST: Duration = Duration::from_secs(1);
 
-/// Cluster: script calls sent to Redis at once, per connection of the pool: enough to keep the
-/// connections' pipelines full, few enough that a command's time with the client and Redis is
-/// its own and not a queue's.
-const IN_FLIGHT_PER_CONNECTION: usize = 16;
-
-/// Standalone Redis: script calls out at once, whatever the pool size. Redis runs one at a time,
-/// so a second keeps it busy while a reply travels back; more only queue inside Redis, where
-/// waiting counts against the store deadline (with four out, a Redis short of CPU for a few ms
-/// failed whole calls at the deadline in the benchmark; with two, none). The requests that
-/// arrive meanwhile wait here and go together in the next call.
+/// Script calls out at once to a Redis (on a cluster, to each master), whatever the pool size.
+/// Redis runs one at a time, so a second keeps it busy while a reply travels back; more only
+/// queue inside Redis, where waiting counts against the store deadline (with four out, a Redis
+/// short of CPU for a few ms failed whole calls at the deadline in the benchmark; with two,
+/// none). The requests that arrive meanwhile wait here and go together in the next call.
 const CALLS_OUT: usize = 2;
 
 /// How a script call decides (a request's third argument in `lua/slidegate.lua`).
@@ -452,7 +449,6 @@ impl RedisStore {
         });
         let library = Library::new();
         let pool = start_pool(&recipe, &library, reachable).await?;
-        let places = options.pool_size.max(1) * IN_FLIGHT_PER_CONNECTION;
         Ok(RedisStore {
             sender: Sender {
                 pool: Arc::new(ArcSwap::from_pointee(pool)),
@@ -460,6 +456,7 @@ impl RedisStore {
                 load_timeout: options.connect_timeout,
             },
             batcher: (!cluster).then(|| Batcher::new(CALLS_OUT, QUEUED_AT_MOST)),
+            nodes: cluster.then(|| Nodes::new(CALLS_OUT, QUEUED_AT_MOST)),
             recipe,
             health: Arc::new(Mutex::new(Health::default())),
             failing: std::sync::atomic::AtomicBool::new(false),
@@ -474,8 +471,6 @@ impl RedisStore {
                 )
             ),
             calls: AtomicU64::new(0),
-            in_flight: tokio::sync::Semaphore::new(places),
-            places,
         })
     }
 
@@ -558,8 +553,14 @@ impl RedisStore {
         mode: Mode,
     ) -> Result<GroupReply, StoreError> {
         let request = self.script_input(items, group, now_ms, prefix, mode);
-        let answer = match &self.batcher {
+        let batcher = match (&self.batcher, &self.nodes, request.slot) {
+            (Some(batcher), _, _) => Some(batcher.clone()),
+            (None, Some(nodes), Some(slot)) => nodes.batcher(slot, self.sender.pool.load().next()),
+            _ => None,
+        };
+        let answer = match batcher {
             Some(batcher) => batcher.submit(request, &self.sender).await,
+            // A cluster whose slots the client has not read yet: the client routes it alone.
             None => self.sender.call_one(request).await,
         };
         parse_reply(&answer?, items, group)
@@ -601,7 +602,12 @@ impl RedisStore {
             args.push(int(item.hits));
             args.push(Value::String(rule_text(item, ban_ms).into()));
         }
-        Request { keys, args }
+        // A group's keys share a slot (`groups`).
+        let slot = group
+            .first()
+            .filter(|_| self.cluster)
+            .map(|&i| fred::util::redis_keyslot(items[i].key.tag().as_bytes()));
+        Request { keys, args, slot }
     }
 
     /// With `rejected`, the request is already rejected elsewhere (`Store::check_rejected`).
@@ -884,10 +890,8 @@ impl RedisStore {
     /// reconnection once its caller was told it failed (a timer of ours dropping the call would
     /// leave it unmarked, and Redis would record hits for a call long answered with an error).
     /// Under load, decisions wait for their turn inside slidegate, where waiting sends nothing,
-    /// up to [`QUEUED_AT_MOST`]: time spent behind other calls is not Redis being slow. On a
-    /// cluster the turn is a place per script call among [`IN_FLIGHT_PER_CONNECTION`] per
-    /// connection (a request over three slots needs three: each is a call in Redis); on
-    /// standalone Redis the batcher's queue is the wait (`batch.rs`).
+    /// up to [`QUEUED_AT_MOST`]: time spent behind other calls is not Redis being slow. The
+    /// batchers' queues are the wait (`batch.rs`), one per master on a cluster.
     async fn checked(
         &self,
         items: &[CheckItem<'_>],
@@ -895,20 +899,7 @@ impl RedisStore {
         rejected: bool,
     ) -> Result<CheckOutcome, StoreError> {
         let groups = self.groups(items);
-        let result = if self.batcher.is_some() {
-            // The batcher queues (and bounds the wait) itself.
-            self.decide(items, groups, now_ms, rejected).await
-        } else {
-            // A place per call: a request over three slots is three calls in flight. A request
-            // over more slots than there are places takes them all (it would wait forever for
-            // more).
-            let calls = u32::try_from(groups.len().min(self.places)).unwrap_or(1);
-            let turn = tokio::time::timeout(QUEUED_AT_MOST, self.in_flight.acquire_many(calls));
-            match turn.await {
-                Ok(Ok(_permit)) => self.decide(items, groups, now_ms, rejected).await,
-                _ => Err(StoreError::Timeout(QUEUED_AT_MOST)),
-            }
-        };
+        let result = self.decide(items, groups, now_ms, rejected).await;
         // A protocol error is an answer: the client works.
         self.note(!matches!(
             result,

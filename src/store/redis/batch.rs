@@ -5,7 +5,10 @@
 //! while [`Batcher`]'s calls are all out waits, and the next call to go carries every request
 //! that waited: under load one `FCALL` (one socket write here, one read and one reply in Redis)
 //! decides tens of requests, while a lone request is sent at once, never held back for company.
-//! On a cluster a call's keys must share a slot, and requests rarely do: they go one per call.
+//! On a cluster each master has a batcher of its own, and a call carries requests of several of
+//! its slots by the script's spread function (see the script's end); a request the master no
+//! longer serves (a slot moved since the routing was read) is sent again on its own, its keys
+//! declared, where the client follows the cluster's redirection.
 
 use std::collections::VecDeque;
 use std::sync::{Arc, Mutex};
@@ -13,6 +16,7 @@ use std::time::Duration;
 
 use arc_swap::ArcSwap;
 use fred::prelude::*;
+use futures_util::future::join_all;
 use tokio::sync::oneshot;
 use tokio::time::Instant;
 
@@ -32,7 +36,13 @@ const DESCRIPTORS_PER_CALL: usize = 32;
 pub(super) struct Request {
     pub keys: Vec<Key>,
     pub args: Vec<Value>,
+    /// The hash slot of its keys, on a cluster (they share one).
+    pub slot: Option<u16>,
 }
+
+/// What Redis Cluster answers a script that reaches for a key of a slot its master does not
+/// serve (moved, or mid-migration with the key already gone).
+const NOT_SERVED: &str = "Script attempted to access a non local key";
 
 /// One request's answer: the script's reply for it, as integers.
 pub(super) type Answer = Result<Vec<i64>, StoreError>;
@@ -47,7 +57,7 @@ pub(super) struct Sender {
 }
 
 impl Sender {
-    /// One call carrying one request alone.
+    /// One call carrying one request alone, its keys declared.
     pub async fn call_one(&self, request: Request) -> Answer {
         self.call(vec![request])
             .await
@@ -55,20 +65,77 @@ impl Sender {
             .unwrap_or_else(|| Err(StoreError::Protocol("script reply is empty".into())))
     }
 
-    /// One call carrying `requests`; an answer per request, in order.
+    /// One call carrying `requests`; an answer per request, in order. Requests of several
+    /// cluster slots (one master's: see [`Batcher`]) go by the spread function; one it finds
+    /// its master no longer serves is sent again on its own.
     pub async fn call(&self, requests: Vec<Request>) -> Vec<Answer> {
         let count = requests.len();
-        let mut keys = Vec::with_capacity(requests.iter().map(|r| r.keys.len()).sum());
-        let mut args = Vec::with_capacity(1 + requests.iter().map(|r| r.args.len()).sum::<usize>());
-        args.push(Value::Integer(i64::try_from(count).unwrap_or(i64::MAX)));
-        for request in requests {
-            keys.extend(request.keys);
-            args.extend(request.args);
+        let spread = requests
+            .first()
+            .and_then(|first| first.slot)
+            .is_some_and(|slot| requests.iter().any(|r| r.slot != Some(slot)));
+        if spread && !self.library.spreads() {
+            // By EVALSHA a call's keys must share a slot: each request alone.
+            return join_all(requests.into_iter().map(|r| self.call_one(r))).await;
         }
-        match self.send(keys, args).await {
+        let key_count: usize = requests.iter().map(|r| r.keys.len()).sum();
+        let mut keys = Vec::with_capacity(if spread { 1 } else { key_count });
+        let mut args = Vec::with_capacity(
+            2 + key_count + requests.iter().map(|r| r.args.len()).sum::<usize>(),
+        );
+        let int = |n: usize| Value::Integer(i64::try_from(n).unwrap_or(i64::MAX));
+        if spread {
+            // The keys first, after their number; the first routes the call.
+            args.push(int(key_count));
+            for request in &requests {
+                args.extend(request.keys.iter().cloned().map(Value::from));
+            }
+            keys.extend(
+                requests
+                    .iter()
+                    .flat_map(|r| r.keys.first())
+                    .take(1)
+                    .cloned(),
+            );
+        } else {
+            for request in &requests {
+                keys.extend(request.keys.iter().cloned());
+            }
+        }
+        args.push(int(count));
+        for request in &requests {
+            args.extend(request.args.iter().cloned());
+        }
+        let answers = match self.send(keys, args, spread).await {
             Ok(reply) => split(reply, count),
             Err(e) => vec![Err(e); count],
+        };
+        if !spread {
+            return answers;
         }
+        // Requests the master no longer serves, each again on its own (nothing of theirs was
+        // recorded: see the script's end).
+        let again: Vec<usize> = (0..count).filter(|&i| not_served(&answers[i])).collect();
+        if again.is_empty() {
+            return answers;
+        }
+        tracing::debug!(
+            requests = again.len(),
+            "a master no longer serves a slot it was sent; sending those requests on their own"
+        );
+        let mut answers = answers;
+        let mut requests: Vec<Option<Request>> = requests.into_iter().map(Some).collect();
+        let resent = join_all(
+            again
+                .iter()
+                .filter_map(|&i| requests[i].take())
+                .map(|request| self.call_one(request)),
+        )
+        .await;
+        for (i, answer) in again.into_iter().zip(resent) {
+            answers[i] = answer;
+        }
+        answers
     }
 
     /// Sends until Redis answers. TRYAGAIN: a slot is being migrated and this call's keys are
@@ -76,13 +143,18 @@ impl Sender {
     /// deadline bounds the retries). A missing function (a restart, FUNCTION FLUSH, a node that
     /// never saw it): load it and send again, once. Keys and arguments are shared buffers: a
     /// copy to send again is cheap.
-    async fn send(&self, keys: Vec<Key>, args: Vec<Value>) -> Result<Value, StoreError> {
+    async fn send(
+        &self,
+        keys: Vec<Key>,
+        args: Vec<Value>,
+        spread: bool,
+    ) -> Result<Value, StoreError> {
         let mut loaded = false;
         loop {
             let pool = self.pool.load();
             let sent = self
                 .library
-                .call(pool.next(), keys.clone(), args.clone())
+                .call_as(pool.next(), keys.clone(), args.clone(), spread)
                 .await;
             match sent {
                 Ok(reply) => return Ok(reply),
@@ -105,6 +177,16 @@ impl Sender {
     }
 }
 
+/// A request of a spread call reached for a key of a slot its master does not serve.
+#[derive(Debug, thiserror::Error)]
+#[error("the master does not serve this key's slot")]
+struct NotServed;
+
+/// Whether `answer` is [`NotServed`]: the request is to be sent again on its own.
+fn not_served(answer: &Answer) -> bool {
+    matches!(answer, Err(StoreError::Unavailable { source: Some(source), .. }) if source.is::<NotServed>())
+}
+
 /// Splits the script's reply (one array per request) into the requests' answers. A reply of
 /// the wrong shape fails every request of the call.
 fn split(reply: Value, count: usize) -> Vec<Answer> {
@@ -125,6 +207,12 @@ fn answer(part: Value, bad: &dyn Fn(&str) -> StoreError) -> Answer {
     };
     if let [Value::Integer(-1), message] = values.as_slice() {
         let message = message.as_str().map(|m| m.to_string()).unwrap_or_default();
+        if message.contains(NOT_SERVED) {
+            return Err(StoreError::Unavailable {
+                context: format!("script: {message}"),
+                source: Some(Arc::new(NotServed)),
+            });
+        }
         return Err(super::request_failed(&message));
     }
     values
@@ -316,6 +404,7 @@ mod tests {
         let request = || Request {
             keys: Vec::new(),
             args: Vec::new(),
+            slot: None,
         };
         let call = sender.call_one(request());
         let batcher = Batcher::new(1, Duration::from_secs(1));

@@ -28,6 +28,9 @@ const NAME_IN_SOURCE: &str = "slidegate_VERSION";
 pub struct Library {
     /// The function to `FCALL`.
     pub function: Str,
+    /// The same for a call whose keys sit in several slots of one cluster master, passed after
+    /// their number in `ARGV` with one of them declared (see the script's end).
+    pub spread: Str,
     /// The library, for `FUNCTION LOAD`.
     pub code: Str,
     /// The same code as a script that decides when run, for `EVAL` (where functions are refused).
@@ -53,6 +56,7 @@ impl Library {
         let script_code = as_script(source);
         Library {
             code: source.replace(NAME_IN_SOURCE, &name).into(),
+            spread: format!("{name}_spread").into(),
             function: name.into(),
             script: Script::from_lua(script_code.clone()),
             script_code: script_code.into(),
@@ -63,6 +67,12 @@ impl Library {
     /// Whether calls go by `EVALSHA` (`FUNCTION LOAD` was refused).
     pub fn by_script(&self) -> bool {
         self.by_script.load(Ordering::Relaxed)
+    }
+
+    /// Whether a call may carry keys of several slots of one cluster master: only as a
+    /// function (a script sent by `EVALSHA` is refused undeclared keys of other slots).
+    pub fn spreads(&self) -> bool {
+        !self.by_script()
     }
 
     /// Loads the library on every primary, replacing one of the same name (the same code); where
@@ -104,7 +114,21 @@ impl Library {
         keys: Vec<Key>,
         args: Vec<Value>,
     ) -> Pin<Box<dyn Future<Output = Result<Value, Error>> + Send + 'a>> {
-        if self.by_script() {
+        self.call_as(client, keys, args, false)
+    }
+
+    /// [`Library::call`], by the spread function when `spread` (`keys` then holds the one key
+    /// that routes the call, and `args` all of them first: see the script's end).
+    pub fn call_as<'a>(
+        &'a self,
+        client: &'a Client,
+        keys: Vec<Key>,
+        args: Vec<Value>,
+        spread: bool,
+    ) -> Pin<Box<dyn Future<Output = Result<Value, Error>> + Send + 'a>> {
+        if spread {
+            Box::pin(client.fcall(self.spread.clone(), keys, args))
+        } else if self.by_script() {
             Box::pin(self.script.evalsha(client, keys, args))
         } else {
             Box::pin(client.fcall(self.function.clone(), keys, args))
@@ -134,11 +158,23 @@ fn refused(e: &Error) -> bool {
 }
 
 /// The library's source as a script that decides when run: no library name on its first line,
-/// and the function called at the end rather than registered. (In a script `KEYS` and `ARGV`
-/// are globals; the library declares locals of those names, hence `_G`.)
+/// no spread function, and the function called at the end rather than registered. (In a script
+/// `KEYS` and `ARGV` are globals; the library declares locals of those names, hence `_G`.)
 fn as_script(source: &str) -> String {
     let register = format!("redis.register_function('{NAME_IN_SOURCE}', decide_call)");
+    let spread = format!("redis.register_function{{function_name = '{NAME_IN_SOURCE}_spread'");
     let script = source.replacen(&format!("#!lua name={NAME_IN_SOURCE}"), "#!lua", 1);
+    let script = script
+        .lines()
+        .map(|line| {
+            if line.starts_with(&spread) {
+                "-- (a script has no spread function)"
+            } else {
+                line
+            }
+        })
+        .collect::<Vec<_>>()
+        .join("\n");
     script.replacen(&register, "return decide_call(_G.KEYS, _G.ARGV)", 1)
 }
 
@@ -186,6 +222,7 @@ mod tests {
         let script = as_script(SCRIPT);
         assert!(script.starts_with("#!lua\n"));
         assert!(!script.contains("register_function"));
+        assert!(!script.contains("_spread'"));
         assert!(
             script
                 .trim_end()
