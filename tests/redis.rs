@@ -1104,6 +1104,7 @@ fn budget_item(
         hits,
         role: slidegate::store::Role::Enforce,
         debit: true,
+        memo: None,
     }
 }
 

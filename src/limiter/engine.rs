@@ -612,6 +612,7 @@ impl<'a> Planned<'a> {
             hits,
             role: Role::Enforce,
             debit: modes.debit,
+            memo: None,
         });
         Plan::Check {
             item: self.items.len() - 1,
@@ -651,6 +652,7 @@ impl<'a> Planned<'a> {
                 Role::Enforce
             },
             debit: rule.debit || modes.debit,
+            memo: Some(&rule.store_memo),
         });
         Plan::Check {
             item: self.items.len() - 1,

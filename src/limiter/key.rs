@@ -79,6 +79,15 @@ pub fn build(
 }
 
 fn escape_into(out: &mut String, text: &str) {
+    // Names and values rarely hold a character to escape: then the text goes as it is, in one
+    // copy rather than a character at a time.
+    if !text
+        .bytes()
+        .any(|b| matches!(b, b'%' | b'{' | b'}' | b':' | b'=' | b'~'))
+    {
+        out.push_str(text);
+        return;
+    }
     for c in text.chars() {
         match c {
             '%' => out.push_str("%25"),

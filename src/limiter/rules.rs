@@ -5,10 +5,8 @@
 //! file order, then the key-only child), so its cost grows with the descriptor's depth, not with
 //! the number of rules.
 
-use std::any::Any;
 use std::collections::HashMap;
-use std::fmt;
-use std::sync::{Arc, OnceLock};
+use std::sync::Arc;
 
 use super::unit::Unit;
 use crate::store;
@@ -103,6 +101,8 @@ pub struct Rule {
     pub source: Arc<str>,
     /// The observer's data about this rule (the metrics' counters for it).
     pub observer_slot: ObserverSlot,
+    /// The store's data about this rule (the Redis store: the rule as its script reads it).
+    pub store_memo: store::Memo,
 }
 
 impl Rule {
@@ -118,42 +118,8 @@ impl Rule {
 }
 
 /// Room in each rule for an observer's own data about it (the metrics keep the rule's counters
-/// there, so that counting a decision needs no lookup by labels). Filled on the rule's first
-/// report and kept as long as the rule: a reload makes new rules and new slots. A cache, not
-/// part of the rule: any two compare equal, and a clone starts empty.
-#[derive(Default)]
-pub struct ObserverSlot(OnceLock<Box<dyn Any + Send + Sync>>);
-
-impl ObserverSlot {
-    /// The slot's value, made by `make` the first time; `None` when another type fills it.
-    pub fn get_or_init<T: Any + Send + Sync>(&self, make: impl FnOnce() -> T) -> Option<&T> {
-        self.0.get_or_init(|| Box::new(make())).downcast_ref()
-    }
-}
-
-impl Clone for ObserverSlot {
-    fn clone(&self) -> Self {
-        ObserverSlot::default()
-    }
-}
-
-impl PartialEq for ObserverSlot {
-    fn eq(&self, _: &Self) -> bool {
-        true
-    }
-}
-
-impl Eq for ObserverSlot {}
-
-impl fmt::Debug for ObserverSlot {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(if self.0.get().is_some() {
-            "ObserverSlot(filled)"
-        } else {
-            "ObserverSlot(empty)"
-        })
-    }
-}
+/// there, so that counting a decision needs no lookup by labels).
+pub type ObserverSlot = store::Memo;
 
 /// A value pattern with `*` wildcards anywhere (`foo*`, `*bar`, `a*b*c`).
 #[derive(Clone, Debug, PartialEq, Eq)]

@@ -640,6 +640,7 @@ mod tests {
             hits,
             role: Role::Enforce,
             debit: false,
+            memo: None,
         }
     }
 

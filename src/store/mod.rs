@@ -8,10 +8,11 @@
 //! (`lua/slidegate.lua`, whose header documents `KEYS`, `ARGV` and the reply). The conformance
 //! suite in `tests/` runs the same scenarios against each.
 
+use std::any::Any;
 use std::borrow::Cow;
 use std::future::Future;
 use std::pin::Pin;
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 pub mod memory;
@@ -19,6 +20,44 @@ pub mod redis;
 
 pub use memory::MemoryStore;
 pub use redis::{ClockSource, RedisOptions, RedisStore};
+
+/// Room in a configured rule for a component's own data about it, made the first time it is
+/// needed rather than on every call (the store keeps there what it sends for the rule; the
+/// metrics, the rule's counters). Kept as long as the rule: a reload makes new rules and new
+/// memos. A cache, not part of the rule: any two compare equal, and a clone starts empty.
+#[derive(Default)]
+pub struct Memo(OnceLock<Box<dyn Any + Send + Sync>>);
+
+impl Memo {
+    /// The memo's value, made by `make` the first time; `None` when another type fills it.
+    pub fn get_or_init<T: Any + Send + Sync>(&self, make: impl FnOnce() -> T) -> Option<&T> {
+        self.0.get_or_init(|| Box::new(make())).downcast_ref()
+    }
+}
+
+impl Clone for Memo {
+    fn clone(&self) -> Self {
+        Memo::default()
+    }
+}
+
+impl PartialEq for Memo {
+    fn eq(&self, _: &Self) -> bool {
+        true
+    }
+}
+
+impl Eq for Memo {}
+
+impl std::fmt::Debug for Memo {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(if self.0.get().is_some() {
+            "Memo(filled)"
+        } else {
+            "Memo(empty)"
+        })
+    }
+}
 
 /// One window as a store counts it: at most `limit` hits in any interval of `length_ms`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -140,6 +179,9 @@ pub struct CheckItem<'a> {
     /// limit, as long as every window had room for one more hit before; a check (0 hits) fits
     /// only while every window has room for one more.
     pub debit: bool,
+    /// The configured rule's memo, when the item is that rule as configured (its windows, its
+    /// algorithm and its ban): what the store makes of those once, it may keep there.
+    pub memo: Option<&'a Memo>,
 }
 
 impl CheckItem<'_> {

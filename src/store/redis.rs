@@ -22,6 +22,7 @@ use std::time::Duration;
 use arc_swap::ArcSwap;
 use tokio::time::Instant;
 
+use fred::bytes_utils::Str;
 use fred::prelude::*;
 use futures_util::future::join_all;
 
@@ -600,7 +601,7 @@ impl RedisStore {
                 keys.push(Key::from(item.key.ban()));
             }
             args.push(int(item.hits));
-            args.push(Value::String(rule_text(item, ban_ms).into()));
+            args.push(Value::String(rule_arg(item, ban_ms)));
         }
         // A group's keys share a slot (`groups`).
         let slot = group
@@ -770,6 +771,35 @@ impl GroupReply {
     /// Whether the call recorded anything (a descriptor's entry or hits) for its request.
     fn recorded(&self) -> bool {
         self.items.iter().any(|o| o.recorded)
+    }
+}
+
+/// A configured rule as the script reads it, per role and debit (what requests make of one
+/// rule: `quota_mode_all` and `debit_all` change those per request), each made the first time
+/// it is sent and kept in the rule's memo.
+#[derive(Default)]
+struct RuleTexts([std::sync::OnceLock<Str>; 6]);
+
+/// The item's rule as the script reads it, from its rule's memo when it has one: building the
+/// text was about 700 instructions and an allocation per descriptor per call (`cargo bench
+/// --bench server_cost`).
+fn rule_arg(item: &CheckItem<'_>, ban_ms: u64) -> Str {
+    let make = || Str::from(rule_text(item, ban_ms));
+    match item
+        .memo
+        .and_then(|memo| memo.get_or_init(RuleTexts::default))
+    {
+        Some(texts) => {
+            let role = match item.role {
+                Role::Enforce => 0,
+                Role::Shadow => 1,
+                Role::Quota => 2,
+            };
+            texts.0[role * 2 + usize::from(item.debit)]
+                .get_or_init(make)
+                .clone()
+        }
+        None => make(),
     }
 }
 
@@ -986,6 +1016,7 @@ mod tests {
             hits: 1,
             role: Role::Enforce,
             debit: false,
+            memo: None,
         }];
         // now, flags (fits, recorded), entry, count, reset.
         let good = [1_000, 5, 7, 1, 999];
@@ -1046,11 +1077,43 @@ mod tests {
             hits: 1,
             role: Role::Quota,
             debit: true,
+            memo: None,
         };
         assert_eq!(
             rule_text(&item, 900_000),
             "2:900000:12:1:5:1000:4294967295:86400000"
         );
+    }
+
+    #[test]
+    fn a_rules_text_is_made_once_per_role_and_debit() {
+        let memo = crate::store::Memo::default();
+        let windows = [crate::store::Window {
+            limit: 5,
+            length_ms: 1000,
+        }];
+        let item = |role, debit, memo| CheckItem {
+            key: crate::store::StoreKey::new("d:k=v", ""),
+            windows: std::borrow::Cow::Borrowed(&windows[..]),
+            algorithm: Algorithm::SlidingLog,
+            ban_ms: Some(60_000),
+            hits: 1,
+            role,
+            debit,
+            memo,
+        };
+        for role in [Role::Enforce, Role::Shadow, Role::Quota] {
+            for debit in [false, true] {
+                let first = rule_arg(&item(role, debit, Some(&memo)), 60_000);
+                let again = rule_arg(&item(role, debit, Some(&memo)), 60_000);
+                let built = rule_arg(&item(role, debit, None), 60_000);
+                assert_eq!(first, built, "{role:?} {debit}");
+                assert_eq!(&*first, rule_text(&item(role, debit, None), 60_000));
+                // Kept: the same text, not a copy.
+                assert_eq!(first.as_ptr(), again.as_ptr(), "{role:?} {debit}");
+                assert_ne!(first.as_ptr(), built.as_ptr());
+            }
+        }
     }
 
     #[test]
