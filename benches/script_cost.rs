@@ -38,6 +38,9 @@ use slidegate::store::redis::Library;
 enum Form {
     /// `FCALL` of the loaded library: what slidegate does.
     Function,
+    /// `FCALL` of the library's spread function, one key declared and all passed as arguments:
+    /// what slidegate sends a cluster master for requests of several of its slots.
+    Spread,
     /// `EVALSHA` of the same code: slidegate's fallback where `FUNCTION LOAD` is refused.
     Script,
 }
@@ -126,7 +129,14 @@ fn resp(args: &[String]) -> Vec<u8> {
 }
 
 /// `calls` calls of `case`, numbered from `first_call` (each call 1 ms after the previous).
-fn commands(case: &Case, head: &[String], first_call: usize, calls: usize, tag: &str) -> Vec<u8> {
+fn commands(
+    case: &Case,
+    head: &[String],
+    spread: bool,
+    first_call: usize,
+    calls: usize,
+    tag: &str,
+) -> Vec<u8> {
     let mut out = Vec::new();
     for c in first_call..first_call + calls {
         let mut args = head.to_vec();
@@ -155,6 +165,11 @@ fn commands(case: &Case, head: &[String], first_call: usize, calls: usize, tag: 
             for _ in 0..case.descriptors {
                 args.extend(["1".into(), format!("0:0:0:0:1000000:{}", case.window_ms)]);
             }
+        }
+        if spread {
+            // One declared key (the first), then what was numkeys becomes ARGV[1].
+            let first = args[head.len() + 1].clone();
+            args.splice(head.len()..head.len(), ["1".to_string(), first]);
         }
         out.extend(resp(&args));
     }
@@ -205,10 +220,13 @@ fn measure(case: &Case, form: Form, library: &Library, dir: &Path) -> u64 {
         callgrind::run("redis-cli", &all).trim().to_string()
     };
     let head: Vec<String> = match form {
-        Form::Function => {
+        Form::Function | Form::Spread => {
             let name = cli(&["FUNCTION", "LOAD", "REPLACE", &library.code]);
             assert_eq!(name, &*library.function, "FUNCTION LOAD");
-            vec!["FCALL".into(), name]
+            match form {
+                Form::Spread => vec!["FCALL".into(), library.spread.to_string()],
+                _ => vec!["FCALL".into(), name],
+            }
         }
         Form::Script => {
             let sha = cli(&["SCRIPT", "LOAD", &library.script_code]);
@@ -216,15 +234,16 @@ fn measure(case: &Case, form: Form, library: &Library, dir: &Path) -> u64 {
             vec!["EVALSHA".into(), sha]
         }
     };
-    pipe(port, &commands(case, &head, 0, 5, "warm"));
+    let spread = matches!(form, Form::Spread);
+    pipe(port, &commands(case, &head, spread, 0, 5, "warm"));
     if case.fill > 0 {
-        pipe(port, &commands(case, &head, 5, case.fill, "run"));
+        pipe(port, &commands(case, &head, spread, 5, case.fill, "run"));
     }
     let pid = redis.id().to_string();
     callgrind::run("callgrind_control", &["-i", "on", &pid]);
     pipe(
         port,
-        &commands(case, &head, 5 + case.fill, case.calls, "run"),
+        &commands(case, &head, spread, 5 + case.fill, case.calls, "run"),
     );
     callgrind::run("callgrind_control", &["-i", "off", &pid]);
     let _ = redis_proc::command(port, "SHUTDOWN NOSAVE");
@@ -257,12 +276,15 @@ fn main() {
         None => Library::new(),
     };
     println!("redis-server instructions per decision (callgrind, measured calls only)\n");
-    println!("| case | FCALL (slidegate) | EVALSHA (the fallback) |");
-    println!("|---|---|---|");
+    println!(
+        "| case | FCALL (slidegate) | FCALL of the spread function (a cluster master's slots) | EVALSHA (the fallback) |"
+    );
+    println!("|---|---|---|---|");
     for case in CASES.iter().filter(|c| c.name.contains(only.as_str())) {
         let function = measure(case, Form::Function, &library, &dir);
+        let spread = measure(case, Form::Spread, &library, &dir);
         let script = measure(case, Form::Script, &library, &dir);
-        println!("| {} | {function} | {script} |", case.name);
+        println!("| {} | {function} | {spread} | {script} |", case.name);
     }
     if keep.is_none() {
         let _ = std::fs::remove_dir_all(&dir);
