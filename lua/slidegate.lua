@@ -36,7 +36,7 @@
 --   prefix   member prefix, unique per request, so members are unique even within one ms
 --   mode     1 = final: admit iff every enforcing descriptor fits and, if there are quota
 --                descriptors, at least one of them fits; record only if admitted
---            0 = tentative (a request spread over several slots): record if every enforcing
+--            0 = tentative (a request spread over several masters): record if every enforcing
 --                descriptor of this call fits; the caller combines the slots' answers and
 --                removes the entries again if the request is rejected
 --            2 = rejected (another descriptor of the request is known to be over, so the

@@ -1333,6 +1333,128 @@ async fn on_own_cluster(config: &str, timeout: Duration) -> (RedisCluster, TestS
     (cluster, server)
 }
 
+/// `ERR` error replies a node has counted. A key a script reaches for on a master that does not
+/// serve its slot counts as one, even when the script catches the error.
+fn err_replies(port: u16) -> u64 {
+    node_cli(port, &["INFO", "errorstats"])
+        .iter()
+        .find_map(|l| l.strip_prefix("errorstat_ERR:count="))
+        .and_then(|n| n.trim().parse().ok())
+        .unwrap_or(0)
+}
+
+/// Which master (its port) serves each slot, as the cluster's first node sees it now.
+fn owners(cluster: &RedisCluster) -> impl Fn(u16) -> u16 {
+    // "<id> <ip:port@cport> <flags> <master> <ping> <pong> <epoch> <state> <ranges...>"
+    let ranges: Vec<(u16, u16, u16)> = node_cli(cluster.nodes[0].port, &["CLUSTER", "NODES"])
+        .iter()
+        .flat_map(|line| {
+            let fields: Vec<&str> = line.split_whitespace().collect();
+            let port: u16 = fields[1]
+                .split(['@', ':'])
+                .nth(1)
+                .and_then(|p| p.parse().ok())
+                .expect("a port");
+            fields[8..]
+                .iter()
+                .filter_map(|r| {
+                    let (a, b) = r.split_once('-').unwrap_or((r, r));
+                    Some((a.parse().ok()?, b.parse().ok()?, port))
+                })
+                .collect::<Vec<_>>()
+        })
+        .collect();
+    move |slot| {
+        ranges
+            .iter()
+            .find(|(a, b, _)| (*a..=*b).contains(&slot))
+            .map(|r| r.2)
+            .expect("an owner")
+    }
+}
+
+/// A request whose two descriptors sit in two slots of one master is one call there, decided
+/// whole: rejected by one, it records nothing in the other (no entry recorded and removed
+/// again). After the slot of one moved under the client, the master refuses the call's key of
+/// it before anything is recorded, and the request goes as a call per slot: still exact.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_over_two_slots_of_one_master_is_one_call() {
+    let domain = unique_domain("two_slots");
+    let config = format!(
+        "domain: {domain}\ndescriptors:\n  - key: a\n    rate_limit: {{unit: minute, requests_per_unit: 100}}\n  - key: b\n    rate_limit: {{unit: minute, requests_per_unit: 2}}\n"
+    );
+    let (cluster, server) = on_own_cluster(&config, Duration::from_secs(2)).await;
+    let log = |k: &'static str, v: &str| {
+        key::build(
+            &domain,
+            &[Segment::Value { key: k, value: v }],
+            Variant::Configured,
+            None,
+        )
+        .log()
+    };
+    let owner = owners(&cluster);
+    let a = log("a", "x");
+    let master = owner(slot(&a));
+    // Two values of b in slots of their own on a's master.
+    let mut taken = vec![slot(&a)];
+    let mut values = Vec::new();
+    for n in 0..2_000 {
+        let value = format!("y{n}");
+        let s = slot(&log("b", &value));
+        if owner(s) == master && !taken.contains(&s) {
+            taken.push(s);
+            values.push(value);
+        }
+    }
+    let (w, y) = (&values[0], &values[1]);
+    let both = |b: &str| {
+        request(
+            &domain,
+            vec![descriptor(&[("a", "x")]), descriptor(&[("b", b)])],
+        )
+    };
+    let node = cluster
+        .nodes
+        .iter()
+        .find(|n| n.port == master)
+        .expect("the master");
+    let (fcalls, zrems) = (fcall_calls(node), calls_of(node, "zrem"));
+    assert_eq!(server.call(both(w)).await.overall_code, ok());
+    assert_eq!(server.call(both(w)).await.overall_code, ok());
+    assert_eq!(
+        server.call(both(w)).await.overall_code,
+        over(),
+        "b allows 2"
+    );
+    assert_eq!(fcall_calls(node) - fcalls, 3, "one call per request");
+    assert_eq!(
+        calls_of(node, "zrem"),
+        zrems,
+        "nothing recorded to remove again"
+    );
+    assert_eq!((zcard(&cluster, &a), zcard(&cluster, &log("b", w))), (2, 2));
+
+    // y's slot moves after one request; the client's routing and slidegate's copy still say
+    // it is on a's master.
+    assert_eq!(server.call(both(y)).await.overall_code, ok());
+    let cluster_ref = &cluster;
+    tokio::task::block_in_place(|| migrate_slot(cluster_ref, slot(&log("b", y))));
+    let errors = || err_replies(master);
+    let refused = errors();
+    assert_eq!(server.call(both(y)).await.overall_code, ok());
+    assert!(errors() > refused, "a's master refused y's key");
+    assert_eq!(
+        server.call(both(y)).await.overall_code,
+        over(),
+        "b allows 2"
+    );
+    // a counted the two admitted requests only: the rejected one's entry, if a per-slot call
+    // recorded it, was removed again.
+    assert_eq!((zcard(&cluster, &a), zcard(&cluster, &log("b", y))), (4, 2));
+    server.stop().await;
+}
+
 /// The port of the master that serves `slot`, as it says itself.
 fn owner_of(cluster: &RedisCluster, slot: u16) -> u16 {
     cluster
@@ -1367,33 +1489,8 @@ fn a_spread_call_decides_one_masters_slots_and_refuses_others() {
     }
     let domain = unique_domain("spread");
     let key = |n: usize| format!("rl:{{{domain}-{n}}}:log");
-    // Every master's slot ranges, from one node's view: "<id> <ip:port@cport> <flags> ... <ranges>".
-    let ranges: Vec<(u16, u16, u16)> = node_cli(cluster.nodes[0].port, &["CLUSTER", "NODES"])
-        .iter()
-        .flat_map(|line| {
-            let fields: Vec<&str> = line.split_whitespace().collect();
-            let port: u16 = fields[1]
-                .split(['@', ':'])
-                .nth(1)
-                .and_then(|p| p.parse().ok())
-                .expect("a port");
-            fields[8..]
-                .iter()
-                .filter_map(|r| {
-                    let (a, b) = r.split_once('-').unwrap_or((r, r));
-                    Some((a.parse().ok()?, b.parse().ok()?, port))
-                })
-                .collect::<Vec<_>>()
-        })
-        .collect();
-    let owner = |k: &str| {
-        let s = slot(k);
-        ranges
-            .iter()
-            .find(|(a, b, _)| (*a..=*b).contains(&s))
-            .map(|r| r.2)
-            .expect("an owner")
-    };
+    let owner = owners(cluster);
+    let owner = |k: &str| owner(slot(k));
     let here = owner(&key(0));
     let local: Vec<String> = (1..200)
         .map(key)
@@ -1510,20 +1607,12 @@ async fn a_masters_slots_share_calls_and_stay_exact_when_a_slot_moves() {
         Some("team"),
     );
     let moved = slot(&team_key.log());
-    let errors = |port: u16| -> u64 {
-        node_cli(port, &["INFO", "errorstats"])
-            .iter()
-            .find_map(|l| l.strip_prefix("errorstat_ERR:count="))
-            .and_then(|n| n.trim().parse().ok())
-            .unwrap_or(0)
-    };
-    let refused = || -> u64 { cluster.nodes.iter().map(|n| errors(n.port)).sum() };
+    let refused = || -> u64 { cluster.nodes.iter().map(|n| err_replies(n.port)).sum() };
     let cluster_ref = &cluster;
     tokio::task::block_in_place(|| migrate_slot(cluster_ref, moved));
     let refused_before = refused();
     let second = wave(&server).await;
     assert!(second.iter().all(|&c| c == ok()), "{second:?}");
-    // Redis counts a script's refused key access (caught by the script) as an ERR reply.
     assert!(
         refused() > refused_before,
         "a master refused requests of the moved slot"

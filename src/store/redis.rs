@@ -9,8 +9,9 @@
 //!   (`batch.rs`): one `FCALL` decides tens of requests under load, each on its own. On a
 //!   cluster each master batches its own, requests of many of its slots in one call
 //!   (`nodes.rs`).
-//! * A request whose descriptors sit in several slots sends one call per slot, concurrently, in
-//!   tentative mode; if the combined answer is a rejection, members recorded by the slots that
+//! * A request whose descriptors sit in slots of one master is one call there, decided whole
+//!   (the script's spread function reaches the keys of all its slots). One over several masters
+//!   sends one call per master, concurrently, in tentative mode; if the combined answer is a rejection, members recorded by the slots that
 //!   recorded are removed again. That can briefly make other requests see a fuller log (never an
 //!   emptier one), so it can under-admit for a moment, never over-admit.
 //! * Every call is bounded by a deadline: a slow or dead Redis becomes a fast error.
@@ -29,7 +30,7 @@ use futures_util::future::join_all;
 mod batch;
 mod library;
 mod nodes;
-use batch::{Batcher, Request, Sender};
+use batch::{Batcher, Request, Sender, Slots, not_served};
 pub use library::Library;
 use nodes::Nodes;
 
@@ -548,23 +549,20 @@ impl RedisStore {
     async fn call_group(
         &self,
         items: &[CheckItem<'_>],
-        group: &[usize],
+        group: &Group,
         now_ms: u64,
         prefix: &str,
         mode: Mode,
     ) -> Result<GroupReply, StoreError> {
         let request = self.script_input(items, group, now_ms, prefix, mode);
-        let batcher = match (&self.batcher, &self.nodes, request.slot) {
-            (Some(batcher), _, _) => Some(batcher.clone()),
-            (None, Some(nodes), Some(slot)) => nodes.batcher(slot, self.sender.pool.load().next()),
-            _ => None,
-        };
+        let batcher = self.batcher.as_ref().or(group.master.as_ref());
         let answer = match batcher {
             Some(batcher) => batcher.submit(request, &self.sender).await,
-            // A cluster whose slots the client has not read yet: the client routes it alone.
+            // A cluster whose slots the client has not read yet, or a slot sent again after
+            // its master refused it: the client routes it alone.
             None => self.sender.call_one(request).await,
         };
-        parse_reply(&answer?, items, group)
+        parse_reply(&answer?, items, &group.items)
     }
 
     /// The script's `KEYS` and `ARGV` for the items of `group`, as one request of a call
@@ -572,11 +570,12 @@ impl RedisStore {
     fn script_input(
         &self,
         items: &[CheckItem<'_>],
-        group: &[usize],
+        group: &Group,
         now_ms: u64,
         prefix: &str,
         mode: Mode,
     ) -> Request {
+        let (group, slots) = (&group.items, group.slots);
         // Numbers go as integers and fixed words as static strings: the client writes both
         // straight into the command, with no string made per argument.
         let int = |n: u64| Value::Integer(i64::try_from(n).unwrap_or(i64::MAX));
@@ -603,19 +602,14 @@ impl RedisStore {
             args.push(int(item.hits));
             args.push(Value::String(rule_arg(item, ban_ms)));
         }
-        // A group's keys share a slot (`groups`).
-        let slot = group
-            .first()
-            .filter(|_| self.cluster)
-            .map(|&i| fred::util::redis_keyslot(items[i].key.tag().as_bytes()));
-        Request { keys, args, slot }
+        Request { keys, args, slots }
     }
 
     /// With `rejected`, the request is already rejected elsewhere (`Store::check_rejected`).
     async fn decide(
         &self,
         items: &[CheckItem<'_>],
-        groups: Vec<Vec<usize>>,
+        groups: Vec<Group>,
         now_ms: u64,
         rejected: bool,
     ) -> Result<CheckOutcome, StoreError> {
@@ -641,16 +635,22 @@ impl RedisStore {
                 .await
             }
         };
+        let (groups, replies, mode) = if replies.iter().any(not_served) {
+            // Boxed: rare, and its future would otherwise enlarge every decision's.
+            Box::pin(self.per_slot(items, groups, replies, now_ms, &prefix, mode)).await
+        } else {
+            (groups, replies, mode)
+        };
         let mut outcomes = vec![ItemOutcome::default(); items.len()];
-        let mut recorded_groups: Vec<(&Vec<usize>, u64, Vec<u64>)> = Vec::new();
+        let mut recorded_groups: Vec<(&[usize], u64, Vec<u64>)> = Vec::new();
         let mut first_error = None;
         for (group, reply) in groups.iter().zip(replies) {
             match reply {
                 Ok(reply) => {
                     if reply.recorded() {
-                        recorded_groups.push((group, reply.now_ms, reply.entries));
+                        recorded_groups.push((&group.items, reply.now_ms, reply.entries));
                     }
-                    for (&i, outcome) in group.iter().zip(reply.items) {
+                    for (&i, outcome) in group.items.iter().zip(reply.items) {
                         outcomes[i] = outcome;
                     }
                 }
@@ -675,6 +675,49 @@ impl RedisStore {
         }
     }
 
+    /// The groups of several slots whose master refused one of their keys (it no longer serves
+    /// that slot), sent again as a call per slot, where the client follows the cluster's
+    /// redirections: tentatively, as the request now spans several calls, unless it was already
+    /// rejected. Such a group recorded nothing (see the end of `lua/slidegate.lua`); the other
+    /// groups' replies stand (they were tentative, as the request had several groups).
+    async fn per_slot(
+        &self,
+        items: &[CheckItem<'_>],
+        groups: Vec<Group>,
+        replies: Vec<Result<GroupReply, StoreError>>,
+        now_ms: u64,
+        prefix: &str,
+        mode: Mode,
+    ) -> (Vec<Group>, Vec<Result<GroupReply, StoreError>>, Mode) {
+        let mut kept = Vec::with_capacity(groups.len() + 2);
+        let mut again = Vec::new();
+        for (group, reply) in groups.into_iter().zip(replies) {
+            if group.slots == Slots::Several && not_served(&reply) {
+                again.extend(self.slot_groups(items, &group.items));
+            } else {
+                kept.push((group, reply));
+            }
+        }
+        tracing::debug!(
+            calls = again.len(),
+            "a master no longer serves every slot of a request: a call per slot"
+        );
+        let mode = if mode == Mode::Rejected {
+            mode
+        } else {
+            Mode::Tentative
+        };
+        let replies = join_all(
+            again
+                .iter()
+                .map(|g| self.call_group(items, g, now_ms, prefix, mode)),
+        )
+        .await;
+        kept.extend(again.into_iter().zip(replies));
+        let (groups, replies) = kept.into_iter().unzip();
+        (groups, replies, mode)
+    }
+
     /// Removes the entries a rejected request recorded in the slots that admitted it (debits
     /// stay: that usage happened). A removed log entry leaves the running totals of later
     /// entries as they were, so windows that still hold an earlier entry count its hits until
@@ -682,7 +725,7 @@ impl RedisStore {
     async fn undo(
         &self,
         items: &[CheckItem<'_>],
-        groups: &[(&Vec<usize>, u64, Vec<u64>)],
+        groups: &[(&[usize], u64, Vec<u64>)],
         prefix: &str,
         outcomes: &mut [ItemOutcome],
     ) {
@@ -743,21 +786,72 @@ impl RedisStore {
         }
     }
 
-    /// One group per hash slot on a cluster; a single group on standalone Redis.
-    fn groups(&self, items: &[CheckItem<'_>]) -> Vec<Vec<usize>> {
-        if !self.cluster {
-            return vec![(0..items.len()).collect()];
-        }
-        let mut groups: Vec<(u16, Vec<usize>)> = Vec::new();
-        for (i, item) in items.iter().enumerate() {
-            let slot = fred::util::redis_keyslot(item.key.tag().as_bytes());
-            match groups.iter_mut().find(|(s, _)| *s == slot) {
-                Some((_, members)) => members.push(i),
-                None => groups.push((slot, vec![i])),
+    /// A single group on standalone Redis. On a cluster, one group per master that serves
+    /// the items' slots (a call of the spread function reaches them all: see *The script* in
+    /// the README), or, while the masters are not known or the script goes by `EVALSHA`, one
+    /// per slot.
+    fn groups(&self, items: &[CheckItem<'_>]) -> Vec<Group> {
+        let Some(nodes) = &self.nodes else {
+            return vec![Group {
+                items: (0..items.len()).collect(),
+                slots: Slots::Standalone,
+                master: None,
+            }];
+        };
+        let mut groups = self.slot_groups(items, &(0..items.len()).collect::<Vec<_>>());
+        let pool = self.sender.pool.load();
+        for group in &mut groups {
+            if let Slots::One(slot) = group.slots {
+                group.master = nodes.batcher(slot, pool.next());
             }
         }
-        groups.into_iter().map(|(_, g)| g).collect()
+        if groups.len() == 1 || !self.sender.library.spreads() {
+            return groups;
+        }
+        // Slots of one master in one group.
+        let mut merged: Vec<Group> = Vec::with_capacity(groups.len());
+        for group in groups {
+            let same = merged
+                .iter_mut()
+                .find(|m| match (&m.master, &group.master) {
+                    (Some(a), Some(b)) => Arc::ptr_eq(a, b),
+                    _ => false,
+                });
+            match same {
+                Some(m) => {
+                    m.items.extend(group.items);
+                    m.slots = Slots::Several;
+                }
+                None => merged.push(group),
+            }
+        }
+        merged
     }
+
+    /// One group per hash slot of the items at `members`, each with no master chosen.
+    fn slot_groups(&self, items: &[CheckItem<'_>], members: &[usize]) -> Vec<Group> {
+        let mut groups: Vec<Group> = Vec::new();
+        for &i in members {
+            let slot = Slots::One(fred::util::redis_keyslot(items[i].key.tag().as_bytes()));
+            match groups.iter_mut().find(|g| g.slots == slot) {
+                Some(group) => group.items.push(i),
+                None => groups.push(Group {
+                    items: vec![i],
+                    slots: slot,
+                    master: None,
+                }),
+            }
+        }
+        groups
+    }
+}
+
+/// Items of a request that go in one script call.
+struct Group {
+    items: Vec<usize>,
+    slots: Slots,
+    /// On a cluster, the batcher of the master that serves them, when known.
+    master: Option<Arc<Batcher>>,
 }
 
 struct GroupReply {

@@ -36,8 +36,18 @@ const DESCRIPTORS_PER_CALL: usize = 32;
 pub(super) struct Request {
     pub keys: Vec<Key>,
     pub args: Vec<Value>,
-    /// The hash slot of its keys, on a cluster (they share one).
-    pub slot: Option<u16>,
+    pub slots: Slots,
+}
+
+/// Where a request's keys sit.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Slots {
+    /// Standalone Redis: no slots.
+    Standalone,
+    /// A cluster: one hash slot holds them all.
+    One(u16),
+    /// A cluster: several slots of one master (the routing said so when the request was made).
+    Several,
 }
 
 /// What Redis Cluster answers a script that reaches for a key of a slot its master does not
@@ -57,7 +67,8 @@ pub(super) struct Sender {
 }
 
 impl Sender {
-    /// One call carrying one request alone, its keys declared.
+    /// One call carrying one request alone (its keys declared, unless they sit in several
+    /// slots).
     pub async fn call_one(&self, request: Request) -> Answer {
         self.call(vec![request])
             .await
@@ -66,17 +77,25 @@ impl Sender {
     }
 
     /// One call carrying `requests`; an answer per request, in order. Requests of several
-    /// cluster slots (one master's: see [`Batcher`]) go by the spread function; one it finds
-    /// its master no longer serves is sent again on its own.
+    /// cluster slots (one master's: see [`Batcher`]) go by the spread function; a request of
+    /// one slot that its master no longer serves is sent again on its own, and one of several
+    /// slots is answered [`NotServed`], for the caller to send a call per slot.
     pub async fn call(&self, requests: Vec<Request>) -> Vec<Answer> {
         let count = requests.len();
-        let spread = requests
-            .first()
-            .and_then(|first| first.slot)
-            .is_some_and(|slot| requests.iter().any(|r| r.slot != Some(slot)));
+        let spread = match requests.first().map(|first| first.slots) {
+            Some(Slots::One(slot)) => requests.iter().any(|r| r.slots != Slots::One(slot)),
+            Some(Slots::Several) => true,
+            Some(Slots::Standalone) | None => false,
+        };
         if spread && !self.library.spreads() {
-            // By EVALSHA a call's keys must share a slot: each request alone.
-            return join_all(requests.into_iter().map(|r| self.call_one(r))).await;
+            // By EVALSHA a call's keys must share a slot: each request of one slot alone.
+            return join_all(requests.into_iter().map(|r| async move {
+                match r.slots {
+                    Slots::Several => Err(not_served_error("the script goes by EVALSHA")),
+                    _ => self.call_one(r).await,
+                }
+            }))
+            .await;
         }
         let key_count: usize = requests.iter().map(|r| r.keys.len()).sum();
         let mut keys = Vec::with_capacity(if spread { 1 } else { key_count });
@@ -113,9 +132,11 @@ impl Sender {
         if !spread {
             return answers;
         }
-        // Requests the master no longer serves, each again on its own (nothing of theirs was
-        // recorded: see the script's end).
-        let again: Vec<usize> = (0..count).filter(|&i| not_served(&answers[i])).collect();
+        // Requests of one slot the master no longer serves, each again on its own (nothing of
+        // theirs was recorded: see the script's end).
+        let again: Vec<usize> = (0..count)
+            .filter(|&i| requests[i].slots != Slots::Several && not_served(&answers[i]))
+            .collect();
         if again.is_empty() {
             return answers;
         }
@@ -182,8 +203,15 @@ impl Sender {
 #[error("the master does not serve this key's slot")]
 struct NotServed;
 
-/// Whether `answer` is [`NotServed`]: the request is to be sent again on its own.
-fn not_served(answer: &Answer) -> bool {
+fn not_served_error(why: &str) -> StoreError {
+    StoreError::Unavailable {
+        context: format!("script: {why}"),
+        source: Some(Arc::new(NotServed)),
+    }
+}
+
+/// Whether `answer` is [`NotServed`]: the request is to be sent again, a call per slot.
+pub(super) fn not_served(answer: &Result<impl Sized, StoreError>) -> bool {
     matches!(answer, Err(StoreError::Unavailable { source: Some(source), .. }) if source.is::<NotServed>())
 }
 
@@ -208,10 +236,7 @@ fn answer(part: Value, bad: &dyn Fn(&str) -> StoreError) -> Answer {
     if let [Value::Integer(-1), message] = values.as_slice() {
         let message = message.as_str().map(|m| m.to_string()).unwrap_or_default();
         if message.contains(NOT_SERVED) {
-            return Err(StoreError::Unavailable {
-                context: format!("script: {message}"),
-                source: Some(Arc::new(NotServed)),
-            });
+            return Err(not_served_error(&message));
         }
         return Err(super::request_failed(&message));
     }
@@ -404,7 +429,7 @@ mod tests {
         let request = || Request {
             keys: Vec::new(),
             args: Vec::new(),
-            slot: None,
+            slots: Slots::Standalone,
         };
         let call = sender.call_one(request());
         let batcher = Batcher::new(1, Duration::from_secs(1));
