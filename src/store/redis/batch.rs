@@ -98,40 +98,44 @@ impl Sender {
             .await;
         }
         let key_count: usize = requests.iter().map(|r| r.keys.len()).sum();
-        let mut keys = Vec::with_capacity(if spread { 1 } else { key_count });
-        let mut args = Vec::with_capacity(
-            2 + key_count + requests.iter().map(|r| r.args.len()).sum::<usize>(),
-        );
+        let arg_count: usize = requests.iter().map(|r| r.args.len()).sum();
         let int = |n: usize| Value::Integer(i64::try_from(n).unwrap_or(i64::MAX));
-        if spread {
-            // The keys first, after their number; the first routes the call.
-            args.push(int(key_count));
-            for request in &requests {
-                args.extend(request.keys.iter().cloned().map(Value::from));
+        if !spread {
+            // Keys declared; the requests are not needed after this call, so their parts move.
+            let mut keys = Vec::with_capacity(key_count);
+            let mut args = Vec::with_capacity(1 + arg_count);
+            args.push(int(count));
+            for request in requests {
+                keys.extend(request.keys);
+                args.extend(request.args);
             }
-            keys.extend(
-                requests
-                    .iter()
-                    .flat_map(|r| r.keys.first())
-                    .take(1)
-                    .cloned(),
-            );
-        } else {
-            for request in &requests {
-                keys.extend(request.keys.iter().cloned());
-            }
+            return match self.send(keys, args, false).await {
+                Ok(reply) => split(reply, count),
+                Err(e) => vec![Err(e); count],
+            };
+        }
+        // The keys first, after their number, and the first declared (it routes the call). The
+        // requests are kept (their parts are shared buffers) to send again any the master
+        // refuses.
+        let mut args = Vec::with_capacity(2 + key_count + arg_count);
+        args.push(int(key_count));
+        for request in &requests {
+            args.extend(request.keys.iter().cloned().map(Value::from));
         }
         args.push(int(count));
         for request in &requests {
             args.extend(request.args.iter().cloned());
         }
-        let answers = match self.send(keys, args, spread).await {
+        let routing: Vec<Key> = requests
+            .iter()
+            .flat_map(|r| r.keys.first())
+            .take(1)
+            .cloned()
+            .collect();
+        let answers = match self.send(routing, args, true).await {
             Ok(reply) => split(reply, count),
             Err(e) => vec![Err(e); count],
         };
-        if !spread {
-            return answers;
-        }
         // Requests of one slot the master no longer serves, each again on its own (nothing of
         // theirs was recorded: see the script's end).
         let again: Vec<usize> = (0..count)
