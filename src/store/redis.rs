@@ -11,9 +11,10 @@
 //!   (`nodes.rs`).
 //! * A request whose descriptors sit in slots of one master is one call there, decided whole
 //!   (the script's spread function reaches the keys of all its slots). One over several masters
-//!   sends one call per master, concurrently, in tentative mode; if the combined answer is a rejection, members recorded by the slots that
-//!   recorded are removed again. That can briefly make other requests see a fuller log (never an
-//!   emptier one), so it can under-admit for a moment, never over-admit.
+//!   sends one call per master, concurrently, in tentative mode; if the combined answer is a
+//!   rejection, members recorded by the calls that recorded are removed again. That can briefly
+//!   make other requests see a fuller log (never an emptier one), so it can under-admit for a
+//!   moment, never over-admit.
 //! * Every call is bounded by a deadline: a slow or dead Redis becomes a fast error.
 
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -868,9 +869,9 @@ impl GroupReply {
     }
 }
 
-/// A configured rule as the script reads it, per role and debit (what requests make of one
-/// rule: `quota_mode_all` and `debit_all` change those per request), each made the first time
-/// it is sent and kept in the rule's memo.
+/// A configured rule as the script reads it, per role and debit (the global quota mode and the
+/// domains that take debits make those differ from the rule's own), each made the first time it
+/// is sent and kept in the rule's memo.
 #[derive(Default)]
 struct RuleTexts([std::sync::OnceLock<Str>; 6]);
 
