@@ -1322,15 +1322,54 @@ fn node_cli(port: u16, args: &[&str]) -> Vec<String> {
         .collect()
 }
 
-/// A cluster of the test's own and a server on it with `config`, one pool connection (the
-/// store's calls share it) and `timeout` per call.
+/// A cluster of the test's own and a server on it with `config` (see [`server_on`]).
 async fn on_own_cluster(config: &str, timeout: Duration) -> (RedisCluster, TestServer) {
     let cluster = RedisCluster::start();
-    let mut opts = options(cluster.url(), timeout);
+    let server = server_on(cluster.url(), config, timeout).await;
+    (cluster, server)
+}
+
+/// A server on the Redis at `url` with `config`, one pool connection (the store's calls share
+/// it) and `timeout` per call.
+async fn server_on(url: String, config: &str, timeout: Duration) -> TestServer {
+    let mut opts = options(url, timeout);
     opts.pool_size = 1;
     let store: Arc<dyn Store> = Arc::new(RedisStore::connect(opts).await.expect("connect"));
-    let server = TestServer::start(config, store, LimiterOptions::default()).await;
-    (cluster, server)
+    TestServer::start(config, store, LimiterOptions::default()).await
+}
+
+/// Sends `requests` all at once, each on its own task: their overall codes, in order. Every one
+/// must be answered (an error fails the test).
+fn all_at_once(
+    server: &TestServer,
+    requests: Vec<slidegate::proto::RateLimitRequest>,
+) -> impl std::future::Future<Output = Vec<i32>> + use<> {
+    let calls: Vec<_> = requests
+        .into_iter()
+        .map(|request| {
+            let mut client = server.client.clone();
+            tokio::spawn(async move { client.should_rate_limit(request).await })
+        })
+        .collect();
+    async move {
+        let mut codes = Vec::new();
+        for call in calls {
+            let answer = call.await.expect("task").expect("an answer, not an error");
+            codes.push(answer.get_ref().overall_code);
+        }
+        codes
+    }
+}
+
+/// The log key of descriptor `key=value` under a configured rule of `domain`, untagged.
+fn log_of(domain: &str, key: &str, value: &str) -> String {
+    key::build(
+        domain,
+        &[Segment::Value { key, value }],
+        Variant::Configured,
+        None,
+    )
+    .log()
 }
 
 /// `ERR` error replies a node has counted. A key a script reaches for on a master that does not
@@ -1384,15 +1423,7 @@ async fn a_request_over_two_slots_of_one_master_is_one_call() {
         "domain: {domain}\ndescriptors:\n  - key: a\n    rate_limit: {{unit: minute, requests_per_unit: 100}}\n  - key: b\n    rate_limit: {{unit: minute, requests_per_unit: 2}}\n"
     );
     let (cluster, server) = on_own_cluster(&config, Duration::from_secs(2)).await;
-    let log = |k: &'static str, v: &str| {
-        key::build(
-            &domain,
-            &[Segment::Value { key: k, value: v }],
-            Variant::Configured,
-            None,
-        )
-        .log()
-    };
+    let log = |k: &str, v: &str| log_of(&domain, k, v);
     let owner = owners(&cluster);
     let a = log("a", "x");
     let master = owner(slot(&a));
@@ -1452,6 +1483,69 @@ async fn a_request_over_two_slots_of_one_master_is_one_call() {
     // a counted the two admitted requests only: the rejected one's entry, if a per-slot call
     // recorded it, was removed again.
     assert_eq!((zcard(&cluster, &a), zcard(&cluster, &log("b", y))), (4, 2));
+    server.stop().await;
+}
+
+/// Where `FUNCTION LOAD` is refused on a cluster (a user without it), the script goes by
+/// `EVALSHA`, which cannot reach keys of several slots: a call keeps to one slot. A request over
+/// two slots of one master goes as a call per slot (rejected by one, the other's entry is
+/// removed again), and concurrent requests of many slots, queued for the same masters, each go
+/// on their own: every user admitted once of two.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn without_function_load_a_cluster_call_keeps_to_one_slot() {
+    let cluster = RedisCluster::start();
+    for node in &cluster.nodes {
+        assert!(
+            node.cmd("ACL SETUSER limited on >secret ~* +@all -function")
+                .starts_with("+OK")
+        );
+    }
+    let url = cluster
+        .url()
+        .replacen("redis-cluster://", "redis-cluster://limited:secret@", 1);
+    let domain = unique_domain("evalsha_cluster");
+    let config = format!(
+        "domain: {domain}\ndescriptors:\n  - key: a\n    rate_limit: {{unit: minute, requests_per_unit: 100}}\n  - key: b\n    rate_limit: {{unit: minute, requests_per_unit: 2}}\n  - key: user\n    rate_limit: {{unit: minute, requests_per_unit: 1}}\n"
+    );
+    let server = server_on(url, &config, Duration::from_secs(2)).await;
+    let log = |k: &str, v: &str| log_of(&domain, k, v);
+    let owner = owners(&cluster);
+    let a = log("a", "x");
+    let w = (0..2_000)
+        .map(|n| format!("w{n}"))
+        .find(|w| {
+            let s = slot(&log("b", w));
+            s != slot(&a) && owner(s) == owner(slot(&a))
+        })
+        .expect("a value of b on a's master");
+    let both = || {
+        request(
+            &domain,
+            vec![descriptor(&[("a", "x")]), descriptor(&[("b", &w)])],
+        )
+    };
+    assert_eq!(server.call(both()).await.overall_code, ok());
+    assert_eq!(server.call(both()).await.overall_code, ok());
+    assert_eq!(server.call(both()).await.overall_code, over(), "b allows 2");
+    assert_eq!(
+        (zcard(&cluster, &a), zcard(&cluster, &log("b", &w))),
+        (2, 2)
+    );
+
+    let wave = || {
+        let requests = (0..300)
+            .map(|n| request(&domain, vec![descriptor(&[("user", &format!("u{n}"))])]))
+            .collect();
+        all_at_once(&server, requests)
+    };
+    let first = wave().await;
+    assert!(first.iter().all(|&c| c == ok()), "{first:?}");
+    let second = wave().await;
+    assert!(second.iter().all(|&c| c == over()), "{second:?}");
+    for node in &cluster.nodes {
+        assert_eq!(fcall_calls(node), 0, "no function calls");
+        assert!(calls_of(node, "evalsha") > 0, "decided by EVALSHA");
+    }
     server.stop().await;
 }
 
@@ -1567,22 +1661,13 @@ async fn a_masters_slots_share_calls_and_stay_exact_when_a_slot_moves() {
         })
         .collect();
     let wave = |server: &TestServer| {
-        let calls: Vec<_> = users
+        let requests = users
             .iter()
             .map(|(team, user)| {
-                let mut client = server.client.clone();
-                let request = request(&domain, vec![descriptor(&[("team", team), ("user", user)])]);
-                tokio::spawn(async move { client.should_rate_limit(request).await })
+                request(&domain, vec![descriptor(&[("team", team), ("user", user)])])
             })
             .collect();
-        async move {
-            let mut codes = Vec::new();
-            for call in calls {
-                let answer = call.await.expect("task").expect("an answer, not an error");
-                codes.push(answer.get_ref().overall_code);
-            }
-            codes
-        }
+        all_at_once(server, requests)
     };
     let fcalls = || -> u64 { cluster.nodes.iter().map(fcall_calls).sum() };
     let before = fcalls();
