@@ -37,7 +37,7 @@
 --   mode     1 = final: admit iff every enforcing descriptor fits and, if there are quota
 --                descriptors, at least one of them fits; record only if admitted
 --            0 = tentative (a request spread over several masters): record if every enforcing
---                descriptor of this call fits; the caller combines the slots' answers and
+--                descriptor of this call fits; the caller combines the calls' answers and
 --                removes the entries again if the request is rejected
 --            2 = rejected (another descriptor of the request is known to be over, so the
 --                caller did not send it): record nothing but debits, set bans, report
@@ -975,7 +975,7 @@ end
 -- attempted to access a non local key" before that request recorded a hit (every key of a
 -- request is read before any hit is written; what it did before is stale entries trimmed and a
 -- ban set on a descriptor over its limit, which deciding it again does alike), and the caller
--- sends that request again on its own, keys declared, where the client follows the cluster's
--- redirection.
+-- sends that request again on its own, keys declared (a call per slot where they sit in
+-- several), where the client follows the cluster's redirection.
 redis.register_function{function_name = 'slidegate_VERSION_spread', callback = function(keys, args) return decide_call(keys, args, true) end, flags = { 'allow-cross-slot-keys' }}
 redis.register_function('slidegate_VERSION', decide_call)
