@@ -124,6 +124,9 @@ fn exposition(limiter: &Limiter, metrics: &Metrics) -> Response {
     if let Some(keys) = limiter.store_keys() {
         metrics.set_store_keys(keys);
     }
+    if let Some(resent) = limiter.store_resent() {
+        metrics.set_store_resent(resent);
+    }
     let (content_type, body) = metrics.render();
     ([(axum::http::header::CONTENT_TYPE, content_type)], body).into_response()
 }

@@ -98,6 +98,9 @@ pub struct Metrics {
     config_error: Counter,
     config_age: Gauge<f64, AtomicU64>,
     store_keys: Gauge,
+    store_resent: Counter,
+    /// The store's own count of `store_resent` when last scraped.
+    store_resent_seen: AtomicU64,
     /// When the current config was loaded, in ms since the epoch (0: never).
     config_loaded_ms: AtomicU64,
     unknown_domain: Counter,
@@ -201,6 +204,8 @@ impl Metrics {
             config_error: Counter::default(),
             config_age: Gauge::default(),
             store_keys: Gauge::default(),
+            store_resent: Counter::default(),
+            store_resent_seen: AtomicU64::new(0),
             config_loaded_ms: AtomicU64::new(0),
             unknown_domain: Counter::default(),
             global_shadow: Counter::default(),
@@ -307,6 +312,11 @@ impl Metrics {
             self.store_keys.clone(),
         );
         registry.register(
+            "slidegate_redis_cluster_resent",
+            "Requests a Redis Cluster master refused because it no longer served their slot (resharding), sent again",
+            self.store_resent.clone(),
+        );
+        registry.register(
             "slidegate_config_age_seconds",
             "Seconds since the serving config was loaded",
             self.config_age.clone(),
@@ -360,6 +370,15 @@ impl Metrics {
     /// The embedded store's size, read when the metrics are scraped.
     pub fn set_store_keys(&self, keys: u64) {
         self.store_keys.set(i64::try_from(keys).unwrap_or(i64::MAX));
+    }
+
+    /// The store's count of requests sent again, read when the metrics are scraped.
+    pub fn set_store_resent(&self, resent: u64) {
+        // Scrapes may run at once: each adds what it alone saw grow.
+        let seen = self.store_resent_seen.fetch_max(resent, Ordering::Relaxed);
+        if resent > seen {
+            self.store_resent.inc_by(resent - seen);
+        }
     }
 
     pub fn config_loaded(&self, ok: bool) {
@@ -567,6 +586,29 @@ mod tests {
             ban_set: false,
             from_cache: over > 0,
         }
+    }
+
+    /// The store's count of requests sent again is read at each scrape; the counter grows by
+    /// what the store's count grew, whatever the order of the reads.
+    #[test]
+    fn the_resent_counter_follows_the_stores_count() {
+        let metrics = Metrics::new();
+        let value = || {
+            metrics
+                .render()
+                .1
+                .lines()
+                .find_map(|l| l.strip_prefix("slidegate_redis_cluster_resent_total "))
+                .map(str::to_owned)
+        };
+        assert_eq!(value().as_deref(), Some("0"));
+        metrics.set_store_resent(3);
+        metrics.set_store_resent(3);
+        assert_eq!(value().as_deref(), Some("3"));
+        // A scrape that read an older count after a newer one adds nothing.
+        metrics.set_store_resent(7);
+        metrics.set_store_resent(5);
+        assert_eq!(value().as_deref(), Some("7"));
     }
 
     /// The series a rule keeps in its slot count for the instance that put them there: a

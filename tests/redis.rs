@@ -1702,6 +1702,15 @@ async fn a_masters_slots_share_calls_and_stay_exact_when_a_slot_moves() {
         refused() > refused_before,
         "a master refused requests of the moved slot"
     );
+    // And the metrics count the requests sent again.
+    let (status, metrics) = http(server.http_addr, "GET", "/metrics", "").await;
+    assert_eq!(status, 200);
+    let resent: u64 = metrics
+        .lines()
+        .find_map(|l| l.strip_prefix("slidegate_redis_cluster_resent_total "))
+        .and_then(|n| n.trim().parse().ok())
+        .expect("the resent counter");
+    assert!(resent > 0, "{resent} requests sent again");
     let third = wave(&server).await;
     assert!(third.iter().all(|&c| c == over()), "{third:?}");
     assert_eq!(zcard(&cluster, &team_key.log()), 2, "u0's log moved whole");

@@ -167,6 +167,11 @@ impl Limiter {
         self.store.live_keys()
     }
 
+    /// Requests a Redis Cluster master refused and the store sent again (see `Store::resent`).
+    pub fn store_resent(&self) -> Option<u64> {
+        self.store.resent()
+    }
+
     /// Whether the store can still recover by itself (see `Store::alive`).
     pub fn store_alive(&self) -> bool {
         self.store.alive()

@@ -293,6 +293,12 @@ pub trait Store: Send + Sync + 'static {
     fn live_keys(&self) -> Option<u64> {
         None
     }
+
+    /// Requests sent again since the start because a Redis Cluster master refused them (it no
+    /// longer served their slot: resharding), where the store counts them.
+    fn resent(&self) -> Option<u64> {
+        None
+    }
 }
 
 /// The admission rule both stores share: every enforcing item fits, and if there are quota

@@ -457,6 +457,7 @@ impl RedisStore {
                 pool: Arc::new(ArcSwap::from_pointee(pool)),
                 library,
                 load_timeout: options.connect_timeout,
+                resent: Arc::default(),
             },
             batcher: (!cluster).then(|| Batcher::new(CALLS_OUT, QUEUED_AT_MOST)),
             nodes: cluster.then(|| Nodes::new(CALLS_OUT, QUEUED_AT_MOST)),
@@ -703,6 +704,7 @@ impl RedisStore {
             calls = again.len(),
             "a master no longer serves every slot of a request: a call per slot"
         );
+        self.sender.resent.fetch_add(1, Ordering::Relaxed);
         let mode = if mode == Mode::Rejected {
             mode
         } else {
@@ -1049,6 +1051,11 @@ impl Store for RedisStore {
         } else {
             "redis"
         }
+    }
+
+    fn resent(&self) -> Option<u64> {
+        self.cluster
+            .then(|| self.sender.resent.load(Ordering::Relaxed))
     }
 
     fn alive(&self) -> bool {

@@ -11,6 +11,7 @@
 //! declared, where the client follows the cluster's redirection.
 
 use std::collections::VecDeque;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -64,6 +65,9 @@ pub(super) struct Sender {
     pub library: Library,
     /// How long loading the library may take (`--redis-connect-timeout`).
     pub load_timeout: Duration,
+    /// Requests a cluster master refused (it no longer serves their slot) and that were sent
+    /// again; read by the metrics.
+    pub resent: Arc<AtomicU64>,
 }
 
 impl Sender {
@@ -148,6 +152,7 @@ impl Sender {
             requests = again.len(),
             "a master no longer serves a slot it was sent; sending those requests on their own"
         );
+        self.resent.fetch_add(again.len() as u64, Ordering::Relaxed);
         let mut answers = answers;
         let mut requests: Vec<Option<Request>> = requests.into_iter().map(Some).collect();
         let resent = join_all(
@@ -429,6 +434,7 @@ mod tests {
             pool: Arc::new(ArcSwap::from_pointee(pool)),
             library: Library::new(),
             load_timeout: Duration::from_secs(2),
+            resent: Arc::default(),
         };
         let request = || Request {
             keys: Vec::new(),
