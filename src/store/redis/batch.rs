@@ -85,42 +85,51 @@ impl Sender {
     /// one slot that its master no longer serves is sent again on its own, and one of several
     /// slots is answered [`NotServed`], for the caller to send a call per slot.
     pub async fn call(&self, requests: Vec<Request>) -> Vec<Answer> {
-        let count = requests.len();
-        let spread = match requests.first().map(|first| first.slots) {
-            Some(Slots::One(slot)) => requests.iter().any(|r| r.slots != Slots::One(slot)),
-            Some(Slots::Several) => true,
-            Some(Slots::Standalone) | None => false,
-        };
-        if spread && !self.library.spreads() {
-            // By EVALSHA a call's keys must share a slot: each request of one slot alone.
-            return join_all(requests.into_iter().map(|r| async move {
-                match r.slots {
-                    Slots::Several => Err(not_served_error("the script goes by EVALSHA")),
-                    _ => self.call_one(r).await,
-                }
-            }))
-            .await;
+        if !over_several_slots(&requests) {
+            self.call_declared(requests).await
+        } else if self.library.spreads() {
+            self.call_spread(requests).await
+        } else {
+            self.each_alone(requests).await
         }
+    }
+
+    /// By `EVALSHA` a call's keys must share a slot: each request of one slot alone, and those
+    /// of several slots answered [`NotServed`].
+    async fn each_alone(&self, requests: Vec<Request>) -> Vec<Answer> {
+        join_all(requests.into_iter().map(|r| async move {
+            match r.slots {
+                Slots::Several => Err(not_served_error("the script goes by EVALSHA")),
+                _ => self.call_one(r).await,
+            }
+        }))
+        .await
+    }
+
+    /// One call with every key declared (they share a slot, or there are no slots). The
+    /// requests are not needed after it, so their parts move into the command.
+    async fn call_declared(&self, requests: Vec<Request>) -> Vec<Answer> {
+        let count = requests.len();
+        let mut keys = Vec::with_capacity(requests.iter().map(|r| r.keys.len()).sum());
+        let mut args = Vec::with_capacity(1 + requests.iter().map(|r| r.args.len()).sum::<usize>());
+        args.push(int(count));
+        for request in requests {
+            keys.extend(request.keys);
+            args.extend(request.args);
+        }
+        match self.send(keys, args, false).await {
+            Ok(reply) => split(reply, count),
+            Err(e) => vec![Err(e); count],
+        }
+    }
+
+    /// One call of the spread function: the keys first, after their number, and the first
+    /// declared (it routes the call). The requests are kept (their parts are shared buffers) to
+    /// send again any the master refuses.
+    async fn call_spread(&self, requests: Vec<Request>) -> Vec<Answer> {
+        let count = requests.len();
         let key_count: usize = requests.iter().map(|r| r.keys.len()).sum();
         let arg_count: usize = requests.iter().map(|r| r.args.len()).sum();
-        let int = |n: usize| Value::Integer(i64::try_from(n).unwrap_or(i64::MAX));
-        if !spread {
-            // Keys declared; the requests are not needed after this call, so their parts move.
-            let mut keys = Vec::with_capacity(key_count);
-            let mut args = Vec::with_capacity(1 + arg_count);
-            args.push(int(count));
-            for request in requests {
-                keys.extend(request.keys);
-                args.extend(request.args);
-            }
-            return match self.send(keys, args, false).await {
-                Ok(reply) => split(reply, count),
-                Err(e) => vec![Err(e); count],
-            };
-        }
-        // The keys first, after their number, and the first declared (it routes the call). The
-        // requests are kept (their parts are shared buffers) to send again any the master
-        // refuses.
         let mut args = Vec::with_capacity(2 + key_count + arg_count);
         args.push(int(key_count));
         for request in &requests {
@@ -140,9 +149,17 @@ impl Sender {
             Ok(reply) => split(reply, count),
             Err(e) => vec![Err(e); count],
         };
-        // Requests of one slot the master no longer serves, each again on its own (nothing of
-        // theirs was recorded: see the script's end).
-        let again: Vec<usize> = (0..count)
+        self.resend_refused(requests, answers).await
+    }
+
+    /// Requests of one slot the master no longer serves, each again on its own (nothing of
+    /// theirs was recorded: see the script's end); the others' answers as they are.
+    async fn resend_refused(
+        &self,
+        requests: Vec<Request>,
+        mut answers: Vec<Answer>,
+    ) -> Vec<Answer> {
+        let again: Vec<usize> = (0..answers.len())
             .filter(|&i| requests[i].slots != Slots::Several && not_served(&answers[i]))
             .collect();
         if again.is_empty() {
@@ -153,7 +170,6 @@ impl Sender {
             "a master no longer serves a slot it was sent; sending those requests on their own"
         );
         self.resent.fetch_add(again.len() as u64, Ordering::Relaxed);
-        let mut answers = answers;
         let mut requests: Vec<Option<Request>> = requests.into_iter().map(Some).collect();
         let resent = join_all(
             again
@@ -205,6 +221,21 @@ impl Sender {
             }
         }
     }
+}
+
+/// Whether `requests` sit in more than one cluster slot (one of several slots, or several of
+/// one slot each).
+fn over_several_slots(requests: &[Request]) -> bool {
+    match requests.first().map(|first| first.slots) {
+        Some(Slots::One(slot)) => requests.iter().any(|r| r.slots != Slots::One(slot)),
+        Some(Slots::Several) => true,
+        Some(Slots::Standalone) | None => false,
+    }
+}
+
+/// A count as a script argument.
+fn int(n: usize) -> Value {
+    Value::Integer(i64::try_from(n).unwrap_or(i64::MAX))
 }
 
 /// A request of a spread call reached for a key of a slot its master does not serve.
