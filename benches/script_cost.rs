@@ -139,41 +139,46 @@ fn commands(
 ) -> Vec<u8> {
     let mut out = Vec::new();
     for c in first_call..first_call + calls {
-        let mut args = head.to_vec();
-        // numkeys, the keys, then ARGV[1], the number of requests.
-        args.push((case.per_call * case.descriptors).to_string());
-        for r in 0..case.per_call {
-            let user = if case.same_users {
-                r
-            } else {
-                c * case.per_call + r
-            };
-            for d in 0..case.descriptors {
-                args.push(format!("rl:{{bench:{tag}:user=u{user}:d{d}}}:log"));
-            }
-        }
-        args.push(case.per_call.to_string());
-        let now = 1_767_225_600_000u64 + c as u64;
-        for r in 0..case.per_call {
-            // now, prefix, mode, n; hits, rule (role:ban_ms:buckets:debit:limit:window_ms)
-            args.extend([
-                now.to_string(),
-                format!("p{c}-{r}"),
-                "1".into(),
-                case.descriptors.to_string(),
-            ]);
-            for _ in 0..case.descriptors {
-                args.extend(["1".into(), format!("0:0:0:0:1000000:{}", case.window_ms)]);
-            }
-        }
-        if spread {
-            // One declared key (the first), then what was numkeys becomes ARGV[1].
-            let first = args[head.len() + 1].clone();
-            args.splice(head.len()..head.len(), ["1".to_string(), first]);
-        }
-        out.extend(resp(&args));
+        out.extend(resp(&call_args(case, head, spread, c, tag)));
     }
     out
+}
+
+/// Call number `c` of `case`: the command and its arguments.
+fn call_args(case: &Case, head: &[String], spread: bool, c: usize, tag: &str) -> Vec<String> {
+    let mut args = head.to_vec();
+    // numkeys, the keys, then ARGV[1], the number of requests.
+    args.push((case.per_call * case.descriptors).to_string());
+    for r in 0..case.per_call {
+        let user = if case.same_users {
+            r
+        } else {
+            c * case.per_call + r
+        };
+        for d in 0..case.descriptors {
+            args.push(format!("rl:{{bench:{tag}:user=u{user}:d{d}}}:log"));
+        }
+    }
+    args.push(case.per_call.to_string());
+    let now = 1_767_225_600_000u64 + c as u64;
+    for r in 0..case.per_call {
+        // now, prefix, mode, n; hits, rule (role:ban_ms:buckets:debit:limit:window_ms)
+        args.extend([
+            now.to_string(),
+            format!("p{c}-{r}"),
+            "1".into(),
+            case.descriptors.to_string(),
+        ]);
+        for _ in 0..case.descriptors {
+            args.extend(["1".into(), format!("0:0:0:0:1000000:{}", case.window_ms)]);
+        }
+    }
+    if spread {
+        // One declared key (the first), then what was numkeys becomes ARGV[1].
+        let first = args[head.len() + 1].clone();
+        args.splice(head.len()..head.len(), ["1".to_string(), first]);
+    }
+    args
 }
 
 /// Feeds `commands` to Redis and checks that none was answered with an error.
@@ -246,6 +251,30 @@ fn measure(case: &Case, form: Form, library: &Library, dir: &Path) -> u64 {
         &commands(case, &head, spread, 5 + case.fill, case.calls, "run"),
     );
     callgrind::run("callgrind_control", &["-i", "off", &pid]);
+    // One more call, its reply read: every request of these cases is admitted and records
+    // (a request that failed inside its call answers -1, which `redis-cli --pipe` does not
+    // count as an error).
+    let next = call_args(case, &head, spread, 5 + case.fill + case.calls, "run");
+    let next: Vec<&str> = next.iter().map(String::as_str).collect();
+    let reply = cli(&next);
+    let values: Vec<&str> = reply.lines().collect();
+    // Per request: its length, now, then per descriptor flags 5 (fits, recorded), entry,
+    // count, reset.
+    let length = 1 + 4 * case.descriptors;
+    assert_eq!(
+        values.len(),
+        case.per_call * (1 + length),
+        "{}: {reply}",
+        case.name
+    );
+    for request in values.chunks(1 + length) {
+        let flags = request.iter().skip(2).step_by(4).take(case.descriptors);
+        assert!(
+            request[0] == length.to_string() && flags.clone().all(|f| *f == "5"),
+            "{}: {request:?}",
+            case.name
+        );
+    }
     let _ = redis_proc::command(port, "SHUTDOWN NOSAVE");
     let _ = redis.wait();
     let (_, total) = callgrind::annotate(&out_file, &[]);

@@ -48,16 +48,20 @@
 --   with that many buckets per window; debit 1 for usage already spent (see below); then one
 --   limit and window_ms pair per window, at least one. (One text per rule: a call's requests
 --   mostly share their rules, and each distinct text is read once per call.)
--- Reply: one array per request, in order, either
---   { now, then per descriptor: flags, then ban_remaining_ms if banned (flag 8), then cum if
+-- Reply: one flat array, per request in order either its length L then L integers,
+--   now, then per descriptor: flags, then ban_remaining_ms if banned (flag 8), then cum if
 --     it recorded (flag 4: of the log entry it recorded; 0 for sliding_counter), then unless
---     banned one pair per window of its rule: count, reset_ms }
+--     banned one pair per window of its rule: count, reset_ms
 --     flags: 1 fits, 2 this request set the ban, 4 recorded, 8 banned (nothing follows but
 --     ban_remaining_ms). An admitted request with one descriptor of one window is
---     { now, 5, cum, count, reset_ms }: the caller decodes every integer of every reply, so
+--     5, now, 5, cum, count, reset_ms: the caller decodes every integer of every reply, so
 --     what it can tell from the flags and its own rule is not sent.
---   or { -1, error } when a Redis command of that request failed (a key of another type, say):
---     that request alone failed, and what it wrote before the error stays, as with any script.
+--   or -1 then an error (a string) when a Redis command of that request failed (a key of
+--     another type, say): that request alone failed, and what it wrote before the error
+--     stays, as with any script; or when its arguments are bad (below).
+--   (One array for the call, not one per request: Redis turns every table of a reply into
+--   RESP field by field, looking for `err`, `ok` and the like in each, about 6,000
+--   instructions per request when each had its own.)
 --   count    hits in the window after this call
 --   reset_ms fitting descriptor: until the oldest counted hit leaves the window (0 if empty);
 --            otherwise: until this request's hits would fit (0 if this window has room, the
@@ -73,8 +77,12 @@
 -- window, so a check (hits 0) fails once the budget is spent.
 -- Logs written by the previous format (one member "<time>:<prefix>:<i>:<j>" per hit) are
 -- rewritten in this format, weight 1 each, the first time this script reads them.
--- Bad arguments get an error reply for the whole call, whose code is SLIDEGATE, never a Lua
--- runtime error.
+-- Bad arguments never make a Lua runtime error. A request's own are checked before it writes
+-- anything: bad, it fails (-1, then an error whose code is SLIDEGATE), and so does every request
+-- after it (where they start can no longer be told), while those before it stand. A call whose
+-- request count is bad, or whose keys or arguments outlast its requests, gets an error reply
+-- of code SLIDEGATE for the whole call (in the second case only after deciding its requests:
+-- only a caller that miscounts gets there).
 
 -- The library functions used for every request as locals: a local is a register, a global a
 -- table lookup. Set by the first call: while a library loads, Redis lets its code reach
@@ -198,8 +206,9 @@ local function read_rule(text)
 end
 
 -- Checks one request's arguments, from ARGV[a] and KEYS[k + 1] on: where the next request's
--- start, or nil and why not. Every request is checked before any is decided, so bad arguments
--- fail the call with nothing written.
+-- start, or nil and why not. The general path checks a request here before it writes anything;
+-- the common paths check what they read themselves and leave a bad request to the general
+-- path, which tells why.
 local function check_request(r, a, k)
   local problem = nil
   -- Numbers and rules read before are looked up here rather than through `whole` and
@@ -265,15 +274,25 @@ local now, prefix, mode, n
 -- and [3w] (its time).
 local states = {}
 
--- Sets the time, member prefix and mode of the request whose arguments start at ARGV[a].
+-- Sets the time, member prefix and mode of the request whose arguments start at ARGV[a], and
+-- answers whether they are valid (the general path checks them in `check_request` first, with
+-- reasons; the common paths leave a request with bad ones to it).
 local function begin_request(a)
   local text = ARGV[a]
   if text == '' then
     now = redis_now()
   else
     now = read[text]
+    if now == nil then
+      now = whole(text)
+    end
   end
-  prefix, mode = ARGV[a + 1], read[ARGV[a + 2]]
+  text = ARGV[a + 2]
+  prefix, mode = ARGV[a + 1], read[text]
+  if mode == nil then
+    mode = whole(text)
+  end
+  return now and mode and mode <= 2 and prefix and prefix ~= ''
 end
 
 -- Reads the request from ARGV[a] and KEYS[k + 1] on (checked by `check_request`) into `states`.
@@ -691,17 +710,27 @@ local function admits(enforced_fit, quota_seen, quota_fit)
   return mode == 0 and enforced_fit
 end
 
--- A reply made with room for the common reply (five fields), without what is left over after
--- its field r.
-local function cleared_after(reply, r)
-  for j = r + 1, 5 do
-    reply[j] = nil
-  end
-  return reply
-end
+-- The call's reply, flat (layout in the header), kept from call to call rather than made per
+-- call (it would grow step by step): o is the index of the last value written, and a nil
+-- after it ends the reply. A call whose reply grew past OUT_KEPT values leaves a fresh table to
+-- the next.
+local OUT_KEPT = 4096
+local out, o = {}, 0
+-- The number of the request being decided and where its arguments start, and where the next
+-- request's arguments and keys start: set by the request's path once its arguments are
+-- checked, before it writes anything (so that when a Redis command fails it, the next one can
+-- be found).
+local current, current_a, next_a, next_k
 
--- Decides the request whose arguments start at ARGV[a] and keys after KEYS[k]: its reply.
+-- Decides the request whose arguments start at ARGV[a] and keys after KEYS[k], of any kind:
+-- writes its values from out[o + 2] on and answers the index of its last, or nil and why its
+-- arguments are bad.
 local function decide(a, k)
+  local after_a, after_k = check_request(current, a, k)
+  if after_a == nil then
+    return nil, after_k
+  end
+  next_a, next_k = after_a, after_k
   bind(a, k)
   -- 1. and 2. Count each descriptor, then decide. (Steps that can run in one pass over the
   --    descriptors do: each pass costs the interpreter.)
@@ -733,14 +762,13 @@ local function decide(a, k)
     call('PEXPIRE', d.key, d.rule.ttl)
   end
 
-  -- 5. Report. The reply is made with room for one recording descriptor of one window (the
-  --    common reply), so it is not grown step by step; what a shorter reply leaves over is
-  --    cleared.
-  local reply, r = { now, 0, 0, 0, 0 }, 1
+  -- 5. Report.
+  local r = o + 2
+  out[r] = now
   for i = 1, n do
-    r = report(states[i], reply, r)
+    r = report(states[i], out, r)
   end
-  return cleared_after(reply, r)
+  return r
 end
 
 
@@ -780,26 +808,36 @@ local s_before, s_time, s_count, s_fits, s_records, s_cum = {}, {}, {}, {}, {}, 
 -- own. The same steps as `decide` in the same order, for this case only: `decide`'s state
 -- tables, its loops over windows and its sharing of a key between descriptors cost the
 -- interpreter more than the Redis commands (a third of a decision's instructions in
--- `cargo bench --bench script_cost`). Answers nil, having done nothing, for another kind.
-local function decide_logs(a, k)
-  local n = read[ARGV[a + 3]]
+-- `cargo bench --bench script_cost`). Writes as `decide` does; answers nil, having written
+-- nothing, for another kind or bad arguments (`decide` tells why).
+local function decide_logs(a, k, n)
   for i = 1, n do
     local text = ARGV[a + 3 + 2 * i]
     local rule = rules[text] or read_rule(text)
-    if not rule.one_log then
+    local key = KEYS[k + i]
+    if not (rule and rule.one_log and key) then
       return nil
     end
-    local key = KEYS[k + i]
     for j = 1, i - 1 do
       if s_key[j] == key then
         return nil
       end
     end
-    local hits = read[ARGV[a + 2 + 2 * i]]
+    text = ARGV[a + 2 + 2 * i]
+    local hits = read[text]
+    if hits == nil then
+      hits = whole(text)
+    end
+    if not hits then
+      return nil
+    end
     s_rule[i], s_hits[i], s_key[i] = rule, hits, key
     s_size[i] = (rule.debit and hits == 0) and 1 or hits
   end
-  begin_request(a)
+  if not begin_request(a) then
+    return nil
+  end
+  next_a, next_k = a + 4 + 2 * n, k + n
   -- 1. Per descriptor: the newest entry, the trim, the window's first entry (the log was just
   --    trimmed to this window, so it is the log's first), the count, and whether it fits.
   -- 2. Whether the request is admitted (as `decide`).
@@ -839,9 +877,9 @@ local function decide_logs(a, k)
     call('PEXPIRE', key, rule.ttl)
   end
   -- 5. Report: per descriptor its flags, the entry it recorded, its count and its reset (as
-  --    `log_reset`). The reply is made with room for one recording descriptor (the common
-  --    reply); what a shorter one leaves over is cleared.
-  local reply, r = { now, 0, 0, 0, 0 }, 1
+  --    `log_reset`).
+  local reply, r = out, o + 2
+  reply[r] = now
   for i = 1, n do
     local rule, fits, count, before = s_rule[i], s_fits[i], s_count[i], s_before[i]
     local limit, length = rule[1], rule[2]
@@ -856,21 +894,29 @@ local function decide_logs(a, k)
     reply[r + 1], reply[r + 2] = count, reset
     r = r + 2
   end
-  return cleared_after(reply, r)
+  return r
 end
 
 -- `decide_logs` for a request of one descriptor, the most common request, in straight-line
 -- code and locals: measured, a sixth fewer instructions per decision than `decide_logs` takes
--- for the same request (`cargo bench --bench script_cost`). Answers nil, having done nothing,
--- when the request is of another kind.
+-- for the same request (`cargo bench --bench script_cost`). Writes as `decide` does; answers
+-- nil, having written nothing, for another kind or bad arguments (`decide` tells why).
 local function decide_single(a, k)
   local text = ARGV[a + 5]
   local rule = rules[text] or read_rule(text)
-  if not rule.one_log then
+  local key = KEYS[k + 1]
+  if not (rule and rule.one_log and key) then
     return nil
   end
-  begin_request(a)
-  local hits, key = read[ARGV[a + 4]], KEYS[k + 1]
+  text = ARGV[a + 4]
+  local hits = read[text]
+  if hits == nil then
+    hits = whole(text)
+  end
+  if not (hits and begin_request(a)) then
+    return nil
+  end
+  next_a, next_k = a + 6, k + 1
   local limit, length = rule[1], rule[2]
   local debit = rule.debit
   local size = (debit and hits == 0) and 1 or hits
@@ -898,20 +944,61 @@ local function decide_single(a, k)
   call('PEXPIRE', key, rule.ttl)
   -- 5. The reset (as `log_reset`) and the reply.
   local reset = window_reset(key, limit, length, fits, count, size, before, time)
+  local r = o
   if flags >= 4 then
-    return { now, flags, cum, count, reset }
+    out[r + 2], out[r + 3], out[r + 4], out[r + 5], out[r + 6] = now, flags, cum, count, reset
+    return r + 6
   end
-  return { now, flags, count, reset }
+  out[r + 2], out[r + 3], out[r + 4], out[r + 5] = now, flags, count, reset
+  return r + 5
 end
 
--- One call: checks every request's arguments, then decides each on its own. With `spread`
--- (the `_spread` function below) the keys come first in ARGV, after their number, and the
--- requests' arguments follow them.
+-- Decides requests `first` to `last` of the call, from next_a and next_k on, each on its own,
+-- and writes their replies. Answers false when a request's arguments were bad (it and those
+-- after it answered so).
+local function decide_from(first, last)
+  for r = first, last do
+    local a, k = next_a, next_k
+    current, current_a = r, a
+    -- The common kinds by paths of their own (nil: not of their kind, or bad arguments), the
+    -- others by `decide`.
+    local n, e, problem = read[ARGV[a + 3]], nil, nil
+    if n == 1 then
+      e = decide_single(a, k)
+    elseif n and n > 1 then
+      e = decide_logs(a, k, n)
+    end
+    if e == nil then
+      e, problem = decide(a, k)
+    end
+    if e == nil then
+      for later = r, last do
+        if later > r then
+          problem = 'request ' .. later .. ': not decided, as request ' .. r .. ' before it has bad arguments'
+        end
+        out[o + 1], out[o + 2] = -1, 'SLIDEGATE ' .. problem
+        o = o + 2
+      end
+      return false
+    end
+    out[o + 1] = e - o - 1
+    o = e
+  end
+  return true
+end
+
+-- One call: decides each request on its own, in order. With `spread` (the `_spread` function
+-- below) the keys come first in ARGV, after their number, and the requests' arguments follow
+-- them.
 local function decide_call(keys, args, spread)
   KEYS, ARGV, time_now = keys, args, nil
   if numbers_kept > NUMBERS_KEPT then
     read, texts, numbers_kept = {}, {}, 0
   end
+  if o > OUT_KEPT then
+    out = {}
+  end
+  o = 0
   if call == nil then
     tonumber, format, max, call = _G.tonumber, _G.string.format, _G.math.max, _G.redis.call
   end
@@ -931,39 +1018,41 @@ local function decide_call(keys, args, spread)
   if count == nil or count < 1 then
     return fail('ARGV[' .. (base + 1) .. '] (request count) must be at least 1')
   end
-  -- Where each request's arguments and keys start: request r's at [2r - 1] and [2r].
-  local starts, a, k = {}, base + 2, 0
-  for r = 1, count do
-    starts[2 * r - 1], starts[2 * r] = a, k
-    local next_a, next_k = check_request(r, a, k)
-    if next_a == nil then
-      return fail(next_k)
-    end
-    a, k = next_a, next_k
-  end
-  if ARGV[a] ~= nil then
-    return fail('unexpected argument ARGV[' .. a .. ']')
-  end
-  if #KEYS ~= k then
-    return fail('expected ' .. k .. ' keys, got ' .. #KEYS)
-  end
-
   -- Each request on its own: a Redis error in one (a key of another type) fails that one only.
-  local replies = {}
-  for r = 1, count do
-    local a, k = starts[2 * r - 1], starts[2 * r]
-    -- The common kinds by paths of their own (nil: not of their kind), the others by `decide`.
-    local ok, out = pcall(read[ARGV[a + 3]] == 1 and decide_single or decide_logs, a, k)
-    if ok and out == nil then
-      ok, out = pcall(decide, a, k)
+  -- One protected call for all of them (a protected call per request costs the interpreter
+  -- more than a tenth of a request's work); after an error, the next protected call goes on
+  -- from the request after the one that failed.
+  next_a, next_k = base + 2, 0
+  local first, checked = 1, true
+  while true do
+    local ok, result = pcall(decide_from, first, count)
+    if ok then
+      checked = result
+      break
     end
-    if not ok then
-      -- What Redis said (a command's error reply), or a Lua error's text.
-      out = { -1, type(out) == 'table' and tostring(out.err) or tostring(out) }
+    -- What Redis said (a command's error reply), or a Lua error's text, in place of what the
+    -- request wrote into the reply.
+    out[o + 1], out[o + 2] = -1, type(result) == 'table' and tostring(result.err) or tostring(result)
+    o = o + 2
+    if next_a == current_a then
+      -- It failed before its arguments were read: where the next one starts is unknown.
+      for later = current + 1, count do
+        out[o + 1], out[o + 2] = -1, 'SLIDEGATE request ' .. later .. ': not decided, as request ' .. current .. ' before it failed'
+        o = o + 2
+      end
+      checked = false
+      break
     end
-    replies[r] = out
+    if current == count then
+      break
+    end
+    first = current + 1
   end
-  return replies
+  if checked and (ARGV[next_a] ~= nil or #KEYS ~= next_k) then
+    return fail('the call\'s ' .. #KEYS .. ' keys and ' .. #ARGV .. ' arguments are not what its requests take (' .. next_k .. ' and ' .. (next_a - 1) .. ')')
+  end
+  out[o + 1] = nil
+  return out
 end
 
 -- The same for requests whose keys sit in several hash slots of one Redis Cluster master:

@@ -593,10 +593,35 @@ fn malformed_script_arguments_get_an_error_reply() {
         let mut full = vec!["FCALL", function];
         full.extend_from_slice(&args);
         let reply = cli(&full);
-        assert!(reply.starts_with("SLIDEGATE "), "FCALL {args:?} -> {reply}");
+        // The whole call refused (a bad request count, keys or arguments left over), or its
+        // request answered -1 and why.
+        let lines: Vec<&str> = reply.lines().collect();
+        let refused = reply.starts_with("SLIDEGATE ");
+        let request_failed = lines.len() >= 2
+            && lines[lines.len() - 2] == "-1"
+            && lines[lines.len() - 1].starts_with("SLIDEGATE request ");
+        assert!(refused || request_failed, "FCALL {args:?} -> {reply}");
     }
-    // And a well-formed call answers the documented layout: now, then flags (1 fits, 4
-    // recorded), the entry it recorded, count, reset.
+    // A bad request fails before it writes anything, and so does every request after it (where
+    // they start can no longer be told); a request before it stands.
+    let mut full = vec!["FCALL", function, "3", "b1:log", "b2:log", "b3:log", "3"];
+    full.extend_from_slice(&["1000", "p", "1", "1", "1", ok]);
+    full.extend_from_slice(&["1000", "p", "1", "1", "1", "0:0:0:0:10"]);
+    full.extend_from_slice(&["1000", "p", "1", "1", "1", ok]);
+    let reply = cli(&full);
+    let lines: Vec<&str> = reply.lines().collect();
+    assert_eq!(lines[..6], ["5", "1000", "5", "1", "1", "1000"], "{reply}");
+    assert_eq!((lines[6], lines[8]), ("-1", "-1"), "{reply}");
+    assert!(lines[7].starts_with("SLIDEGATE request 2: "), "{reply}");
+    assert!(
+        lines[9].starts_with("SLIDEGATE request 3: not decided"),
+        "{reply}"
+    );
+    assert_eq!(lines.len(), 10, "{reply}");
+    assert_eq!(cli(&["ZCARD", "b1:log"]), "1");
+    assert_eq!(cli(&["EXISTS", "b2:log", "b3:log"]), "0");
+    // And a well-formed call answers the documented layout: its length, now, then flags (1
+    // fits, 4 recorded), the entry it recorded, count, reset.
     let call = |key: &str, rule: &str| {
         let mut full = vec!["FCALL", function, "1", key];
         full.extend_from_slice(&["1", "1000", "p", "1", "1", "1", rule]);
@@ -604,7 +629,7 @@ fn malformed_script_arguments_get_an_error_reply() {
     };
     assert_eq!(
         call("t:log", "0:0:0:0:10:1000"),
-        vec!["1000", "5", "1", "1", "1000"]
+        vec!["5", "1000", "5", "1", "1", "1000"]
     );
     assert_eq!(
         cli(&["ZRANGE", "t:log", "0", "-1"]),
@@ -615,7 +640,7 @@ fn malformed_script_arguments_get_an_error_reply() {
     // stops counting at 1,100 + 1,000.
     assert_eq!(
         call("u:cnt", "0:0:10:0:10:1000"),
-        vec!["1000", "5", "0", "1", "1100"]
+        vec!["5", "1000", "5", "0", "1", "1100"]
     );
     assert_eq!(
         cli(&["HGETALL", "u:cnt"]).lines().collect::<Vec<_>>(),
@@ -638,8 +663,8 @@ fn malformed_script_arguments_get_an_error_reply() {
     assert_eq!(
         lines[2..],
         [
-            "2000", "5", "1", "1", "1000", // admitted: fits, recorded entry 1
-            "2001", "0", "1", "999", // 1 of 1, nothing recorded: wait 999 ms
+            "5", "2000", "5", "1", "1", "1000", // admitted: fits, recorded entry 1
+            "4", "2001", "0", "1", "999", // 1 of 1, nothing recorded: wait 999 ms
         ]
     );
     assert_eq!(cli(&["ZCARD", "v:log"]), "1");
@@ -807,16 +832,18 @@ fn library_on_shared_redis() -> (
 }
 
 /// A script reply to `requests` requests of one descriptor each, admitted, split per request:
-/// now, flags, entry, count, reset.
+/// now, flags, entry, count, reset (each after its length, 5).
 fn one_descriptor_answers(reply: &str, requests: usize) -> Vec<Vec<&str>> {
     let lines: Vec<&str> = reply.lines().collect();
-    assert_eq!(
-        lines.len(),
-        requests * 5,
-        "{}",
-        &reply[..reply.len().min(400)]
-    );
-    lines.chunks(5).map(<[&str]>::to_vec).collect()
+    let head = &reply[..reply.len().min(400)];
+    assert_eq!(lines.len(), requests * 6, "{head}");
+    lines
+        .chunks(6)
+        .map(|answer| {
+            assert_eq!(answer[0], "5", "{head}");
+            answer[1..].to_vec()
+        })
+        .collect()
 }
 
 /// The library keeps the rules it has read from call to call, up to 1,000, then drops them all
@@ -906,14 +933,15 @@ async fn the_common_request_paths_answer_as_the_general_one() {
     use slidegate::store::redis::Library;
 
     const SOURCE: &str = include_str!("../lua/slidegate.lua");
-    const TAKES_OWN_PATHS: &str =
-        "pcall(read[ARGV[a + 3]] == 1 and decide_single or decide_logs, a, k)";
+    const TAKES_OWN_PATHS: &str = "local n, e, problem = read[ARGV[a + 3]], nil, nil";
     assert!(
         SOURCE.contains(TAKES_OWN_PATHS),
         "the script no longer chooses its own paths where this test turns them off"
     );
     let own_paths = Library::new();
-    let general = Library::from_source(&SOURCE.replace(TAKES_OWN_PATHS, "true, nil"));
+    let general = Library::from_source(
+        &SOURCE.replace(TAKES_OWN_PATHS, "local n, e, problem = false, nil, nil"),
+    );
     let config = fred::types::config::Config::from_url(&shared_standalone().url()).unwrap();
     let client = fred::clients::Client::new(config, None, None, None);
     client.init().await.unwrap();
@@ -989,13 +1017,16 @@ async fn the_common_request_paths_answer_as_the_general_one() {
                 answers.push(library.call(&client, keys, args.clone()).await.unwrap());
             }
             assert_eq!(answers[0], answers[1], "case {case}, step {step}: {args:?}");
-            let Value::Array(replies) = &answers[0] else {
+            let Value::Array(flat) = &answers[0] else {
                 panic!("not a list of replies: {:?}", answers[0]);
             };
-            for reply in replies {
-                let Value::Array(fields) = reply else {
-                    panic!("a request failed: {reply:?}");
-                };
+            let mut rest = flat.as_slice();
+            while let [Value::Integer(length), tail @ ..] = rest {
+                let length = usize::try_from(*length).unwrap_or_else(|_| {
+                    panic!("a request failed: {rest:?}");
+                });
+                let (fields, tail) = tail.split_at(length);
+                rest = tail;
                 // A lone descriptor's answer is now, flags, [entry,] count, reset.
                 match (fields.len(), fields.get(1)) {
                     (5, Some(Value::Integer(5))) => lone[0] += 1,
@@ -1004,6 +1035,7 @@ async fn the_common_request_paths_answer_as_the_general_one() {
                     _ => {}
                 }
             }
+            assert!(rest.is_empty(), "case {case}, step {step}: {flat:?}");
         }
     }
     // The sequence reaches each kind of answer.
@@ -1618,12 +1650,13 @@ fn a_spread_call_decides_one_masters_slots_and_refuses_others() {
     }
     let args: Vec<&str> = args.iter().map(String::as_str).collect();
     let reply = node_cli(here, &args);
-    // Two admitted requests (now, flags, entry, count, reset), then -1 and Redis's error.
-    assert_eq!(reply.len(), 12, "{reply:?}");
-    assert_eq!(reply[..3], ["1000", "5", "1"], "{reply:?}");
-    assert_eq!(reply[5..8], ["1000", "5", "1"], "{reply:?}");
-    assert_eq!(reply[10], "-1", "{reply:?}");
-    assert!(reply[11].contains("non local key"), "{reply:?}");
+    // Two admitted requests (5 values: now, flags, entry, count, reset), then -1 and Redis's
+    // error.
+    assert_eq!(reply.len(), 14, "{reply:?}");
+    assert_eq!(reply[..4], ["5", "1000", "5", "1"], "{reply:?}");
+    assert_eq!(reply[6..10], ["5", "1000", "5", "1"], "{reply:?}");
+    assert_eq!(reply[12], "-1", "{reply:?}");
+    assert!(reply[13].contains("non local key"), "{reply:?}");
     assert_eq!(zcard(cluster, &keys[0]), 1);
     assert_eq!(zcard(cluster, &keys[1]), 1);
     assert_eq!(

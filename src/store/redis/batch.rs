@@ -255,38 +255,60 @@ pub(super) fn not_served(answer: &Result<impl Sized, StoreError>) -> bool {
     matches!(answer, Err(StoreError::Unavailable { source: Some(source), .. }) if source.is::<NotServed>())
 }
 
-/// Splits the script's reply (one array per request) into the requests' answers. A reply of
-/// the wrong shape fails every request of the call.
+/// Splits the script's reply (one flat array: per request its length and its integers, or `-1`
+/// and what failed) into the requests' answers. A reply of the wrong shape fails every request
+/// of the call.
 fn split(reply: Value, count: usize) -> Vec<Answer> {
-    let bad = |what: &str| StoreError::Protocol(format!("script reply {what}"));
-    let Value::Array(parts) = reply else {
-        return vec![Err(bad("is not an array")); count];
-    };
-    if parts.len() != count {
-        return vec![Err(bad("does not answer every request of the call")); count];
-    }
-    parts.into_iter().map(|part| answer(part, &bad)).collect()
+    split_flat(reply, count).unwrap_or_else(|e| vec![Err(e); count])
 }
 
-/// One request's reply: integers, or `-1` and what Redis said when a command of it failed.
-fn answer(part: Value, bad: &dyn Fn(&str) -> StoreError) -> Answer {
-    let Value::Array(values) = part else {
-        return Err(bad("holds a request reply that is not an array"));
+fn split_flat(reply: Value, count: usize) -> Result<Vec<Answer>, StoreError> {
+    let bad = |what: &str| StoreError::Protocol(format!("script reply {what}"));
+    let Value::Array(values) = reply else {
+        return Err(bad("is not an array"));
     };
-    if let [Value::Integer(-1), message] = values.as_slice() {
-        let message = message.as_str().map(|m| m.to_string()).unwrap_or_default();
-        if message.contains(NOT_SERVED) {
-            return Err(not_served_error(&message));
+    let mut values = values.into_iter();
+    let mut answers = Vec::with_capacity(count);
+    while answers.len() < count {
+        let length = match values.next() {
+            Some(Value::Integer(-1)) => {
+                answers.push(Err(failed(values.next())));
+                continue;
+            }
+            Some(Value::Integer(length)) => {
+                usize::try_from(length).map_err(|_| bad("holds a negative length"))?
+            }
+            _ => return Err(bad("does not answer every request of the call")),
+        };
+        // (A length no reply could hold allocates no more than what is left.)
+        let mut integers = Vec::with_capacity(length.min(values.len()));
+        for _ in 0..length {
+            match values.next() {
+                Some(Value::Integer(n)) => integers.push(n),
+                Some(_) => return Err(bad("holds a value that is not an integer")),
+                None => return Err(bad("ends inside a request's part")),
+            }
         }
-        return Err(super::request_failed(&message));
+        answers.push(Ok(integers));
     }
-    values
-        .iter()
-        .map(|v| match v {
-            Value::Integer(n) => Ok(*n),
-            _ => Err(bad("holds a value that is not an integer")),
-        })
-        .collect()
+    if values.next().is_some() {
+        return Err(bad("is longer than its requests"));
+    }
+    Ok(answers)
+}
+
+/// What a request that failed inside the script says: Redis's error (a key of another type, a
+/// slot its master does not serve) or the script's own (code `SLIDEGATE`).
+fn failed(message: Option<Value>) -> StoreError {
+    let message = message
+        .as_ref()
+        .and_then(Value::as_str)
+        .map(|m| m.to_string())
+        .unwrap_or_default();
+    if message.contains(NOT_SERVED) {
+        return not_served_error(&message);
+    }
+    super::request_failed(&message)
 }
 
 /// Requests waiting for a call, and how many calls are out.
@@ -485,51 +507,61 @@ mod tests {
 
     #[test]
     fn a_reply_splits_into_one_answer_per_request() {
-        let reply = Value::Array(vec![
-            ints(&[1_000, 1, 1, 0, 0, 1, 1, 1, 1, 1_000]),
-            Value::Array(vec![
+        let mut flat = vec![10, 1_000, 1, 1, 0, 0, 1, 1, 1, 1, 1_000];
+        flat.extend([5, 2_000, 5, 3, 3, 999]);
+        let mut reply: Vec<Value> = flat.iter().map(|&n| Value::Integer(n)).collect();
+        reply.splice(
+            11..11,
+            [
                 Value::Integer(-1),
                 Value::String("WRONGTYPE Operation against a key".into()),
-            ]),
-            Value::Array(vec![
                 Value::Integer(-1),
                 Value::String("SLIDEGATE request 3: mode must be 0, 1 or 2".into()),
-            ]),
-        ]);
-        let answers = split(reply, 3);
-        assert_eq!(answers.len(), 3);
+            ],
+        );
+        let answers = split(Value::Array(reply), 4);
+        assert_eq!(answers.len(), 4);
         assert_eq!(
             answers[0].as_ref().ok(),
             Some(&vec![1_000, 1, 1, 0, 0, 1, 1, 1, 1, 1_000])
         );
         // Redis's own error: the store is unavailable for that request; the script's code: a
-        // protocol error.
+        // protocol error, for that request alone.
         assert!(
             matches!(&answers[1], Err(StoreError::Unavailable { context, .. }) if context.contains("WRONGTYPE"))
         );
         assert!(matches!(&answers[2], Err(StoreError::Protocol(m)) if m.contains("mode")));
+        assert_eq!(answers[3].as_ref().ok(), Some(&vec![2_000, 5, 3, 3, 999]));
     }
 
     #[test]
-    fn replies_of_the_wrong_shape_are_protocol_errors() {
+    fn replies_of_the_wrong_shape_fail_every_request_of_the_call() {
         let protocol = |a: &Answer| matches!(a, Err(StoreError::Protocol(_)));
-        // Not one array per request: every request of the call fails.
-        for reply in [Value::Integer(1), Value::Array(vec![ints(&[1])])] {
+        for reply in [
+            // Not an array.
+            Value::Integer(1),
+            // One request answered where two were sent.
+            ints(&[1, 7]),
+            // A length past the reply's end, or one no reply could hold.
+            ints(&[3, 7, 7]),
+            ints(&[i64::MAX, 7]),
+            ints(&[-2, 7]),
+            // More than the requests.
+            ints(&[1, 7, 1, 7, 1, 7]),
+            // A value that is not an integer.
+            Value::Array(vec![
+                Value::Integer(1),
+                Value::String("x".into()),
+                Value::Integer(1),
+                Value::Integer(7),
+            ]),
+        ] {
             let answers = split(reply.clone(), 2);
             assert_eq!(answers.len(), 2, "{reply:?}");
             assert!(answers.iter().all(protocol), "{reply:?} -> {answers:?}");
         }
-        // One request's part malformed: that request alone fails.
-        let reply = Value::Array(vec![
-            ints(&[7]),
-            Value::Array(vec![Value::String("x".into())]),
-            Value::Integer(2),
-        ]);
-        let answers = split(reply, 3);
+        let answers = split(ints(&[1, 7, 2, 8, 9]), 2);
         assert_eq!(answers[0].as_ref().ok(), Some(&vec![7]));
-        assert!(
-            protocol(&answers[1]) && protocol(&answers[2]),
-            "{answers:?}"
-        );
+        assert_eq!(answers[1].as_ref().ok(), Some(&vec![8, 9]));
     }
 }
