@@ -919,6 +919,100 @@ fn calls_across_the_dropped_numbers_count_every_hit() {
     }
 }
 
+/// A log's expiry, on the common paths (one request of one descriptor; one of two on logs of
+/// their own), is set when its newest entry is the first of its period (a quarter window), to
+/// the window plus a period plus 1 s, and by a call that finds the newest entry in an earlier
+/// period than its own: exactly those calls set it (an admitted call in the newest entry's
+/// period does not), and the key outlives its newest entry by the window plus 1 s after every
+/// call, admitted or rejected. 80 calls 37 ms apart (the script's clock injected) on a 1 s
+/// window, with a limit of 10 (most are rejected) and of 1,000 (all admitted, and the expiry
+/// set about once a period); Redis's own clock barely moves, so an expiry set at call time t
+/// lasts, in the calls' time, until t plus the TTL.
+#[test]
+fn a_logs_expiry_is_set_once_a_period_and_outlasts_its_newest_entry() {
+    let redis = RedisProcess::start(&[]);
+    let library = slidegate::store::redis::Library::new();
+    let cli = |args: &[&str]| node_cli(redis.port, args);
+    assert_eq!(
+        cli(&["FUNCTION", "LOAD", &library.code]),
+        [library.function.to_string()]
+    );
+    // role:ban_ms:buckets:debit:limit:window_ms; a period of 250 ms, a TTL of 2,250 ms.
+    let (window, ttl) = (1_000u64, 2_250u64);
+    for (rule, keys) in [
+        ("0:0:0:0:10:1000", vec!["one:log"]),
+        ("0:0:0:0:10:1000", vec!["two:log", "three:log"]),
+        ("0:0:0:0:1000:1000", vec!["four:log"]),
+        ("0:0:0:0:1000:1000", vec!["five:log", "six:log"]),
+    ] {
+        let n = keys.len().to_string();
+        // Per key: when its expiry was last set, and its newest entry (call times).
+        let mut set_at: Option<u64> = None;
+        let mut newest: Option<u64> = None;
+        let (mut sets, mut rejected) = (0, 0);
+        let period = |t: u64| t / 250;
+        for call in 0..80u64 {
+            let now = 10_000 + 37 * call;
+            let (now_text, prefix) = (now.to_string(), format!("p{call}"));
+            let mut args = vec!["FCALL", &library.function, &n];
+            args.extend(&keys);
+            args.extend(["1", &now_text, &prefix, "1", &n]);
+            for _ in &keys {
+                args.extend(["1", rule]);
+            }
+            let before = calls_of(&redis, "pexpire");
+            let reply = cli(&args);
+            let expiries = calls_of(&redis, "pexpire") - before;
+            // Each key sees the same calls: all set their expiry, or none.
+            assert!(
+                expiries == 0 || expiries == keys.len() as u64,
+                "call {call}: {expiries} expiries set for {keys:?}"
+            );
+            if expiries > 0 {
+                set_at = Some(now);
+                sets += 1;
+            }
+            // The length, now, then the first descriptor's flags: 5 admitted and recorded.
+            let recorded = match reply[2].as_str() {
+                "5" => true,
+                "0" => false,
+                flags => panic!("call {call}: flags {flags}: {reply:?}"),
+            };
+            let expected = match newest {
+                None => recorded,
+                Some(head) => period(now) != period(head),
+            };
+            assert_eq!(
+                expiries > 0,
+                expected,
+                "call {call} at {now} (newest entry {newest:?}, recorded {recorded})"
+            );
+            if recorded {
+                newest = Some(now);
+            } else {
+                rejected += 1;
+            }
+            if let Some(newest) = newest {
+                let set_at = set_at.expect("a log with entries has had its expiry set");
+                assert!(
+                    set_at + ttl >= newest + window + 1_000,
+                    "call {call}: the expiry set at {set_at} ends before the entry at {newest} leaves the window (plus 1 s)"
+                );
+                for key in &keys {
+                    let left: i64 = cli(&["PTTL", key])[0].parse().expect("PTTL");
+                    assert!(left > 0, "call {call}: {key} has no expiry: {left}");
+                }
+            }
+        }
+        if rule.contains(":10:") {
+            assert!(rejected > 40, "{keys:?}: {rejected} of 80 rejected");
+        } else {
+            // 80 calls over 2.9 s: twelve periods.
+            assert_eq!((rejected, sets), (0, 12), "{keys:?}: rejected, expiry set");
+        }
+    }
+}
+
 /// The script decides the common requests by paths of their own (`decide_logs`: every
 /// descriptor on a one-window log without a ban, each on a log of its own; `decide_single`: the
 /// same for one descriptor), a fifth to a quarter fewer instructions than the general `decide`.
