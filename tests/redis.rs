@@ -917,6 +917,26 @@ fn calls_across_the_dropped_numbers_count_every_hit() {
             );
         }
     }
+    // Members start with the running total, 20 digits zero-padded, below the totals the library
+    // keeps made (1,000) and above: the first entry's weight is 1, the last's total 4,800.
+    let members = cli(&[
+        "ZRANGE".into(),
+        "rl:{many-numbers}:log".into(),
+        "0".into(),
+        "-1".into(),
+    ]);
+    let members: Vec<&str> = members.lines().collect();
+    assert_eq!(members.len(), 2 * requests, "one entry per request");
+    assert!(
+        members[0].starts_with("00000000000000000001:1:p0-0:"),
+        "{}",
+        members[0]
+    );
+    let last = members[members.len() - 1];
+    assert!(
+        last.starts_with(&format!("{total:020}:3:p1-1199:")),
+        "{last}"
+    );
 }
 
 /// A log's expiry, on the common paths (one request of one descriptor; one of two on logs of
