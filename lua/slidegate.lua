@@ -844,24 +844,20 @@ end
 local s_rule, s_hits, s_size, s_key, s_head, s_head_time = {}, {}, {}, {}, {}, {}
 local s_before, s_time, s_count, s_fits, s_records, s_cum = {}, {}, {}, {}, {}, {}
 
--- The request whose arguments start at ARGV[a] and keys after KEYS[k] when it is the common
--- kind: every descriptor on a sliding_log of one window, without a ban, each on a key of its
--- own. The same steps as `decide` in the same order, for this case only: `decide`'s state
--- tables, its loops over windows and its sharing of a key between descriptors cost the
--- interpreter more than the Redis commands (a third of a decision's instructions in
--- `cargo bench --bench script_cost`). Writes as `decide` does; answers nil, having written
--- nothing, for another kind or bad arguments (`decide` tells why).
-local function decide_logs(a, k, n)
+-- Reads the n descriptors of the request whose arguments start at ARGV[a] and keys after
+-- KEYS[k] into the `s_` arrays, and its time, prefix and mode: whether the request is of the
+-- kind `decide_logs` decides, with valid arguments.
+local function read_logs(a, k, n)
   for i = 1, n do
     local text = ARGV[a + 3 + 2 * i]
     local rule = rules[text] or read_rule(text)
     local key = KEYS[k + i]
     if not (rule and rule.one_log and key) then
-      return nil
+      return false
     end
     for j = 1, i - 1 do
       if s_key[j] == key then
-        return nil
+        return false
       end
     end
     text = ARGV[a + 2 + 2 * i]
@@ -870,12 +866,23 @@ local function decide_logs(a, k, n)
       hits = whole(text)
     end
     if not hits then
-      return nil
+      return false
     end
     s_rule[i], s_hits[i], s_key[i] = rule, hits, key
     s_size[i] = (rule.debit and hits == 0) and 1 or hits
   end
-  if not begin_request(a) then
+  return begin_request(a)
+end
+
+-- The request whose arguments start at ARGV[a] and keys after KEYS[k] when it is the common
+-- kind: every descriptor on a sliding_log of one window, without a ban, each on a key of its
+-- own. The same steps as `decide` in the same order, for this case only: `decide`'s state
+-- tables, its loops over windows and its sharing of a key between descriptors cost the
+-- interpreter more than the Redis commands (a third of a decision's instructions in
+-- `cargo bench --bench script_cost`). Writes as `decide` does; answers nil, having written
+-- nothing, for another kind or bad arguments (`decide` tells why).
+local function decide_logs(a, k, n)
+  if not read_logs(a, k, n) then
     return nil
   end
   next_a, next_k = a + 4 + 2 * n, k + n
