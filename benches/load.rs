@@ -401,20 +401,11 @@ fn script_ceiling(redis: &redis_proc::RedisProcess, script: &str, name: &str, pe
     for _ in 0..per_call {
         args.push("rl:{bench:user=u__rand_int__}:log".to_string());
     }
-    args.push(per_call.to_string());
+    // The number of requests and the call's time, then per request: prefix, mode, n; hits,
+    // rule (role:ban_ms:buckets:debit:limit:window_ms).
+    args.extend([per_call.to_string(), "1767225600000".to_string()]);
     for _ in 0..per_call {
-        // now, prefix, mode, n; hits, rule (role:ban_ms:buckets:debit:limit:window_ms)
-        args.extend(
-            [
-                "1767225600000",
-                "bench0000-0000",
-                "1",
-                "1",
-                "1",
-                "0:0:0:0:1000000:60000",
-            ]
-            .map(String::from),
-        );
+        args.extend(["bench0000-0000", "1", "1", "1", "0:0:0:0:1000000:60000"].map(String::from));
     }
     let out = Command::new("redis-benchmark")
         .args(["-p", &redis.port.to_string(), "-c", "16"])

@@ -159,12 +159,12 @@ fn call_args(case: &Case, head: &[String], spread: bool, c: usize, tag: &str) ->
             args.push(format!("rl:{{bench:{tag}:user=u{user}:d{d}}}:log"));
         }
     }
-    args.push(case.per_call.to_string());
+    // The number of requests and the call's time, then per request: prefix, mode, n; hits, rule
+    // (role:ban_ms:buckets:debit:limit:window_ms).
     let now = 1_767_225_600_000u64 + c as u64;
+    args.extend([case.per_call.to_string(), now.to_string()]);
     for r in 0..case.per_call {
-        // now, prefix, mode, n; hits, rule (role:ban_ms:buckets:debit:limit:window_ms)
         args.extend([
-            now.to_string(),
             format!("p{c}-{r}"),
             "1".into(),
             case.descriptors.to_string(),
@@ -258,17 +258,17 @@ fn measure(case: &Case, form: Form, library: &Library, dir: &Path) -> u64 {
     let next: Vec<&str> = next.iter().map(String::as_str).collect();
     let reply = cli(&next);
     let values: Vec<&str> = reply.lines().collect();
-    // Per request: its length, now, then per descriptor flags 5 (fits, recorded), entry,
-    // count, reset.
-    let length = 1 + 4 * case.descriptors;
+    // The call's time, then per request: its length, then per descriptor flags 5 (fits,
+    // recorded), entry, count, reset.
+    let length = 4 * case.descriptors;
     assert_eq!(
         values.len(),
-        case.per_call * (1 + length),
+        1 + case.per_call * (1 + length),
         "{}: {reply}",
         case.name
     );
-    for request in values.chunks(1 + length) {
-        let flags = request.iter().skip(2).step_by(4).take(case.descriptors);
+    for request in values[1..].chunks(1 + length) {
+        let flags = request.iter().skip(1).step_by(4).take(case.descriptors);
         assert!(
             request[0] == length.to_string() && flags.clone().all(|f| *f == "5"),
             "{}: {request:?}",

@@ -31,8 +31,11 @@
 --   data, sliding_counter: a hash, field "<bucket_ms>:<bucket>" = hits
 --   ban:        a string holding the ban's end (ms since the epoch), with a TTL
 -- ARGV:
---   ARGV[1]  the number of requests in this call (>= 1), then per request:
---   now      in ms since the epoch; "" reads Redis TIME instead (one clock for all replicas)
+--   ARGV[1]  the number of requests in this call (>= 1)
+--   ARGV[2]  now, the time every request of the call is decided at, in ms since the epoch;
+--            "" reads Redis TIME instead (one clock for all replicas). (One per call, not
+--            per request: each argument costs Redis about 1,000 instructions to read.)
+--   then per request:
 --   prefix   member prefix, unique per request, so members are unique even within one ms
 --   mode     1 = final: admit iff every enforcing descriptor fits and, if there are quota
 --                descriptors, at least one of them fits; record only if admitted
@@ -48,13 +51,13 @@
 --   with that many buckets per window; debit 1 for usage already spent (see below); then one
 --   limit and window_ms pair per window, at least one. (One text per rule: a call's requests
 --   mostly share their rules, and each distinct text is read once per call.)
--- Reply: one flat array, per request in order either its length L then L integers,
---   now, then per descriptor: flags, then ban_remaining_ms if banned (flag 8), then cum if
+-- Reply: one flat array: now (the call's time), then per request in order either its length L
+--   then L integers, per descriptor: flags, then ban_remaining_ms if banned (flag 8), then cum if
 --     it recorded (flag 4: of the log entry it recorded; 0 for sliding_counter), then unless
 --     banned one pair per window of its rule: count, reset_ms
 --     flags: 1 fits, 2 this request set the ban, 4 recorded, 8 banned (nothing follows but
 --     ban_remaining_ms). An admitted request with one descriptor of one window is
---     5, now, 5, cum, count, reset_ms: the caller decodes every integer of every reply, so
+--     4, 5, cum, count, reset_ms: the caller decodes every integer of every reply, so
 --     what it can tell from the flags and its own rule is not sent.
 --   or -1 then an error (a string) when a Redis command of that request failed (a key of
 --     another type, say): that request alone failed, and what it wrote before the error
@@ -236,23 +239,21 @@ local function check_request(r, a, k)
   -- Numbers and rules read before are looked up here rather than through `whole` and
   -- `read_rule` (false: read before, and not valid): this runs for every request of every
   -- call, and a Lua function call costs several lookups.
-  local now, mode, n = ARGV[a], read[ARGV[a + 2]], read[ARGV[a + 3]]
+  local mode, n = read[ARGV[a + 1]], read[ARGV[a + 2]]
   if mode == nil then
-    mode = whole(ARGV[a + 2])
+    mode = whole(ARGV[a + 1])
   end
   if n == nil then
-    n = whole(ARGV[a + 3])
+    n = whole(ARGV[a + 2])
   end
-  if now == nil or (now ~= '' and not (read[now] or whole(now))) then
-    problem = 'now must be a whole number of ms or empty'
-  elseif (ARGV[a + 1] or '') == '' then
+  if (ARGV[a] or '') == '' then
     problem = 'member prefix is missing'
   elseif not mode or mode > 2 then
     problem = 'mode must be 0, 1 or 2'
   elseif not n or n < 1 then
     problem = 'descriptor count must be at least 1'
   else
-    a = a + 4
+    a = a + 3
     for i = 1, n do
       local text, hits = ARGV[a + 1], read[ARGV[a]]
       local rule = rules[text]
@@ -280,7 +281,8 @@ local function check_request(r, a, k)
   return a, k
 end
 
--- The request being decided: its time, member prefix, mode and number of descriptors.
+-- The call's time, and the request being decided: its member prefix, mode and number of
+-- descriptors.
 local now, prefix, mode, n
 
 -- Per descriptor position i, the decision state of the request being decided: made once and
@@ -296,25 +298,16 @@ local now, prefix, mode, n
 -- and [3w] (its time).
 local states = {}
 
--- Sets the time, member prefix and mode of the request whose arguments start at ARGV[a], and
--- answers whether they are valid (the general path checks them in `check_request` first, with
+-- Sets the member prefix and mode of the request whose arguments start at ARGV[a], and answers
+-- whether they are valid (the general path checks them in `check_request` first, with
 -- reasons; the common paths leave a request with bad ones to it).
 local function begin_request(a)
-  local text = ARGV[a]
-  if text == '' then
-    now = redis_now()
-  else
-    now = read[text]
-    if now == nil then
-      now = whole(text)
-    end
-  end
-  text = ARGV[a + 2]
-  prefix, mode = ARGV[a + 1], read[text]
+  local text = ARGV[a + 1]
+  prefix, mode = ARGV[a], read[text]
   if mode == nil then
     mode = whole(text)
   end
-  return now and mode and mode <= 2 and prefix and prefix ~= ''
+  return mode and mode <= 2 and prefix and prefix ~= ''
 end
 
 -- Reads the request from ARGV[a] and KEYS[k + 1] on (checked by `check_request`) into `states`.
@@ -323,9 +316,9 @@ end
 -- deployment's hot path each table write is a measurable share of the call).
 local function bind(a, k)
   begin_request(a)
-  n = read[ARGV[a + 3]]
+  n = read[ARGV[a + 2]]
   local text
-  a = a + 4
+  a = a + 3
   for i = 1, n do
     local d = states[i]
     if d == nil then
@@ -785,8 +778,7 @@ local function decide(a, k)
   end
 
   -- 5. Report.
-  local r = o + 2
-  out[r] = now
+  local r = o + 1
   for i = 1, n do
     r = report(states[i], out, r)
   end
@@ -849,7 +841,7 @@ local s_before, s_time, s_count, s_fits, s_records, s_cum = {}, {}, {}, {}, {}, 
 -- kind `decide_logs` decides, with valid arguments.
 local function read_logs(a, k, n)
   for i = 1, n do
-    local text = ARGV[a + 3 + 2 * i]
+    local text = ARGV[a + 2 + 2 * i]
     local rule = rules[text] or read_rule(text)
     local key = KEYS[k + i]
     if not (rule and rule.one_log and key) then
@@ -860,7 +852,7 @@ local function read_logs(a, k, n)
         return false
       end
     end
-    text = ARGV[a + 2 + 2 * i]
+    text = ARGV[a + 1 + 2 * i]
     local hits = read[text]
     if hits == nil then
       hits = whole(text)
@@ -885,7 +877,7 @@ local function decide_logs(a, k, n)
   if not read_logs(a, k, n) then
     return nil
   end
-  next_a, next_k = a + 4 + 2 * n, k + n
+  next_a, next_k = a + 3 + 2 * n, k + n
   -- 1. Per descriptor: the newest entry, the trim, the window's first entry (the log was just
   --    trimmed to this window, so it is the log's first), the count, and whether it fits.
   -- 2. Whether the request is admitted (as `decide`).
@@ -929,8 +921,7 @@ local function decide_logs(a, k, n)
   end
   -- 5. Report: per descriptor its flags, the entry it recorded, its count and its reset (as
   --    `log_reset`).
-  local reply, r = out, o + 2
-  reply[r] = now
+  local reply, r = out, o + 1
   for i = 1, n do
     local rule, fits, count, before = s_rule[i], s_fits[i], s_count[i], s_before[i]
     local limit, length = rule[1], rule[2]
@@ -953,13 +944,13 @@ end
 -- for the same request (`cargo bench --bench script_cost`). Writes as `decide` does; answers
 -- nil, having written nothing, for another kind or bad arguments (`decide` tells why).
 local function decide_single(a, k)
-  local text = ARGV[a + 5]
+  local text = ARGV[a + 4]
   local rule = rules[text] or read_rule(text)
   local key = KEYS[k + 1]
   if not (rule and rule.one_log and key) then
     return nil
   end
-  text = ARGV[a + 4]
+  text = ARGV[a + 3]
   local hits = read[text]
   if hits == nil then
     hits = whole(text)
@@ -967,7 +958,7 @@ local function decide_single(a, k)
   if not (hits and begin_request(a)) then
     return nil
   end
-  next_a, next_k = a + 6, k + 1
+  next_a, next_k = a + 5, k + 1
   local limit, length = rule[1], rule[2]
   local debit = rule.debit
   local size = (debit and hits == 0) and 1 or hits
@@ -1002,11 +993,11 @@ local function decide_single(a, k)
   local reset = window_reset(key, limit, length, fits, count, size, before, time)
   local r = o
   if flags >= 4 then
-    out[r + 2], out[r + 3], out[r + 4], out[r + 5], out[r + 6] = now, flags, cum, count, reset
-    return r + 6
+    out[r + 2], out[r + 3], out[r + 4], out[r + 5] = flags, cum, count, reset
+    return r + 5
   end
-  out[r + 2], out[r + 3], out[r + 4], out[r + 5] = now, flags, count, reset
-  return r + 5
+  out[r + 2], out[r + 3], out[r + 4] = flags, count, reset
+  return r + 4
 end
 
 -- Decides requests `first` to `last` of the call, from next_a and next_k on, each on its own,
@@ -1018,7 +1009,7 @@ local function decide_from(first, last)
     current, current_a = r, a
     -- The common kinds by paths of their own (nil: not of their kind, or bad arguments), the
     -- others by `decide`.
-    local n, e, problem = read[ARGV[a + 3]], nil, nil
+    local n, e, problem = read[ARGV[a + 2]], nil, nil
     if n == 1 then
       e = decide_single(a, k)
     elseif n and n > 1 then
@@ -1054,7 +1045,6 @@ local function decide_call(keys, args, spread)
   if o > OUT_KEPT then
     out = {}
   end
-  o = 0
   if call == nil then
     tonumber, format, max, call = _G.tonumber, _G.string.format, _G.math.max, _G.redis.call
   end
@@ -1074,11 +1064,22 @@ local function decide_call(keys, args, spread)
   if count == nil or count < 1 then
     return fail('ARGV[' .. (base + 1) .. '] (request count) must be at least 1')
   end
+  local text = ARGV[base + 2]
+  if text == '' then
+    now = redis_now()
+  else
+    now = whole(text)
+  end
+  if now == nil then
+    return fail('ARGV[' .. (base + 2) .. '] (now) must be a whole number of ms or empty')
+  end
+  -- The reply starts with the call's time.
+  out[1], o = now, 1
   -- Each request on its own: a Redis error in one (a key of another type) fails that one only.
   -- One protected call for all of them (a protected call per request costs the interpreter
   -- more than a tenth of a request's work); after an error, the next protected call goes on
   -- from the request after the one that failed.
-  next_a, next_k = base + 2, 0
+  next_a, next_k = base + 3, 0
   local first, checked = 1, true
   while true do
     local ok, result = pcall(decide_from, first, count)

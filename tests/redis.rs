@@ -557,8 +557,8 @@ fn malformed_script_arguments_get_an_error_reply() {
     assert_eq!(loaded, &*library.function, "FUNCTION LOAD: {loaded}");
     let function: &str = &library.function;
     // One key per descriptor (its log or counters), two with a ban. Arguments: the number of
-    // requests, then per request: now, prefix, mode, descriptor count, and per descriptor: hits
-    // and the rule "role:ban_ms:buckets:debit:limit:window_ms[:limit:window_ms...]".
+    // requests, the call's time, then per request: prefix, mode, descriptor count, and per
+    // descriptor: hits and the rule "role:ban_ms:buckets:debit:limit:window_ms[:limit:window_ms...]".
     let ok = "0:0:0:0:10:1000";
     let request =
         |now: &'static str,
@@ -604,13 +604,15 @@ fn malformed_script_arguments_get_an_error_reply() {
     }
     // A bad request fails before it writes anything, and so does every request after it (where
     // they start can no longer be told); a request before it stands.
-    let mut full = vec!["FCALL", function, "3", "b1:log", "b2:log", "b3:log", "3"];
-    full.extend_from_slice(&["1000", "p", "1", "1", "1", ok]);
-    full.extend_from_slice(&["1000", "p", "1", "1", "1", "0:0:0:0:10"]);
-    full.extend_from_slice(&["1000", "p", "1", "1", "1", ok]);
+    let mut full = vec![
+        "FCALL", function, "3", "b1:log", "b2:log", "b3:log", "3", "1000",
+    ];
+    full.extend_from_slice(&["p", "1", "1", "1", ok]);
+    full.extend_from_slice(&["p", "1", "1", "1", "0:0:0:0:10"]);
+    full.extend_from_slice(&["p", "1", "1", "1", ok]);
     let reply = cli(&full);
     let lines: Vec<&str> = reply.lines().collect();
-    assert_eq!(lines[..6], ["5", "1000", "5", "1", "1", "1000"], "{reply}");
+    assert_eq!(lines[..6], ["1000", "4", "5", "1", "1", "1000"], "{reply}");
     assert_eq!((lines[6], lines[8]), ("-1", "-1"), "{reply}");
     assert!(lines[7].starts_with("SLIDEGATE request 2: "), "{reply}");
     assert!(
@@ -620,8 +622,8 @@ fn malformed_script_arguments_get_an_error_reply() {
     assert_eq!(lines.len(), 10, "{reply}");
     assert_eq!(cli(&["ZCARD", "b1:log"]), "1");
     assert_eq!(cli(&["EXISTS", "b2:log", "b3:log"]), "0");
-    // And a well-formed call answers the documented layout: its length, now, then flags (1
-    // fits, 4 recorded), the entry it recorded, count, reset.
+    // And a well-formed call answers the documented layout: the call's time, then per request
+    // its length, flags (1 fits, 4 recorded), the entry it recorded, count, reset.
     let call = |key: &str, rule: &str| {
         let mut full = vec!["FCALL", function, "1", key];
         full.extend_from_slice(&["1", "1000", "p", "1", "1", "1", rule]);
@@ -629,7 +631,7 @@ fn malformed_script_arguments_get_an_error_reply() {
     };
     assert_eq!(
         call("t:log", "0:0:0:0:10:1000"),
-        vec!["5", "1000", "5", "1", "1", "1000"]
+        vec!["1000", "4", "5", "1", "1", "1000"]
     );
     assert_eq!(
         cli(&["ZRANGE", "t:log", "0", "-1"]),
@@ -640,7 +642,7 @@ fn malformed_script_arguments_get_an_error_reply() {
     // stops counting at 1,100 + 1,000.
     assert_eq!(
         call("u:cnt", "0:0:10:0:10:1000"),
-        vec!["5", "1000", "5", "0", "1", "1100"]
+        vec!["1000", "4", "5", "0", "1", "1100"]
     );
     assert_eq!(
         cli(&["HGETALL", "u:cnt"]).lines().collect::<Vec<_>>(),
@@ -650,21 +652,22 @@ fn malformed_script_arguments_get_an_error_reply() {
     // another type and fails alone (-1 and what Redis said), the second and third share a log
     // with a limit of 1, so the third finds the second's entry and is rejected.
     assert_eq!(cli(&["SET", "w:log", "not a log"]), "OK");
-    let request =
-        |now: &'static str, prefix: &'static str| [now, prefix, "1", "1", "1", "0:0:0:0:1:1000"];
-    let mut full = vec!["FCALL", function, "3", "w:log", "v:log", "v:log", "3"];
-    full.extend_from_slice(&request("2000", "a"));
-    full.extend_from_slice(&request("2000", "b"));
-    full.extend_from_slice(&request("2001", "c"));
+    let request = |prefix: &'static str| [prefix, "1", "1", "1", "0:0:0:0:1:1000"];
+    let mut full = vec![
+        "FCALL", function, "3", "w:log", "v:log", "v:log", "3", "2000",
+    ];
+    full.extend_from_slice(&request("a"));
+    full.extend_from_slice(&request("b"));
+    full.extend_from_slice(&request("c"));
     let reply = cli(&full);
     let lines: Vec<&str> = reply.lines().collect();
-    assert_eq!(lines[0], "-1", "{reply}");
-    assert!(lines[1].starts_with("WRONGTYPE"), "{reply}");
+    assert_eq!((lines[0], lines[1]), ("2000", "-1"), "{reply}");
+    assert!(lines[2].starts_with("WRONGTYPE"), "{reply}");
     assert_eq!(
-        lines[2..],
+        lines[3..],
         [
-            "5", "2000", "5", "1", "1", "1000", // admitted: fits, recorded entry 1
-            "4", "2001", "0", "1", "999", // 1 of 1, nothing recorded: wait 999 ms
+            "4", "5", "1", "1", "1000", // admitted: fits, recorded entry 1
+            "3", "0", "1", "1000", // 1 of 1, nothing recorded: wait 1,000 ms
         ]
     );
     assert_eq!(cli(&["ZCARD", "v:log"]), "1");
@@ -832,15 +835,15 @@ fn library_on_shared_redis() -> (
 }
 
 /// A script reply to `requests` requests of one descriptor each, admitted, split per request:
-/// now, flags, entry, count, reset (each after its length, 5).
+/// flags, entry, count, reset (each after its length, 4; the call's time first).
 fn one_descriptor_answers(reply: &str, requests: usize) -> Vec<Vec<&str>> {
     let lines: Vec<&str> = reply.lines().collect();
     let head = &reply[..reply.len().min(400)];
-    assert_eq!(lines.len(), requests * 6, "{head}");
-    lines
-        .chunks(6)
+    assert_eq!(lines.len(), 1 + requests * 5, "{head}");
+    lines[1..]
+        .chunks(5)
         .map(|answer| {
-            assert_eq!(answer[0], "5", "{head}");
+            assert_eq!(answer[0], "4", "{head}");
             answer[1..].to_vec()
         })
         .collect()
@@ -859,11 +862,10 @@ fn a_call_with_more_rules_than_the_library_keeps_decides_each_request() {
         requests.to_string(),
     ];
     args.extend((0..requests).map(|r| format!("rl:{{many-rules}}:{r}:log")));
-    args.push(requests.to_string());
+    args.extend([requests.to_string(), "1000".to_string()]);
     for r in 0..requests {
         // Every request its own rule: limit 10 + r in a 1 s window.
         args.extend([
-            "1000".to_string(),
             format!("p{r}"),
             "1".into(),
             "1".into(),
@@ -873,15 +875,15 @@ fn a_call_with_more_rules_than_the_library_keeps_decides_each_request() {
     }
     let reply = cli(&args);
     for (r, answer) in one_descriptor_answers(&reply, requests).iter().enumerate() {
-        assert_eq!(answer[..3], ["1000", "5", "1"], "request {r} was admitted");
+        assert_eq!(answer[..2], ["5", "1"], "request {r} was admitted");
     }
 }
 
 /// The library keeps the numbers it has read (and their text) from call to call, and drops them
 /// all when a call starts with more than it keeps (1,000), never during a call: a call whose own
 /// arguments hold more distinct numbers than that decides each request, and the calls after the
-/// drop still count every hit (two calls of 1,200 requests on one log, each request at its own
-/// millisecond).
+/// drop still count every hit (two calls of 1,200 requests on one log, each request with hits
+/// of its own, 1 to 1,200).
 #[test]
 fn calls_across_the_dropped_numbers_count_every_hit() {
     let (library, cli) = library_on_shared_redis();
@@ -894,31 +896,30 @@ fn calls_across_the_dropped_numbers_count_every_hit() {
             requests.to_string(),
         ];
         args.extend((0..requests).map(|_| "rl:{many-numbers}:log".to_string()));
-        args.push(requests.to_string());
+        let now = 1_000_000 + call * 10_000;
+        args.extend([requests.to_string(), now.to_string()]);
         for r in 0..requests as u64 {
-            let now = 1_000_000 + call * 10_000 + r;
             args.extend([
-                now.to_string(),
                 format!("p{call}-{r}"),
                 "1".into(),
                 "1".into(),
-                (1 + r % 3).to_string(),
-                "0:0:0:0:1000000:100000000".into(),
+                (1 + r).to_string(),
+                "0:0:0:0:100000000:100000000".into(),
             ]);
         }
         let reply = cli(&args);
         for (r, answer) in one_descriptor_answers(&reply, requests).iter().enumerate() {
-            total += 1 + r as u64 % 3;
+            total += 1 + r as u64;
             let expected = total.to_string();
             assert_eq!(
-                answer[1..4],
+                answer[..3],
                 ["5", expected.as_str(), expected.as_str()],
                 "call {call}, request {r}: admitted, recorded at the running total, counted"
             );
         }
     }
     // Members start with the running total, 20 digits zero-padded, below the totals the library
-    // keeps made (1,000) and above: the first entry's weight is 1, the last's total 4,800.
+    // keeps made (1,000) and above: the first entry's weight is 1, the last's total 1,441,200.
     let members = cli(&[
         "ZRANGE".into(),
         "rl:{many-numbers}:log".into(),
@@ -934,7 +935,7 @@ fn calls_across_the_dropped_numbers_count_every_hit() {
     );
     let last = members[members.len() - 1];
     assert!(
-        last.starts_with(&format!("{total:020}:3:p1-1199:")),
+        last.starts_with(&format!("{total:020}:1200:p1-1199:")),
         "{last}"
     );
 }
@@ -1047,7 +1048,7 @@ async fn the_common_request_paths_answer_as_the_general_one() {
     use slidegate::store::redis::Library;
 
     const SOURCE: &str = include_str!("../lua/slidegate.lua");
-    const TAKES_OWN_PATHS: &str = "local n, e, problem = read[ARGV[a + 3]], nil, nil";
+    const TAKES_OWN_PATHS: &str = "local n, e, problem = read[ARGV[a + 2]], nil, nil";
     assert!(
         SOURCE.contains(TAKES_OWN_PATHS),
         "the script no longer chooses its own paths where this test turns them off"
@@ -1095,18 +1096,15 @@ async fn the_common_request_paths_answer_as_the_general_one() {
             let requests = 1 + next(3);
             let mode = next(3);
             let mut descriptors = Vec::new();
-            let mut args = vec![Value::from(requests.to_string())];
+            let mut args = vec![
+                Value::from(requests.to_string()),
+                Value::from(now.to_string()),
+            ];
             for r in 0..requests {
                 // Mostly one descriptor, from one of the first rules (the common kinds).
                 let n = if next(2) == 0 { 1 } else { 1 + next(3) };
                 args.extend(
-                    [
-                        now.to_string(),
-                        format!("p{step}-{r}"),
-                        mode.to_string(),
-                        n.to_string(),
-                    ]
-                    .map(Value::from),
+                    [format!("p{step}-{r}"), mode.to_string(), n.to_string()].map(Value::from),
                 );
                 for _ in 0..n {
                     let kinds = if next(4) == 0 { 9 } else { 7 };
@@ -1134,18 +1132,19 @@ async fn the_common_request_paths_answer_as_the_general_one() {
             let Value::Array(flat) = &answers[0] else {
                 panic!("not a list of replies: {:?}", answers[0]);
             };
-            let mut rest = flat.as_slice();
+            // The call's time, then per request its length and its values.
+            let mut rest = &flat[1..];
             while let [Value::Integer(length), tail @ ..] = rest {
                 let length = usize::try_from(*length).unwrap_or_else(|_| {
                     panic!("a request failed: {rest:?}");
                 });
                 let (fields, tail) = tail.split_at(length);
                 rest = tail;
-                // A lone descriptor's answer is now, flags, [entry,] count, reset.
-                match (fields.len(), fields.get(1)) {
-                    (5, Some(Value::Integer(5))) => lone[0] += 1,
-                    (4, Some(Value::Integer(0 | 1))) => lone[1] += 1,
-                    (5, Some(Value::Integer(4))) => lone[2] += 1,
+                // A lone descriptor's answer is flags, [entry,] count, reset.
+                match (fields.len(), fields.first()) {
+                    (4, Some(Value::Integer(5))) => lone[0] += 1,
+                    (3, Some(Value::Integer(0 | 1))) => lone[1] += 1,
+                    (4, Some(Value::Integer(4))) => lone[2] += 1,
                     _ => {}
                 }
             }
@@ -1751,10 +1750,9 @@ fn a_spread_call_decides_one_masters_slots_and_refuses_others() {
         "3".into(),
     ];
     args.extend(keys.iter().cloned());
-    args.push("3".into());
+    args.extend(["3".to_string(), "1000".to_string()]);
     for r in 0..3 {
         args.extend([
-            "1000".to_string(),
             format!("p{r}"),
             "1".into(),
             "1".into(),
@@ -1764,13 +1762,13 @@ fn a_spread_call_decides_one_masters_slots_and_refuses_others() {
     }
     let args: Vec<&str> = args.iter().map(String::as_str).collect();
     let reply = node_cli(here, &args);
-    // Two admitted requests (5 values: now, flags, entry, count, reset), then -1 and Redis's
-    // error.
-    assert_eq!(reply.len(), 14, "{reply:?}");
-    assert_eq!(reply[..4], ["5", "1000", "5", "1"], "{reply:?}");
-    assert_eq!(reply[6..10], ["5", "1000", "5", "1"], "{reply:?}");
-    assert_eq!(reply[12], "-1", "{reply:?}");
-    assert!(reply[13].contains("non local key"), "{reply:?}");
+    // The call's time, two admitted requests (4 values: flags, entry, count, reset), then -1
+    // and Redis's error.
+    assert_eq!(reply.len(), 13, "{reply:?}");
+    assert_eq!(reply[..4], ["1000", "4", "5", "1"], "{reply:?}");
+    assert_eq!(reply[6..8], ["4", "5"], "{reply:?}");
+    assert_eq!(reply[11], "-1", "{reply:?}");
+    assert!(reply[12].contains("non local key"), "{reply:?}");
     assert_eq!(zcard(cluster, &keys[0]), 1);
     assert_eq!(zcard(cluster, &keys[1]), 1);
     assert_eq!(
@@ -1780,7 +1778,8 @@ fn a_spread_call_decides_one_masters_slots_and_refuses_others() {
     );
     // The same keys declared are refused before the function runs.
     let mut declared = vec!["FCALL", &library.function, "2", &keys[0], &keys[1]];
-    declared.extend_from_slice(&args[args.len() - 13..]);
+    declared.extend_from_slice(&["2", "1000"]);
+    declared.extend_from_slice(&args[args.len() - 10..]);
     let refused = node_cli(here, &declared).join(" ");
     assert!(refused.contains("CROSSSLOT"), "{refused}");
 }

@@ -583,11 +583,7 @@ impl RedisStore {
         let int = |n: u64| Value::Integer(i64::try_from(n).unwrap_or(i64::MAX));
         let word = Value::from_static_str;
         let mut keys = Vec::with_capacity(group.len() * 2);
-        let mut args: Vec<Value> = Vec::with_capacity(4 + group.len() * 2);
-        args.push(match self.clock {
-            ClockSource::Server => int(now_ms),
-            ClockSource::Redis => word(""),
-        });
+        let mut args: Vec<Value> = Vec::with_capacity(3 + group.len() * 2);
         args.push(Value::String(prefix.into()));
         args.push(word(mode.arg()));
         args.push(int(group.len() as u64));
@@ -604,7 +600,16 @@ impl RedisStore {
             args.push(int(item.hits));
             args.push(Value::String(rule_arg(item, ban_ms)));
         }
-        Request { keys, args, slots }
+        let now_ms = match self.clock {
+            ClockSource::Server => Some(now_ms),
+            ClockSource::Redis => None,
+        };
+        Request {
+            now_ms,
+            keys,
+            args,
+            slots,
+        }
     }
 
     /// With `rejected`, the request is already rejected elsewhere (`Store::check_rejected`).

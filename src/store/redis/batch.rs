@@ -32,9 +32,11 @@ const TRY_AGAIN_AFTER: Duration = Duration::from_millis(5);
 /// about a millisecond, so calls queued behind it stay well inside the store deadline.
 const DESCRIPTORS_PER_CALL: usize = 32;
 
-/// One request's part of a script call: its keys, and its arguments after the call's request
-/// count (layout in `lua/slidegate.lua`).
+/// One request's part of a script call: its time, its keys, and its arguments after the call's
+/// request count and time (layout in `lua/slidegate.lua`).
 pub(super) struct Request {
+    /// When it was asked, in ms since the epoch; `None` where Redis's clock decides.
+    pub now_ms: Option<u64>,
     pub keys: Vec<Key>,
     pub args: Vec<Value>,
     pub slots: Slots,
@@ -111,8 +113,9 @@ impl Sender {
     async fn call_declared(&self, requests: Vec<Request>) -> Vec<Answer> {
         let count = requests.len();
         let mut keys = Vec::with_capacity(requests.iter().map(|r| r.keys.len()).sum());
-        let mut args = Vec::with_capacity(1 + requests.iter().map(|r| r.args.len()).sum::<usize>());
+        let mut args = Vec::with_capacity(2 + requests.iter().map(|r| r.args.len()).sum::<usize>());
         args.push(int(count));
+        args.push(call_now(&requests));
         for request in requests {
             keys.extend(request.keys);
             args.extend(request.args);
@@ -130,12 +133,13 @@ impl Sender {
         let count = requests.len();
         let key_count: usize = requests.iter().map(|r| r.keys.len()).sum();
         let arg_count: usize = requests.iter().map(|r| r.args.len()).sum();
-        let mut args = Vec::with_capacity(2 + key_count + arg_count);
+        let mut args = Vec::with_capacity(3 + key_count + arg_count);
         args.push(int(key_count));
         for request in &requests {
             args.extend(request.keys.iter().cloned().map(Value::from));
         }
         args.push(int(count));
+        args.push(call_now(&requests));
         for request in &requests {
             args.extend(request.args.iter().cloned());
         }
@@ -233,6 +237,19 @@ fn over_several_slots(requests: &[Request]) -> bool {
     }
 }
 
+/// The time a call's requests are decided at: the latest of theirs (none is decided before it
+/// was asked), or `""`, Redis's own clock.
+fn call_now(requests: &[Request]) -> Value {
+    let latest = requests
+        .iter()
+        .map(|r| r.now_ms)
+        .try_fold(0, |latest, now| now.map(|now| latest.max(now)));
+    match latest {
+        Some(now_ms) => Value::Integer(i64::try_from(now_ms).unwrap_or(i64::MAX)),
+        None => Value::from_static_str(""),
+    }
+}
+
 /// A count as a script argument.
 fn int(n: usize) -> Value {
     Value::Integer(i64::try_from(n).unwrap_or(i64::MAX))
@@ -255,9 +272,9 @@ pub(super) fn not_served(answer: &Result<impl Sized, StoreError>) -> bool {
     matches!(answer, Err(StoreError::Unavailable { source: Some(source), .. }) if source.is::<NotServed>())
 }
 
-/// Splits the script's reply (one flat array: per request its length and its integers, or `-1`
-/// and what failed) into the requests' answers. A reply of the wrong shape fails every request
-/// of the call.
+/// Splits the script's reply (one flat array: the call's time, then per request its length and
+/// its integers, or `-1` and what failed) into the requests' answers, each the call's time and
+/// the request's integers. A reply of the wrong shape fails every request of the call.
 fn split(reply: Value, count: usize) -> Vec<Answer> {
     split_flat(reply, count).unwrap_or_else(|e| vec![Err(e); count])
 }
@@ -268,6 +285,10 @@ fn split_flat(reply: Value, count: usize) -> Result<Vec<Answer>, StoreError> {
         return Err(bad("is not an array"));
     };
     let mut values = values.into_iter();
+    let now = match values.next() {
+        Some(Value::Integer(now)) if now >= 0 => now,
+        _ => return Err(bad("does not start with the call's time")),
+    };
     let mut answers = Vec::with_capacity(count);
     while answers.len() < count {
         let length = match values.next() {
@@ -281,7 +302,8 @@ fn split_flat(reply: Value, count: usize) -> Result<Vec<Answer>, StoreError> {
             _ => return Err(bad("does not answer every request of the call")),
         };
         // (A length no reply could hold allocates no more than what is left.)
-        let mut integers = Vec::with_capacity(length.min(values.len()));
+        let mut integers = Vec::with_capacity(1 + length.min(values.len()));
+        integers.push(now);
         for _ in 0..length {
             match values.next() {
                 Some(Value::Integer(n)) => integers.push(n),
@@ -394,8 +416,8 @@ impl Batcher {
             let mut batch = Vec::new();
             let mut descriptors = 0;
             while let Some(next) = queue.waiting.front() {
-                // Two arguments per descriptor, after the request's four.
-                let size = next.request.args.len().saturating_sub(4) / 2;
+                // Two arguments per descriptor, after the request's three.
+                let size = next.request.args.len().saturating_sub(3) / 2;
                 if !batch.is_empty() && descriptors + size > DESCRIPTORS_PER_CALL {
                     break;
                 }
@@ -490,6 +512,7 @@ mod tests {
             resent: Arc::default(),
         };
         let request = || Request {
+            now_ms: None,
             keys: Vec::new(),
             args: Vec::new(),
             slots: Slots::Standalone,
@@ -506,9 +529,29 @@ mod tests {
     }
 
     #[test]
+    fn a_call_is_decided_at_its_latest_requests_time() {
+        let request = |now_ms| Request {
+            now_ms,
+            keys: Vec::new(),
+            args: Vec::new(),
+            slots: Slots::Standalone,
+        };
+        let now = |nows: &[Option<u64>]| {
+            let requests: Vec<Request> = nows.iter().map(|&n| request(n)).collect();
+            call_now(&requests)
+        };
+        assert_eq!(
+            now(&[Some(1_000), Some(1_003), Some(999)]),
+            Value::Integer(1_003)
+        );
+        // Redis's clock: its own time.
+        assert_eq!(now(&[None, None]), Value::from_static_str(""));
+    }
+
+    #[test]
     fn a_reply_splits_into_one_answer_per_request() {
-        let mut flat = vec![10, 1_000, 1, 1, 0, 0, 1, 1, 1, 1, 1_000];
-        flat.extend([5, 2_000, 5, 3, 3, 999]);
+        let mut flat = vec![1_000, 9, 1, 1, 0, 0, 1, 1, 1, 1, 1_000];
+        flat.extend([4, 5, 3, 3, 999]);
         let mut reply: Vec<Value> = flat.iter().map(|&n| Value::Integer(n)).collect();
         reply.splice(
             11..11,
@@ -531,7 +574,8 @@ mod tests {
             matches!(&answers[1], Err(StoreError::Unavailable { context, .. }) if context.contains("WRONGTYPE"))
         );
         assert!(matches!(&answers[2], Err(StoreError::Protocol(m)) if m.contains("mode")));
-        assert_eq!(answers[3].as_ref().ok(), Some(&vec![2_000, 5, 3, 3, 999]));
+        // Each answer starts with the call's time.
+        assert_eq!(answers[3].as_ref().ok(), Some(&vec![1_000, 5, 3, 3, 999]));
     }
 
     #[test]
@@ -540,16 +584,20 @@ mod tests {
         for reply in [
             // Not an array.
             Value::Integer(1),
+            // No time, or a negative one.
+            ints(&[]),
+            ints(&[-5, 1, 7, 1, 7]),
             // One request answered where two were sent.
-            ints(&[1, 7]),
+            ints(&[9, 1, 7]),
             // A length past the reply's end, or one no reply could hold.
-            ints(&[3, 7, 7]),
-            ints(&[i64::MAX, 7]),
-            ints(&[-2, 7]),
+            ints(&[9, 3, 7, 7]),
+            ints(&[9, i64::MAX, 7]),
+            ints(&[9, -2, 7]),
             // More than the requests.
-            ints(&[1, 7, 1, 7, 1, 7]),
+            ints(&[9, 1, 7, 1, 7, 1, 7]),
             // A value that is not an integer.
             Value::Array(vec![
+                Value::Integer(9),
                 Value::Integer(1),
                 Value::String("x".into()),
                 Value::Integer(1),
@@ -560,8 +608,8 @@ mod tests {
             assert_eq!(answers.len(), 2, "{reply:?}");
             assert!(answers.iter().all(protocol), "{reply:?} -> {answers:?}");
         }
-        let answers = split(ints(&[1, 7, 2, 8, 9]), 2);
-        assert_eq!(answers[0].as_ref().ok(), Some(&vec![7]));
-        assert_eq!(answers[1].as_ref().ok(), Some(&vec![8, 9]));
+        let answers = split(ints(&[4, 1, 7, 2, 8, 9]), 2);
+        assert_eq!(answers[0].as_ref().ok(), Some(&vec![4, 7]));
+        assert_eq!(answers[1].as_ref().ok(), Some(&vec![4, 8, 9]));
     }
 }
