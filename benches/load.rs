@@ -401,11 +401,11 @@ fn script_ceiling(redis: &redis_proc::RedisProcess, script: &str, name: &str, pe
     for _ in 0..per_call {
         args.push("rl:{bench:user=u__rand_int__}:log".to_string());
     }
-    // The number of requests and the call's time, then per request: prefix, mode, n; hits,
-    // rule (role:ban_ms:buckets:debit:limit:window_ms).
+    // The number of requests and the call's time, then per request: prefix, shape (4 n + mode:
+    // one descriptor, final); hits, rule (role:ban_ms:buckets:debit:limit:window_ms).
     args.extend([per_call.to_string(), "1767225600000".to_string()]);
     for _ in 0..per_call {
-        args.extend(["bench0000-0000", "1", "1", "1", "0:0:0:0:1000000:60000"].map(String::from));
+        args.extend(["bench0000-0000", "5", "1", "0:0:0:0:1000000:60000"].map(String::from));
     }
     let out = Command::new("redis-benchmark")
         .args(["-p", &redis.port.to_string(), "-c", "16"])
@@ -446,11 +446,12 @@ fn memory_usage(redis: &redis_proc::RedisProcess) {
         "\nRedis memory (MEMORY USAGE, redis-server 7, default zset-max-listpack-entries 128):"
     );
     // One call of one request: KEYS the log or the counters; ARGV request count, now, prefix,
-    // mode, n, then hits and the rule (role:ban_ms:buckets:debit:limit:window_ms).
+    // shape (5: one descriptor, final), then hits and the rule
+    // (role:ban_ms:buckets:debit:limit:window_ms).
     let line = |base: &str, now: u64, hits: u64, buckets: &str| {
         let key = if buckets == "0" { "log" } else { "cnt" };
         format!(
-            "FCALL {function} 1 {base}:{key} 1 {now} memprobe0000-123456 1 1 {hits} 0:0:{buckets}:0:100000:3600000\n"
+            "FCALL {function} 1 {base}:{key} 1 {now} memprobe0000-123456 5 {hits} 0:0:{buckets}:0:100000:3600000\n"
         )
     };
     let run = |lines: String| {

@@ -37,14 +37,15 @@
 --            per request: each argument costs Redis about 1,000 instructions to read.)
 --   then per request:
 --   prefix   member prefix, unique per request, so members are unique even within one ms
---   mode     1 = final: admit iff every enforcing descriptor fits and, if there are quota
+--   shape    4 n + mode (5 for the common request, one descriptor, final): n, the number of
+--            descriptors (>= 1), and mode in one argument, for the reason above, where mode is
+--            1 = final: admit iff every enforcing descriptor fits and, if there are quota
 --                descriptors, at least one of them fits; record only if admitted
 --            0 = tentative (a request spread over several masters): record if every enforcing
 --                descriptor of this call fits; the caller combines the calls' answers and
 --                removes the entries again if the request is rejected
 --            2 = rejected (another descriptor of the request is known to be over, so the
 --                caller did not send it): record nothing but debits, set bans, report
---   n        the number of descriptors
 --   then per descriptor two: hits, and its rule as one text, whole numbers joined by ":",
 --   "role:ban_ms:buckets:debit:limit:window_ms[:limit:window_ms...]": role 0 enforce,
 --   1 shadow, 2 quota; ban_ms 0 for no ban; buckets 0 for sliding_log, else sliding_counter
@@ -239,21 +240,22 @@ local function check_request(r, a, k)
   -- Numbers and rules read before are looked up here rather than through `whole` and
   -- `read_rule` (false: read before, and not valid): this runs for every request of every
   -- call, and a Lua function call costs several lookups.
-  local mode, n = read[ARGV[a + 1]], read[ARGV[a + 2]]
-  if mode == nil then
-    mode = whole(ARGV[a + 1])
+  local shape = read[ARGV[a + 1]]
+  if shape == nil then
+    shape = whole(ARGV[a + 1])
   end
-  if n == nil then
-    n = whole(ARGV[a + 2])
-  end
+  local mode = shape and shape % 4
+  local n = shape and (shape - mode) / 4
   if (ARGV[a] or '') == '' then
     problem = 'member prefix is missing'
-  elseif not mode or mode > 2 then
+  elseif not shape then
+    problem = 'shape (4 x descriptor count + mode) must be a whole number'
+  elseif mode > 2 then
     problem = 'mode must be 0, 1 or 2'
-  elseif not n or n < 1 then
+  elseif n < 1 then
     problem = 'descriptor count must be at least 1'
   else
-    a = a + 3
+    a = a + 2
     for i = 1, n do
       local text, hits = ARGV[a + 1], read[ARGV[a]]
       local rule = rules[text]
@@ -303,10 +305,11 @@ local states = {}
 -- reasons; the common paths leave a request with bad ones to it).
 local function begin_request(a)
   local text = ARGV[a + 1]
-  prefix, mode = ARGV[a], read[text]
-  if mode == nil then
-    mode = whole(text)
+  local shape = read[text]
+  if shape == nil then
+    shape = whole(text)
   end
+  prefix, mode = ARGV[a], shape and shape % 4
   return mode and mode <= 2 and prefix and prefix ~= ''
 end
 
@@ -316,9 +319,10 @@ end
 -- deployment's hot path each table write is a measurable share of the call).
 local function bind(a, k)
   begin_request(a)
-  n = read[ARGV[a + 2]]
+  local shape = read[ARGV[a + 1]]
+  n = (shape - shape % 4) / 4
   local text
-  a = a + 3
+  a = a + 2
   for i = 1, n do
     local d = states[i]
     if d == nil then
@@ -841,7 +845,7 @@ local s_before, s_time, s_count, s_fits, s_records, s_cum = {}, {}, {}, {}, {}, 
 -- kind `decide_logs` decides, with valid arguments.
 local function read_logs(a, k, n)
   for i = 1, n do
-    local text = ARGV[a + 2 + 2 * i]
+    local text = ARGV[a + 1 + 2 * i]
     local rule = rules[text] or read_rule(text)
     local key = KEYS[k + i]
     if not (rule and rule.one_log and key) then
@@ -852,7 +856,7 @@ local function read_logs(a, k, n)
         return false
       end
     end
-    text = ARGV[a + 1 + 2 * i]
+    text = ARGV[a + 2 * i]
     local hits = read[text]
     if hits == nil then
       hits = whole(text)
@@ -877,7 +881,7 @@ local function decide_logs(a, k, n)
   if not read_logs(a, k, n) then
     return nil
   end
-  next_a, next_k = a + 3 + 2 * n, k + n
+  next_a, next_k = a + 2 + 2 * n, k + n
   -- 1. Per descriptor: the newest entry, the trim, the window's first entry (the log was just
   --    trimmed to this window, so it is the log's first), the count, and whether it fits.
   -- 2. Whether the request is admitted (as `decide`).
@@ -944,13 +948,13 @@ end
 -- for the same request (`cargo bench --bench script_cost`). Writes as `decide` does; answers
 -- nil, having written nothing, for another kind or bad arguments (`decide` tells why).
 local function decide_single(a, k)
-  local text = ARGV[a + 4]
+  local text = ARGV[a + 3]
   local rule = rules[text] or read_rule(text)
   local key = KEYS[k + 1]
   if not (rule and rule.one_log and key) then
     return nil
   end
-  text = ARGV[a + 3]
+  text = ARGV[a + 2]
   local hits = read[text]
   if hits == nil then
     hits = whole(text)
@@ -958,7 +962,7 @@ local function decide_single(a, k)
   if not (hits and begin_request(a)) then
     return nil
   end
-  next_a, next_k = a + 5, k + 1
+  next_a, next_k = a + 4, k + 1
   local limit, length = rule[1], rule[2]
   local debit = rule.debit
   local size = (debit and hits == 0) and 1 or hits
@@ -1009,7 +1013,8 @@ local function decide_from(first, last)
     current, current_a = r, a
     -- The common kinds by paths of their own (nil: not of their kind, or bad arguments), the
     -- others by `decide`.
-    local n, e, problem = read[ARGV[a + 2]], nil, nil
+    local shape, e, problem = read[ARGV[a + 1]], nil, nil
+    local n = shape and (shape - shape % 4) / 4
     if n == 1 then
       e = decide_single(a, k)
     elseif n and n > 1 then

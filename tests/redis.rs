@@ -557,37 +557,38 @@ fn malformed_script_arguments_get_an_error_reply() {
     assert_eq!(loaded, &*library.function, "FUNCTION LOAD: {loaded}");
     let function: &str = &library.function;
     // One key per descriptor (its log or counters), two with a ban. Arguments: the number of
-    // requests, the call's time, then per request: prefix, mode, descriptor count, and per
-    // descriptor: hits and the rule "role:ban_ms:buckets:debit:limit:window_ms[:limit:window_ms...]".
+    // requests, the call's time, then per request: prefix, shape (4 x descriptor count + mode),
+    // and per descriptor: hits and the rule
+    // "role:ban_ms:buckets:debit:limit:window_ms[:limit:window_ms...]".
     let ok = "0:0:0:0:10:1000";
     let request =
-        |now: &'static str,
-         mode: &'static str,
-         n: &'static str,
-         hits: &'static str,
-         rule: &'static str| { vec!["1", "k", "1", now, "p", mode, n, hits, rule] };
+        |now: &'static str, shape: &'static str, hits: &'static str, rule: &'static str| {
+            vec!["1", "k", "1", now, "p", shape, hits, rule]
+        };
     let cases: Vec<Vec<&str>> = vec![
         vec!["0"],
         vec!["1", "k", "0"],
-        vec!["1", "k", "2", "1", "p", "1", "1", "1", ok],
-        request("x", "1", "1", "1", ok),
-        vec!["1", "k", "1", "1", "", "1", "1", "1", ok],
-        request("1", "7", "1", "1", ok),
-        request("1", "1", "0", "1", ok),
-        request("1", "1", "1", "abc", ok),
-        request("1", "1", "1", "1", "9:0:0:0:10:1000"),
-        request("1", "1", "1", "1", "0:0:0:2:10:1000"),
-        request("1", "1", "1", "1", "0:0:0:0:10:0"),
-        request("1", "1", "1", "1", "0:0:0:0:10"),
-        request("1", "1", "1", "1", "0:0:0:0"),
-        request("1", "1", "1", "1", "0:0:x:0:10:1000"),
-        request("1", "1", "1", "1", "0::0:0:10:1000"),
-        request("1", "1", "1", "1", "0:0:0:0:10:1000:"),
-        request("1", "1", "1", "1", "0:0:0:0:10:1000:5"),
+        vec!["1", "k", "2", "1", "p", "5", "1", ok],
+        request("x", "5", "1", ok),
+        vec!["1", "k", "1", "1", "", "5", "1", ok],
+        // Mode 3, no descriptor, a shape that is no number.
+        request("1", "7", "1", ok),
+        request("1", "1", "1", ok),
+        request("1", "x", "1", ok),
+        request("1", "5", "abc", ok),
+        request("1", "5", "1", "9:0:0:0:10:1000"),
+        request("1", "5", "1", "0:0:0:2:10:1000"),
+        request("1", "5", "1", "0:0:0:0:10:0"),
+        request("1", "5", "1", "0:0:0:0:10"),
+        request("1", "5", "1", "0:0:0:0"),
+        request("1", "5", "1", "0:0:x:0:10:1000"),
+        request("1", "5", "1", "0::0:0:10:1000"),
+        request("1", "5", "1", "0:0:0:0:10:1000:"),
+        request("1", "5", "1", "0:0:0:0:10:1000:5"),
         // A ban takes a second key.
-        request("1", "1", "1", "1", "0:500:0:0:10:1000"),
-        vec!["2", "k", "k2", "1", "1", "p", "1", "1", "1", ok],
-        vec!["1", "k", "1", "1", "p", "1", "1", "1", ok, "extra"],
+        request("1", "5", "1", "0:500:0:0:10:1000"),
+        vec!["2", "k", "k2", "1", "1", "p", "5", "1", ok],
+        vec!["1", "k", "1", "1", "p", "5", "1", ok, "extra"],
     ];
     for args in cases {
         let mut full = vec!["FCALL", function];
@@ -607,9 +608,9 @@ fn malformed_script_arguments_get_an_error_reply() {
     let mut full = vec![
         "FCALL", function, "3", "b1:log", "b2:log", "b3:log", "3", "1000",
     ];
-    full.extend_from_slice(&["p", "1", "1", "1", ok]);
-    full.extend_from_slice(&["p", "1", "1", "1", "0:0:0:0:10"]);
-    full.extend_from_slice(&["p", "1", "1", "1", ok]);
+    full.extend_from_slice(&["p", "5", "1", ok]);
+    full.extend_from_slice(&["p", "5", "1", "0:0:0:0:10"]);
+    full.extend_from_slice(&["p", "5", "1", ok]);
     let reply = cli(&full);
     let lines: Vec<&str> = reply.lines().collect();
     assert_eq!(lines[..6], ["1000", "4", "5", "1", "1", "1000"], "{reply}");
@@ -626,7 +627,7 @@ fn malformed_script_arguments_get_an_error_reply() {
     // its length, flags (1 fits, 4 recorded), the entry it recorded, count, reset.
     let call = |key: &str, rule: &str| {
         let mut full = vec!["FCALL", function, "1", key];
-        full.extend_from_slice(&["1", "1000", "p", "1", "1", "1", rule]);
+        full.extend_from_slice(&["1", "1000", "p", "5", "1", rule]);
         cli(&full).lines().map(str::to_string).collect::<Vec<_>>()
     };
     assert_eq!(
@@ -652,7 +653,7 @@ fn malformed_script_arguments_get_an_error_reply() {
     // another type and fails alone (-1 and what Redis said), the second and third share a log
     // with a limit of 1, so the third finds the second's entry and is rejected.
     assert_eq!(cli(&["SET", "w:log", "not a log"]), "OK");
-    let request = |prefix: &'static str| [prefix, "1", "1", "1", "0:0:0:0:1:1000"];
+    let request = |prefix: &'static str| [prefix, "5", "1", "0:0:0:0:1:1000"];
     let mut full = vec![
         "FCALL", function, "3", "w:log", "v:log", "v:log", "3", "2000",
     ];
@@ -867,8 +868,7 @@ fn a_call_with_more_rules_than_the_library_keeps_decides_each_request() {
         // Every request its own rule: limit 10 + r in a 1 s window.
         args.extend([
             format!("p{r}"),
-            "1".into(),
-            "1".into(),
+            "5".into(),
             "1".into(),
             format!("0:0:0:0:{}:1000", 10 + r),
         ]);
@@ -901,8 +901,7 @@ fn calls_across_the_dropped_numbers_count_every_hit() {
         for r in 0..requests as u64 {
             args.extend([
                 format!("p{call}-{r}"),
-                "1".into(),
-                "1".into(),
+                "5".into(),
                 (1 + r).to_string(),
                 "0:0:0:0:100000000:100000000".into(),
             ]);
@@ -967,6 +966,8 @@ fn a_logs_expiry_is_set_once_a_period_and_outlasts_its_newest_entry() {
         ("0:0:0:0:1000:1000", vec!["five:log", "six:log"]),
     ] {
         let n = keys.len().to_string();
+        // Final mode (1), n descriptors.
+        let shape = (4 * keys.len() + 1).to_string();
         // Per key: when its expiry was last set, and its newest entry (call times).
         let mut set_at: Option<u64> = None;
         let mut newest: Option<u64> = None;
@@ -977,7 +978,7 @@ fn a_logs_expiry_is_set_once_a_period_and_outlasts_its_newest_entry() {
             let (now_text, prefix) = (now.to_string(), format!("p{call}"));
             let mut args = vec!["FCALL", &library.function, &n];
             args.extend(&keys);
-            args.extend(["1", &now_text, &prefix, "1", &n]);
+            args.extend(["1", &now_text, &prefix, &shape]);
             for _ in &keys {
                 args.extend(["1", rule]);
             }
@@ -1048,15 +1049,13 @@ async fn the_common_request_paths_answer_as_the_general_one() {
     use slidegate::store::redis::Library;
 
     const SOURCE: &str = include_str!("../lua/slidegate.lua");
-    const TAKES_OWN_PATHS: &str = "local n, e, problem = read[ARGV[a + 2]], nil, nil";
+    const TAKES_OWN_PATHS: &str = "local n = shape and (shape - shape % 4) / 4";
     assert!(
         SOURCE.contains(TAKES_OWN_PATHS),
         "the script no longer chooses its own paths where this test turns them off"
     );
     let own_paths = Library::new();
-    let general = Library::from_source(
-        &SOURCE.replace(TAKES_OWN_PATHS, "local n, e, problem = false, nil, nil"),
-    );
+    let general = Library::from_source(&SOURCE.replace(TAKES_OWN_PATHS, "local n = false"));
     let config = fred::types::config::Config::from_url(&shared_standalone().url()).unwrap();
     let client = fred::clients::Client::new(config, None, None, None);
     client.init().await.unwrap();
@@ -1103,9 +1102,7 @@ async fn the_common_request_paths_answer_as_the_general_one() {
             for r in 0..requests {
                 // Mostly one descriptor, from one of the first rules (the common kinds).
                 let n = if next(2) == 0 { 1 } else { 1 + next(3) };
-                args.extend(
-                    [format!("p{step}-{r}"), mode.to_string(), n.to_string()].map(Value::from),
-                );
+                args.extend([format!("p{step}-{r}"), (4 * n + mode).to_string()].map(Value::from));
                 for _ in 0..n {
                     let kinds = if next(4) == 0 { 9 } else { 7 };
                     let rule = RULES[usize::try_from(next(kinds)).unwrap()];
@@ -1754,8 +1751,7 @@ fn a_spread_call_decides_one_masters_slots_and_refuses_others() {
     for r in 0..3 {
         args.extend([
             format!("p{r}"),
-            "1".into(),
-            "1".into(),
+            "5".into(),
             "1".into(),
             "0:0:0:0:5:60000".into(),
         ]);
@@ -1779,7 +1775,7 @@ fn a_spread_call_decides_one_masters_slots_and_refuses_others() {
     // The same keys declared are refused before the function runs.
     let mut declared = vec!["FCALL", &library.function, "2", &keys[0], &keys[1]];
     declared.extend_from_slice(&["2", "1000"]);
-    declared.extend_from_slice(&args[args.len() - 10..]);
+    declared.extend_from_slice(&args[args.len() - 8..]);
     let refused = node_cli(here, &declared).join(" ");
     assert!(refused.contains("CROSSSLOT"), "{refused}");
 }

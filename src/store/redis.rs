@@ -116,11 +116,12 @@ enum Mode {
 }
 
 impl Mode {
-    fn arg(self) -> &'static str {
+    /// The script's code for the mode (`lua/slidegate.lua`).
+    fn code(self) -> u64 {
         match self {
-            Mode::Tentative => "0",
-            Mode::Final => "1",
-            Mode::Rejected => "2",
+            Mode::Tentative => 0,
+            Mode::Final => 1,
+            Mode::Rejected => 2,
         }
     }
 }
@@ -578,15 +579,14 @@ impl RedisStore {
         mode: Mode,
     ) -> Request {
         let (group, slots) = (&group.items, group.slots);
-        // Numbers go as integers and fixed words as static strings: the client writes both
-        // straight into the command, with no string made per argument.
+        // Numbers go as integers: the client writes them straight into the command, with no
+        // string made per argument.
         let int = |n: u64| Value::Integer(i64::try_from(n).unwrap_or(i64::MAX));
-        let word = Value::from_static_str;
         let mut keys = Vec::with_capacity(group.len() * 2);
-        let mut args: Vec<Value> = Vec::with_capacity(3 + group.len() * 2);
+        let mut args: Vec<Value> = Vec::with_capacity(2 + group.len() * 2);
         args.push(Value::String(prefix.into()));
-        args.push(word(mode.arg()));
-        args.push(int(group.len() as u64));
+        // The request's shape: its descriptor count and mode in one argument.
+        args.push(int(4 * group.len() as u64 + mode.code()));
         for &i in group {
             let item = &items[i];
             let ban_ms = item.ban_ms.unwrap_or(0);

@@ -416,8 +416,8 @@ impl Batcher {
             let mut batch = Vec::new();
             let mut descriptors = 0;
             while let Some(next) = queue.waiting.front() {
-                // Two arguments per descriptor, after the request's three.
-                let size = next.request.args.len().saturating_sub(3) / 2;
+                // Two arguments per descriptor, after the request's two.
+                let size = next.request.args.len().saturating_sub(2) / 2;
                 if !batch.is_empty() && descriptors + size > DESCRIPTORS_PER_CALL {
                     break;
                 }
