@@ -196,19 +196,31 @@ fn pipe(port: u16, commands: &[u8]) {
     assert!(text.contains("errors: 0,"), "redis-cli --pipe: {text}");
 }
 
+/// A process that is stopped when dropped: a failed check leaves no Redis running under valgrind.
+struct Stopped(Child);
+
+impl Drop for Stopped {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
 /// Redis's instructions per decision for `case` in `form`.
 fn measure(case: &Case, form: Form, library: &Library, dir: &Path) -> u64 {
     let port = redis_proc::free_port();
     let out_file = dir.join(format!("callgrind.{port}.out"));
-    let mut redis: Child = Command::new("valgrind")
-        .args(["--tool=callgrind", "--instr-atstart=no"])
-        .arg(format!("--callgrind-out-file={}", out_file.display()))
-        .args(["redis-server", "--port", &port.to_string()])
-        .args(["--save", "", "--appendonly", "no"])
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .expect("valgrind (Debian's valgrind package)");
+    let mut redis = Stopped(
+        Command::new("valgrind")
+            .args(["--tool=callgrind", "--instr-atstart=no"])
+            .arg(format!("--callgrind-out-file={}", out_file.display()))
+            .args(["redis-server", "--port", &port.to_string()])
+            .args(["--save", "", "--appendonly", "no"])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("valgrind (Debian's valgrind package)"),
+    );
     redis_proc::wait_until(
         "redis-server under valgrind",
         Duration::from_secs(60),
@@ -240,7 +252,7 @@ fn measure(case: &Case, form: Form, library: &Library, dir: &Path) -> u64 {
     if case.fill > 0 {
         pipe(port, &commands(case, &head, spread, 5, case.fill, "run"));
     }
-    let pid = redis.id().to_string();
+    let pid = redis.0.id().to_string();
     callgrind::run("callgrind_control", &["-i", "on", &pid]);
     pipe(
         port,
@@ -272,7 +284,7 @@ fn measure(case: &Case, form: Form, library: &Library, dir: &Path) -> u64 {
         );
     }
     let _ = redis_proc::command(port, "SHUTDOWN NOSAVE");
-    let _ = redis.wait();
+    let _ = redis.0.wait();
     let (_, total) = callgrind::annotate(&out_file, &[]);
     total / (case.per_call * case.calls) as u64
 }
