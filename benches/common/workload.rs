@@ -31,6 +31,14 @@ descriptors:
     yaml
 }
 
+/// The `grpc-timeout` value Envoy sends with every `ShouldRateLimit` call: its filter timeout
+/// in milliseconds (20 ms by default), written as Envoy's `Grpc::Common::toGrpcTimeout` writes
+/// it (the count and `m`; Envoy's larger units only start past 8 digits). The server reads it
+/// and keeps a timer per call, so a load without it leaves out part of a real call's cost.
+pub fn envoy_grpc_timeout(ms: u64) -> String {
+    format!("{ms}m")
+}
+
 /// What one request of a scenario sends.
 #[derive(Clone, Copy, PartialEq, Eq)]
 pub enum Shape {
