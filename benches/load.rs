@@ -15,9 +15,9 @@
 //!     SLIDEGATE_BENCH_LIMITADOR=/path/to/limitador-server cargo bench --bench load  # side by side
 //!     SLIDEGATE_BENCH_GRPC_TIMEOUT_MS=20 cargo bench --bench load   # Envoy's default deadline
 //!
-//! Every call carries `grpc-timeout` as Envoy sends it, 1,000 ms unless
-//! `SLIDEGATE_BENCH_GRPC_TIMEOUT_MS` says otherwise: the server's timer per call is part of a
-//! real call's cost, and a deadline as long as a second leaves the figures of a saturated run
+//! Every call carries the headers Envoy sends, its `grpc-timeout` 1,000 ms unless
+//! `SLIDEGATE_BENCH_GRPC_TIMEOUT_MS` says otherwise: reading them and the server's timer per
+//! call are part of a real call's cost, and a deadline as long as a second leaves the figures of a saturated run
 //! comparable with runs before it (Envoy's 20 ms would cut off the slowest calls of both
 //! servers at 256 in flight, which a closed loop on two shared cores makes slower than Envoy's
 //! traffic would).
@@ -50,7 +50,7 @@ use hyper_util::rt::{TokioExecutor, TokioIo};
 use prost::Message as _;
 use prost::bytes::{BufMut as _, Bytes, BytesMut};
 use slidegate::proto::{RateLimitRequest, RateLimitResponse};
-use workload::{Shape, config, envoy_grpc_timeout, request};
+use workload::{ENVOY_AUTHORITY, Shape, config, envoy_headers, request};
 
 fn env_or(name: &str, default: u64) -> u64 {
     std::env::var(name)
@@ -260,13 +260,14 @@ fn header() {
 /// task and a channel hop per call, body adapters both ways): on two shared cores the
 /// generator's CPU is taken from the servers it measures, the same for every server, so a
 /// leaner generator measures each one closer to what it does alone. The call is what a gRPC
-/// client sends (as Envoy does: `content-type: application/grpc`, `te: trailers`, and its filter
-/// timeout as `grpc-timeout`) and the answer counts only with `grpc-status: 0`.
+/// client sends, with the headers Envoy sends (`content-type: application/grpc`, `te: trailers`,
+/// its filter timeout as `grpc-timeout`, and the rest of [`envoy_headers`]), and the answer
+/// counts only with `grpc-status: 0`.
 #[derive(Clone)]
 struct Caller {
     send: SendRequest<Full<Bytes>>,
     uri: hyper::Uri,
-    grpc_timeout: hyper::header::HeaderValue,
+    headers: hyper::HeaderMap,
 }
 
 impl Caller {
@@ -280,19 +281,18 @@ impl Caller {
                 .await
                 .expect("HTTP/2 handshake");
         tokio::spawn(connection);
+        // The connection is made: the URI only names the `:authority` sent, Envoy's.
         let uri = format!(
-            "http://127.0.0.1:{port}/envoy.service.ratelimit.v3.RateLimitService/ShouldRateLimit"
+            "http://{ENVOY_AUTHORITY}/envoy.service.ratelimit.v3.RateLimitService/ShouldRateLimit"
         )
         .parse()
         .expect("uri");
-        let grpc_timeout = envoy_grpc_timeout(env_or("SLIDEGATE_BENCH_GRPC_TIMEOUT_MS", 1000))
-            .parse()
-            .expect("ASCII");
-        Caller {
-            send,
-            uri,
-            grpc_timeout,
+        let mut headers = hyper::HeaderMap::new();
+        headers.insert("content-type", "application/grpc".parse().expect("ASCII"));
+        for (name, value) in envoy_headers(env_or("SLIDEGATE_BENCH_GRPC_TIMEOUT_MS", 1000)) {
+            headers.insert(name, value.parse().expect("ASCII"));
         }
+        Caller { send, uri, headers }
     }
 
     /// Whether the call was admitted (`OK`); an error for any failed call.
@@ -301,12 +301,10 @@ impl Caller {
         body.put_u8(0);
         body.put_u32(u32::try_from(request.encoded_len()).expect("a small request"));
         request.encode(&mut body).expect("room for the message");
-        let call = hyper::Request::post(self.uri.clone())
-            .header("content-type", "application/grpc")
-            .header("te", "trailers")
-            .header("grpc-timeout", self.grpc_timeout.clone())
+        let mut call = hyper::Request::post(self.uri.clone())
             .body(Full::new(body.freeze()))
             .expect("a request");
+        *call.headers_mut() = self.headers.clone();
         self.send.ready().await.map_err(|e| e.to_string())?;
         let response = self
             .send

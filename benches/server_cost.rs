@@ -10,8 +10,8 @@
 //! For each case it starts the slidegate binary under `valgrind --tool=callgrind` with
 //! instrumentation off (the embedded store, or a standalone `redis-server` of its own, native),
 //! opens 8 HTTP/2 connections and sends warm-up calls, then turns instrumentation on for a
-//! fixed stream of calls (32 in flight, the same requests every run, each with a `grpc-timeout`
-//! as Envoy sends) and prints slidegate's instructions per decision over all its threads, and
+//! fixed stream of calls (32 in flight, the same requests every run, each with the headers Envoy
+//! sends) and prints slidegate's instructions per decision over all its threads, and
 //! the inclusive share of a few layers (hyper's stream tasks, the `ShouldRateLimit` call inside
 //! them and its store's part, h2's connection tasks, the Redis client, memcpy). The server runs
 //! about 50 times slower under valgrind, and one thread at a time, so more calls wait in its
@@ -43,7 +43,7 @@ use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
 use slidegate::proto::rate_limit_service_client::RateLimitServiceClient;
-use workload::{Shape, config, envoy_grpc_timeout, request};
+use workload::{Shape, config, envoy_headers, request};
 
 const CONNECTIONS: u64 = 8;
 const STREAMS_PER_CONNECTION: u64 = 4;
@@ -101,9 +101,14 @@ async fn drive(grpc: u16, shape: Shape, first: u64, calls_per_stream: u64) {
             tasks.push(tokio::spawn(async move {
                 for i in 0..calls_per_stream {
                     let mut call = tonic::Request::new(request(shape, seed + i));
-                    // As Envoy sends it; long, since valgrind runs the server ~50x slower.
-                    let timeout = envoy_grpc_timeout(60_000).parse().expect("ASCII");
-                    call.metadata_mut().insert("grpc-timeout", timeout);
+                    // As Envoy sends them, with a long timeout: valgrind runs the server ~50x
+                    // slower. (tonic sends `te` itself.)
+                    for (name, value) in envoy_headers(60_000) {
+                        if name != "te" {
+                            let value = value.parse().expect("ASCII");
+                            call.metadata_mut().insert(name, value);
+                        }
+                    }
                     let reply = client.should_rate_limit(call).await;
                     reply.expect("a decision");
                 }

