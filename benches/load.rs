@@ -17,10 +17,11 @@
 //!
 //! Every call carries the headers Envoy sends, its `grpc-timeout` 1,000 ms unless
 //! `SLIDEGATE_BENCH_GRPC_TIMEOUT_MS` says otherwise: reading them and the server's timer per
-//! call are part of a real call's cost, and a deadline as long as a second leaves the figures of a saturated run
-//! comparable with runs before it (Envoy's 20 ms would cut off the slowest calls of both
-//! servers at 256 in flight, which a closed loop on two shared cores makes slower than Envoy's
-//! traffic would).
+//! call are part of a real call's cost, and a deadline as long as a second leaves the figures
+//! of a saturated run comparable with runs before it (Envoy's 20 ms would cut off the slowest
+//! calls of both servers at 256 in flight, which a closed loop on two shared cores makes slower
+//! than Envoy's traffic would).
+//!
 //! The load generator shares the machine with slidegate and Redis: compare figures from one
 //! run, as ratios.
 // Tests and benchmarks may panic on a broken set-up, read the wall clock and run long.

@@ -9,7 +9,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use futures_util::{Stream, StreamExt as _};
-use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
+use hyper_util::rt::{TokioIo, TokioTimer};
 use tokio::net::TcpListener;
 use tokio::sync::watch;
 use tonic::codegen::http::{Request as HttpRequest, Response as HttpResponse};
@@ -27,6 +27,10 @@ use crate::proto::rate_limit_service_server::RateLimitServiceServer;
 use crate::service::{GrpcBody, GrpcService, RateLimitGrpc};
 use crate::tls::server::GrpcConn;
 use crate::tls::{self, ServerTls};
+
+mod streams;
+
+use streams::Streams;
 
 #[derive(Debug, thiserror::Error)]
 pub enum ServerError {
@@ -279,19 +283,6 @@ async fn serve_grpc<S>(
         + 'static,
     S::Future: Send + 'static,
 {
-    let mut builder = hyper::server::conn::http2::Builder::new(TokioExecutor::new());
-    builder
-        .timer(TokioTimer::new())
-        .keep_alive_interval(keep_alive)
-        .keep_alive_timeout(keep_alive)
-        // No cap on a connection's streams, as tonic's server set (hyper's own default is
-        // 200): Envoy multiplexes a worker's calls on one connection. hyper's other defaults
-        // stay, among them its cap on streams a peer makes the server reset (1,024), which
-        // tonic's server turned off.
-        .max_concurrent_streams(None)
-        // No `date` header: gRPC does not use it (grpc-go's and gRPC core's servers send none),
-        // and every response would encode it.
-        .auto_date_header(false);
     let graceful = hyper_util::server::graceful::GracefulShutdown::new();
     tokio::pin!(shutdown);
     {
@@ -301,10 +292,13 @@ async fn serve_grpc<S>(
             tokio::select! {
                 accepted = incoming.next() => match accepted {
                     Some(Ok(io)) => {
-                        let connection = graceful
-                            .watch(builder.serve_connection(TokioIo::new(io), service.clone()));
+                        let streams = Streams::default();
+                        let connection = graceful.watch(
+                            grpc_connection(streams.clone(), keep_alive)
+                                .serve_connection(TokioIo::new(io), service.clone()),
+                        );
                         tokio::spawn(async move {
-                            if let Err(e) = connection.await {
+                            if let Err(e) = streams::drive(connection, streams).await {
                                 tracing::debug!("gRPC connection ended: {e}");
                             }
                         });
@@ -317,6 +311,28 @@ async fn serve_grpc<S>(
         }
     }
     graceful.shutdown().await;
+}
+
+/// How hyper serves one gRPC connection, its streams run by `streams` in the connection's task
+/// (see [`streams`]).
+fn grpc_connection(
+    streams: Streams,
+    keep_alive: Duration,
+) -> hyper::server::conn::http2::Builder<Streams> {
+    let mut builder = hyper::server::conn::http2::Builder::new(streams);
+    builder
+        .timer(TokioTimer::new())
+        .keep_alive_interval(keep_alive)
+        .keep_alive_timeout(keep_alive)
+        // No cap on a connection's streams, as tonic's server set (hyper's own default is
+        // 200): Envoy multiplexes a worker's calls on one connection. hyper's other defaults
+        // stay, among them its cap on streams a peer makes the server reset (1,024), which
+        // tonic's server turned off.
+        .max_concurrent_streams(None)
+        // No `date` header: gRPC does not use it (grpc-go's and gRPC core's servers send none),
+        // and every response would encode it.
+        .auto_date_header(false);
+    builder
 }
 
 /// On the shutdown signal: readiness and health off at once, then after `delay` stop taking
