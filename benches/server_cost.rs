@@ -12,7 +12,7 @@
 //! opens 8 HTTP/2 connections and sends warm-up calls, then turns instrumentation on for a
 //! fixed stream of calls (32 in flight, the same requests every run, each with the headers Envoy
 //! sends) and prints slidegate's instructions per decision over all its threads, and
-//! the inclusive share of a few layers (hyper's streams, the `ShouldRateLimit` call inside
+//! the inclusive share of a few layers (hyper's stream tasks, the `ShouldRateLimit` call inside
 //! them and its store's part, h2's connection tasks, the Redis client, memcpy). The server runs
 //! about 50 times slower under valgrind, and one thread at a time, so more calls wait in its
 //! queues than at native speed and a socket read finds several: the figure is for comparing
@@ -178,7 +178,7 @@ fn measure(case: &Case, binary: &Path, config: &Path, dir: &Path) -> (u64, Strin
 const LAYERS: [(&str, &str); 6] = [
     (
         "hyper::proto::h2::server::H2Stream",
-        "hyper's HTTP/2 streams",
+        "hyper's HTTP/2 stream tasks",
     ),
     (
         "GrpcService<S> as hyper::service::service::Service",

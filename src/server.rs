@@ -9,7 +9,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use futures_util::{Stream, StreamExt as _};
-use hyper_util::rt::{TokioIo, TokioTimer};
+use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use tokio::net::TcpListener;
 use tokio::sync::watch;
 use tonic::codegen::http::{Request as HttpRequest, Response as HttpResponse};
@@ -27,10 +27,6 @@ use crate::proto::rate_limit_service_server::RateLimitServiceServer;
 use crate::service::{GrpcBody, GrpcService, RateLimitGrpc};
 use crate::tls::server::GrpcConn;
 use crate::tls::{self, ServerTls};
-
-mod streams;
-
-use streams::Streams;
 
 #[derive(Debug, thiserror::Error)]
 pub enum ServerError {
@@ -283,43 +279,7 @@ async fn serve_grpc<S>(
         + 'static,
     S::Future: Send + 'static,
 {
-    let graceful = hyper_util::server::graceful::GracefulShutdown::new();
-    tokio::pin!(shutdown);
-    {
-        // Dropped when the loop ends: the TLS acceptor behind it stops with it.
-        let mut incoming = incoming;
-        loop {
-            tokio::select! {
-                accepted = incoming.next() => match accepted {
-                    Some(Ok(io)) => {
-                        let streams = Streams::default();
-                        let connection = graceful.watch(
-                            grpc_connection(streams.clone(), keep_alive)
-                                .serve_connection(TokioIo::new(io), service.clone()),
-                        );
-                        tokio::spawn(async move {
-                            if let Err(e) = streams::drive(connection, streams).await {
-                                tracing::debug!("gRPC connection ended: {e}");
-                            }
-                        });
-                    }
-                    Some(Err(e)) => tracing::debug!("gRPC connection not accepted: {e}"),
-                    None => break,
-                },
-                () = &mut shutdown => break,
-            }
-        }
-    }
-    graceful.shutdown().await;
-}
-
-/// How hyper serves one gRPC connection, its streams run by `streams` in the connection's task
-/// (see [`streams`]).
-fn grpc_connection(
-    streams: Streams,
-    keep_alive: Duration,
-) -> hyper::server::conn::http2::Builder<Streams> {
-    let mut builder = hyper::server::conn::http2::Builder::new(streams);
+    let mut builder = hyper::server::conn::http2::Builder::new(TokioExecutor::new());
     builder
         .timer(TokioTimer::new())
         .keep_alive_interval(keep_alive)
@@ -332,7 +292,31 @@ fn grpc_connection(
         // No `date` header: gRPC does not use it (grpc-go's and gRPC core's servers send none),
         // and every response would encode it.
         .auto_date_header(false);
-    builder
+    let graceful = hyper_util::server::graceful::GracefulShutdown::new();
+    tokio::pin!(shutdown);
+    {
+        // Dropped when the loop ends: the TLS acceptor behind it stops with it.
+        let mut incoming = incoming;
+        loop {
+            tokio::select! {
+                accepted = incoming.next() => match accepted {
+                    Some(Ok(io)) => {
+                        let connection = graceful
+                            .watch(builder.serve_connection(TokioIo::new(io), service.clone()));
+                        tokio::spawn(async move {
+                            if let Err(e) = connection.await {
+                                tracing::debug!("gRPC connection ended: {e}");
+                            }
+                        });
+                    }
+                    Some(Err(e)) => tracing::debug!("gRPC connection not accepted: {e}"),
+                    None => break,
+                },
+                () = &mut shutdown => break,
+            }
+        }
+    }
+    graceful.shutdown().await;
 }
 
 /// On the shutdown signal: readiness and health off at once, then after `delay` stop taking
