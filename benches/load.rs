@@ -20,7 +20,8 @@
 //! call are part of a real call's cost, and a deadline as long as a second leaves the figures
 //! of a saturated run comparable with runs before it (Envoy's 20 ms would cut off the slowest
 //! calls of both servers at 256 in flight, which a closed loop on two shared cores makes slower
-//! than Envoy's traffic would).
+//! than Envoy's traffic would). With the variable set, the generator also gives up on a call at
+//! that deadline, as Envoy does, and counts it failed, whether or not the server keeps to it.
 //!
 //! The load generator shares the machine with slidegate and Redis: compare figures from one
 //! run, as ratios.
@@ -269,6 +270,10 @@ struct Caller {
     send: SendRequest<Full<Bytes>>,
     uri: hyper::Uri,
     headers: hyper::HeaderMap,
+    /// Envoy's deadline, when `SLIDEGATE_BENCH_GRPC_TIMEOUT_MS` sets one: an answer later than
+    /// it is a failed call, as Envoy gives up on it (and resets the stream) whatever the server
+    /// does with `grpc-timeout`.
+    deadline: Option<Duration>,
 }
 
 impl Caller {
@@ -288,16 +293,36 @@ impl Caller {
         )
         .parse()
         .expect("uri");
+        let deadline = std::env::var("SLIDEGATE_BENCH_GRPC_TIMEOUT_MS")
+            .ok()
+            .and_then(|ms| ms.parse().ok())
+            .map(Duration::from_millis);
+        let timeout_ms = deadline.map_or(1000, |d| d.as_millis() as u64);
         let mut headers = hyper::HeaderMap::new();
         headers.insert("content-type", "application/grpc".parse().expect("ASCII"));
-        for (name, value) in envoy_headers(env_or("SLIDEGATE_BENCH_GRPC_TIMEOUT_MS", 1000)) {
+        for (name, value) in envoy_headers(timeout_ms) {
             headers.insert(name, value.parse().expect("ASCII"));
         }
-        Caller { send, uri, headers }
+        Caller {
+            send,
+            uri,
+            headers,
+            deadline,
+        }
     }
 
-    /// Whether the call was admitted (`OK`); an error for any failed call.
+    /// Whether the call was admitted (`OK`); an error for any failed call, and for one answered
+    /// past Envoy's deadline when there is one.
     async fn call(&mut self, request: &RateLimitRequest) -> Result<bool, String> {
+        match self.deadline {
+            None => self.call_once(request).await,
+            Some(deadline) => tokio::time::timeout(deadline, self.call_once(request))
+                .await
+                .unwrap_or_else(|_| Err(format!("no answer within {deadline:?}"))),
+        }
+    }
+
+    async fn call_once(&mut self, request: &RateLimitRequest) -> Result<bool, String> {
         let mut body = BytesMut::with_capacity(5 + request.encoded_len());
         body.put_u8(0);
         body.put_u32(u32::try_from(request.encoded_len()).expect("a small request"));
