@@ -1007,6 +1007,16 @@ end
 -- Decides requests `first` to `last` of the call, from next_a and next_k on, each on its own,
 -- and writes their replies. Answers false when a request's arguments were bad (it and those
 -- after it answered so).
+-- Fails requests `from` to `to` of the call: once request `r` before them has `why` (bad
+-- arguments, or an error before its arguments were read), where each of them starts in KEYS
+-- and ARGV can no longer be told.
+local function not_decided(from, to, r, why)
+  for later = from, to do
+    out[o + 1], out[o + 2] = -1, 'SLIDEGATE request ' .. later .. ': not decided, as request ' .. r .. ' before it ' .. why
+    o = o + 2
+  end
+end
+
 local function decide_from(first, last)
   for r = first, last do
     local a, k = next_a, next_k
@@ -1024,13 +1034,9 @@ local function decide_from(first, last)
       e, problem = decide(a, k)
     end
     if e == nil then
-      for later = r, last do
-        if later > r then
-          problem = 'request ' .. later .. ': not decided, as request ' .. r .. ' before it has bad arguments'
-        end
-        out[o + 1], out[o + 2] = -1, 'SLIDEGATE ' .. problem
-        o = o + 2
-      end
+      out[o + 1], out[o + 2] = -1, 'SLIDEGATE ' .. problem
+      o = o + 2
+      not_decided(r + 1, last, r, 'has bad arguments')
       return false
     end
     out[o + 1] = e - o - 1
@@ -1098,10 +1104,7 @@ local function decide_call(keys, args, spread)
     o = o + 2
     if next_a == current_a then
       -- It failed before its arguments were read: where the next one starts is unknown.
-      for later = current + 1, count do
-        out[o + 1], out[o + 2] = -1, 'SLIDEGATE request ' .. later .. ': not decided, as request ' .. current .. ' before it failed'
-        o = o + 2
-      end
+      not_decided(current + 1, count, current, 'failed')
       checked = false
       break
     end
