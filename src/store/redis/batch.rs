@@ -42,6 +42,14 @@ pub(super) struct Request {
     pub slots: Slots,
 }
 
+impl Request {
+    /// How many descriptors it carries: its arguments are its prefix and shape, then two per
+    /// descriptor (`RedisStore::script_input`).
+    fn descriptors(&self) -> usize {
+        self.args.len().saturating_sub(2) / 2
+    }
+}
+
 /// Where a request's keys sit.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(super) enum Slots {
@@ -416,8 +424,7 @@ impl Batcher {
             let mut batch = Vec::new();
             let mut descriptors = 0;
             while let Some(next) = queue.waiting.front() {
-                // Two arguments per descriptor, after the request's two.
-                let size = next.request.args.len().saturating_sub(2) / 2;
+                let size = next.request.descriptors();
                 if !batch.is_empty() && descriptors + size > DESCRIPTORS_PER_CALL {
                     break;
                 }
