@@ -9,6 +9,7 @@
 //! * [`service`]: the gRPC `RateLimitService`, and the one place errors become gRPC statuses.
 //! * [`http`]: health, readiness and `POST /json`.
 //! * [`server`]: `run`, which serves everything on given listeners until shutdown.
+//! * [`cells`]: `--thread-per-core`, one single-threaded runtime per worker.
 //! * [`wire`]: protobuf messages to and from the limiter's types, for both transports.
 //! * [`net`]: accepting connections: a cap, idle timeouts, the HTTP port's serve loop.
 //! * [`tls`]: TLS as a client (Redis, xDS) and on the gRPC port (mTLS, certificate reload).
@@ -18,6 +19,7 @@
 #![forbid(unsafe_code)]
 #![deny(rust_2018_idioms)]
 
+pub mod cells;
 pub mod config;
 pub mod http;
 pub mod limiter;

@@ -18,14 +18,15 @@ use tonic_health::ServingStatus;
 use tonic_health::pb::health_server::HealthServer;
 use tonic_health::server::HealthReporter;
 
+use crate::cells::Cells;
 use crate::http::{self, HttpState};
 use crate::limiter::Limiter;
 use crate::metrics::Metrics;
-use crate::net::{self, ConnectionLimits, GuardedListener};
+use crate::net::{self, ConnectionLimits, GuardedListener, GuardedStream};
 use crate::proto::FILE_DESCRIPTOR_SET;
 use crate::proto::rate_limit_service_server::RateLimitServiceServer;
 use crate::service::{GrpcBody, GrpcService, RateLimitGrpc};
-use crate::tls::server::GrpcConn;
+use crate::tls::server::{GrpcConn, handshake};
 use crate::tls::{self, ServerTls};
 
 #[derive(Debug, thiserror::Error)]
@@ -56,6 +57,9 @@ pub struct ServerOptions {
     pub tls_reload_interval: Duration,
     /// When set, not ready until it is true (the xDS source's first config).
     pub config_arrived: Option<Arc<AtomicBool>>,
+    /// With `--thread-per-core`, the cells the gRPC connections are spread over; without,
+    /// they are served on the runtime that runs [`run`].
+    pub cells: Option<Arc<Cells>>,
 }
 
 impl Default for ServerOptions {
@@ -69,6 +73,7 @@ impl Default for ServerOptions {
             connections: ConnectionLimits::default(),
             tls_reload_interval: Duration::from_secs(5),
             config_arrived: None,
+            cells: None,
         }
     }
 }
@@ -159,12 +164,22 @@ pub async fn run(
         .grpc_tls
         .clone()
         .map(|tls| AbortOnDrop(tls.spawn_reloader(app.options.tls_reload_interval)));
-    let grpc_server = serve_grpc(
-        tls::server::incoming(
-            GuardedListener::new(listeners.grpc, limits),
+    let grpc_listener = GuardedListener::new(listeners.grpc, limits);
+    let connections = match app.options.cells.clone() {
+        None => Connections::Here(tls::server::incoming(
+            grpc_listener,
             listeners.grpc_tls,
             limits.header_timeout(),
-        ),
+        )),
+        Some(cells) => Connections::Cells {
+            listener: grpc_listener,
+            tls: listeners.grpc_tls,
+            handshake_timeout: limits.header_timeout(),
+            cells,
+        },
+    };
+    let grpc_server = serve_grpc(
+        connections,
         grpc_service(&app, health_service)?,
         limits.keep_alive(),
         wait_for(stop.clone()),
@@ -260,12 +275,26 @@ fn grpc_service(
     Ok(GrpcService::new(app.limiter.clone(), routes))
 }
 
-/// Serves HTTP/2 (only: gRPC has no HTTP/1) on each connection `incoming` yields, with
-/// keep-alive pings every `keep_alive`, until `shutdown`; then takes no more connections, asks
-/// the open ones to finish (`GOAWAY`) and returns once they have. hyper serves the connections
-/// directly, without tonic's server around it (see [`GrpcService`] for what that saves).
+/// Where the gRPC port's connections are served.
+enum Connections {
+    /// On this runtime, as `incoming` yields them (TLS handshakes done).
+    Here(Pin<Box<dyn Stream<Item = std::io::Result<GrpcConn>> + Send>>),
+    /// Each accepted here and handed to a cell in turn, where its TLS handshake (if any) and
+    /// everything after it runs.
+    Cells {
+        listener: GuardedListener,
+        tls: Option<Arc<ServerTls>>,
+        handshake_timeout: Duration,
+        cells: Arc<Cells>,
+    },
+}
+
+/// Serves HTTP/2 (only: gRPC has no HTTP/1) on each connection, with keep-alive pings every
+/// `keep_alive`, until `shutdown`; then takes no more connections, asks the open ones to finish
+/// (`GOAWAY`) and returns once they have. hyper serves the connections directly, without
+/// tonic's server around it (see [`GrpcService`] for what that saves).
 async fn serve_grpc<S>(
-    incoming: Pin<Box<dyn Stream<Item = std::io::Result<GrpcConn>> + Send>>,
+    connections: Connections,
     service: S,
     keep_alive: Duration,
     shutdown: impl Future<Output = ()>,
@@ -294,10 +323,10 @@ async fn serve_grpc<S>(
         .auto_date_header(false);
     let graceful = hyper_util::server::graceful::GracefulShutdown::new();
     tokio::pin!(shutdown);
-    {
-        // Dropped when the loop ends: the TLS acceptor behind it stops with it.
-        let mut incoming = incoming;
-        loop {
+    // Each arm ends on shutdown, dropping its listener or incoming stream (the TLS acceptor
+    // behind it stops with it).
+    match connections {
+        Connections::Here(mut incoming) => loop {
             tokio::select! {
                 accepted = incoming.next() => match accepted {
                     Some(Ok(io)) => {
@@ -314,9 +343,64 @@ async fn serve_grpc<S>(
                 },
                 () = &mut shutdown => break,
             }
-        }
+        },
+        Connections::Cells {
+            mut listener,
+            tls,
+            handshake_timeout,
+            cells,
+        } => loop {
+            tokio::select! {
+                (stream, peer) = listener.next() => {
+                    // Watched from here: a connection still in its handshake at shutdown is
+                    // waited for as well.
+                    let watcher = graceful.watcher();
+                    let builder = builder.clone();
+                    let service = service.clone();
+                    let tls = tls.clone();
+                    let handed = cells.run_on(cells.next_index(), move || {
+                        tokio::spawn(async move {
+                            let Some(io) = open_in_cell(stream, tls, peer, handshake_timeout).await
+                            else {
+                                return;
+                            };
+                            let connection =
+                                watcher.watch(builder.serve_connection(TokioIo::new(io), service));
+                            if let Err(e) = connection.await {
+                                tracing::debug!("gRPC connection ended: {e}");
+                            }
+                        });
+                    });
+                    if !handed {
+                        tracing::debug!(%peer, "gRPC connection dropped: its cell has ended");
+                    }
+                }
+                () = &mut shutdown => break,
+            }
+        },
     }
     graceful.shutdown().await;
+}
+
+/// A connection accepted elsewhere, moved to the cell this runs in, after its TLS handshake if
+/// the port has TLS; `None` (logged at debug) if either fails.
+async fn open_in_cell(
+    stream: GuardedStream,
+    tls: Option<Arc<ServerTls>>,
+    peer: std::net::SocketAddr,
+    handshake_timeout: Duration,
+) -> Option<GrpcConn> {
+    let stream = match stream.into_current_runtime() {
+        Ok(stream) => stream,
+        Err(e) => {
+            tracing::debug!(%peer, "gRPC connection not moved to its cell: {e}");
+            return None;
+        }
+    };
+    match tls {
+        None => Some(GrpcConn::Plain(stream)),
+        Some(tls) => handshake(&tls, stream, peer, handshake_timeout).await,
+    }
 }
 
 /// On the shutdown signal: readiness and health off at once, then after `delay` stop taking

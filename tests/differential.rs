@@ -163,6 +163,7 @@ fn embedded_store_and_lua_script_answer_alike() {
                 connect_timeout: Duration::from_secs(5),
                 clock: ClockSource::Server,
                 tls: Default::default(),
+                calls_out: RedisOptions::CALLS_OUT,
             })
             .await
             .expect("connect to the test Redis"),

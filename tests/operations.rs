@@ -411,24 +411,17 @@ async fn starts_before_redis_and_connects_when_it_appears() {
     let dir = temp_dir("before-redis");
     std::fs::write(dir.0.join("limits.yaml"), limits("e1", "e2")).expect("write");
     let redis_port = free_port();
-    let (grpc, http) = (free_port(), free_port());
-    let _child = KillOnDrop(
-        Command::new(env!("CARGO_BIN_EXE_slidegate"))
-            .arg("--config")
-            .arg(&dir.0)
-            .args(["--redis", &format!("redis://127.0.0.1:{redis_port}")])
-            .args([
-                "--redis-connect-timeout",
-                "300ms",
-                "--redis-timeout",
-                "200ms",
-            ])
-            .args(["--grpc-addr", &format!("127.0.0.1:{grpc}")])
-            .args(["--http-addr", &format!("127.0.0.1:{http}")])
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("start slidegate"),
+    let redis_url = format!("redis://127.0.0.1:{redis_port}");
+    let (grpc, http, _child) = spawn_slidegate(
+        &dir.0,
+        &[
+            "--redis",
+            &redis_url,
+            "--redis-connect-timeout",
+            "300ms",
+            "--redis-timeout",
+            "200ms",
+        ],
     );
     wait_until("alive", Duration::from_secs(20), || {
         command(http, "GET /healthz HTTP/1.0\r\n").is_ok_and(|r| r.contains("200 OK"))
@@ -487,21 +480,8 @@ async fn the_embedded_store_size_is_scraped() {
 
 /// Starts the binary on the example config with `extra` flags; (gRPC port, HTTP port, child).
 fn start_binary(extra: &[&str]) -> (u16, u16, KillOnDrop) {
-    let (grpc, http) = (free_port(), free_port());
-    let child = KillOnDrop(
-        Command::new(env!("CARGO_BIN_EXE_slidegate"))
-            .args([
-                "--config",
-                concat!(env!("CARGO_MANIFEST_DIR"), "/examples/config.yaml"),
-            ])
-            .args(["--grpc-addr", &format!("127.0.0.1:{grpc}")])
-            .args(["--http-addr", &format!("127.0.0.1:{http}")])
-            .args(extra)
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("start slidegate"),
-    );
+    let example = Path::new(concat!(env!("CARGO_MANIFEST_DIR"), "/examples/config.yaml"));
+    let (grpc, http, child) = spawn_slidegate(example, extra);
     wait_until("ready", Duration::from_secs(20), || {
         command(http, "GET /readyz HTTP/1.0\r\n").is_ok_and(|r| r.contains("200 OK"))
     });
@@ -687,14 +667,6 @@ async fn concurrent_requests_never_see_a_mixed_config() {
     assert!(total > 50, "callers ran during the reloads ({total} calls)");
     wait_for_names(&s, ("g50", "g50")).await;
     s.stop().await;
-}
-
-fn signal(child: &std::process::Child, name: &str) {
-    let status = Command::new("kill")
-        .args([&format!("-{name}"), &child.id().to_string()])
-        .status()
-        .expect("kill");
-    assert!(status.success());
 }
 
 /// The binary: SIGHUP reloads with file watching off; `/config` and `slidegate check` list the
@@ -896,6 +868,7 @@ async fn health_follows_the_store() {
             connect_timeout: Duration::from_secs(5),
             clock: slidegate::store::ClockSource::Server,
             tls: Default::default(),
+            calls_out: RedisOptions::CALLS_OUT,
         })
         .await
         .expect("connect"),

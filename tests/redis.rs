@@ -32,6 +32,7 @@ fn options(url: String, timeout: Duration) -> RedisOptions {
         connect_timeout: Duration::from_secs(5),
         clock: ClockSource::Server,
         tls: Default::default(),
+        calls_out: RedisOptions::CALLS_OUT,
     }
 }
 

@@ -319,46 +319,17 @@ async fn the_grpc_certificate_is_reloaded_when_its_files_change() {
 /// refused; the named one is served.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_required_client_san_is_checked() {
-    use std::sync::Arc;
-
-    use slidegate::limiter::{Limiter, LimiterOptions, SystemClock};
-    use slidegate::server::{App, Listeners, ServerOptions};
-    use slidegate::store::MemoryStore;
-    use slidegate::tls::{ServerTls, ServerTlsFiles};
-
     let scratch = temp_dir("xds-san");
     let dir = scratch.0.as_path();
     certs(dir);
-    let tls = ServerTls::load(ServerTlsFiles {
-        cert: dir.join("ratelimit.crt"),
-        key: dir.join("ratelimit.key"),
-        client_ca: Some(dir.join("ca.crt")),
-        client_san: Some("envoy".into()),
-    })
-    .expect("TLS files load");
     let yaml = "domain: d\ndescriptors:\n  - key: k\n    rate_limit: {unit: minute, requests_per_unit: 1}\n";
-    let limits = slidegate::config::compile_sources(&[("t.yaml".into(), yaml.into())]).unwrap();
-    let limiter = Arc::new(Limiter::new(
-        limits,
-        Arc::new(MemoryStore::new()),
-        Arc::new(SystemClock),
-        LimiterOptions::default(),
-    ));
-    let grpc = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let http = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let grpc_addr = grpc.local_addr().unwrap();
-    let mut listeners = Listeners::new(grpc, http);
-    listeners.grpc_tls = Some(Arc::new(tls));
-    let app = App {
-        limiter,
-        metrics: Arc::new(slidegate::metrics::Metrics::new()),
-        options: ServerOptions::default(),
-    };
-    tokio::spawn(slidegate::server::run(
-        listeners,
-        app,
-        std::future::pending(),
-    ));
+    let grpc_addr = common::xds::start_mtls_server(
+        dir,
+        yaml,
+        std::sync::Arc::new(slidegate::store::MemoryStore::new()),
+        slidegate::server::ServerOptions::default(),
+    )
+    .await;
 
     let named = tls_channel(grpc_addr, dir, Some("envoy"))
         .await
@@ -369,12 +340,8 @@ async fn a_required_client_san_is_checked() {
         .expect("the named client is served");
     assert_eq!(answer.into_inner().overall_code, ok());
     // `ratelimit.crt` is signed by the same CA but names localhost, not envoy.
-    let refused = match tls_channel(grpc_addr, dir, Some("ratelimit")).await {
-        Err(_) => true,
-        Ok(channel) => RateLimitServiceClient::new(channel)
-            .should_rate_limit(request("d", vec![descriptor(&[("k", "v")])]))
-            .await
-            .is_err(),
-    };
-    assert!(refused, "a certificate for another name was served");
+    assert!(
+        common::xds::refused_as(grpc_addr, dir, "ratelimit").await,
+        "a certificate for another name was served"
+    );
 }

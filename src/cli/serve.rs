@@ -5,6 +5,7 @@ use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::Duration;
 
+use slidegate::cells::Cells;
 use slidegate::config::{self, LoadOptions, Loaded};
 use slidegate::limiter::{
     Clock, FailurePolicy, LimitHeaderNames, Limiter, LimiterOptions, RequestBounds, SystemClock,
@@ -13,7 +14,7 @@ use slidegate::metrics::{MetricNames, Metrics};
 use slidegate::net::ConnectionLimits;
 use slidegate::server::{App, Listeners, ServerOptions};
 use slidegate::store::redis::redact;
-use slidegate::store::{ClockSource, MemoryStore, RedisOptions, RedisStore, Store};
+use slidegate::store::{ClockSource, MemoryStore, PerCell, RedisOptions, RedisStore, Store};
 use slidegate::tls::{ServerTls, ServerTlsFiles, TlsFiles};
 use slidegate::xds::{XdsOptions, XdsTls};
 
@@ -44,10 +45,27 @@ pub fn serve(args: ServeArgs, notes: Vec<String>) -> ExitCode {
     }
     let mut builder = tokio::runtime::Builder::new_multi_thread();
     builder.enable_all();
-    // Without the flag tokio starts one worker per CPU this process may use.
-    if let Some(threads) = args.worker_threads {
-        builder.worker_threads(threads.get());
-    }
+    let cells = if args.thread_per_core {
+        // The cells serve gRPC; one worker is enough for the rest (accepting, HTTP, reload).
+        builder.worker_threads(1);
+        let count = args.worker_threads.map_or_else(
+            || std::thread::available_parallelism().map_or(1, |n| n.get()),
+            |n| n.get(),
+        );
+        match Cells::start(count) {
+            Ok(cells) => Some(Arc::new(cells)),
+            Err(e) => {
+                tracing::error!("{e}");
+                return ExitCode::FAILURE;
+            }
+        }
+    } else {
+        // Without the flag tokio starts one worker per CPU this process may use.
+        if let Some(threads) = args.worker_threads {
+            builder.worker_threads(threads.get());
+        }
+        None
+    };
     // Without the LIFO slot a woken task waits its turn instead of running next. Under load that
     // lets a connection's task find several finished responses and write them in one `writev`
     // (with the slot it ran right after each stream and wrote one at a time): about a third
@@ -62,7 +80,7 @@ pub fn serve(args: ServeArgs, notes: Vec<String>) -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    match runtime.block_on(serve_async(args)) {
+    match runtime.block_on(serve_async(args, cells)) {
         Ok(()) => ExitCode::SUCCESS,
         Err(message) => {
             tracing::error!("{message}");
@@ -71,7 +89,7 @@ pub fn serve(args: ServeArgs, notes: Vec<String>) -> ExitCode {
     }
 }
 
-async fn serve_async(args: ServeArgs) -> Result<(), String> {
+async fn serve_async(args: ServeArgs, cells: Option<Arc<Cells>>) -> Result<(), String> {
     let load_options = LoadOptions {
         merge_domains: args.merge_domain_config,
         allow_no_domains: args.allow_empty_config,
@@ -89,7 +107,7 @@ async fn serve_async(args: ServeArgs) -> Result<(), String> {
     };
     let grpc_tls = grpc_tls(&args)?;
     let clock = Arc::new(SystemClock);
-    let store = open_store(&args, clock.clone()).await?;
+    let store = open_store(&args, clock.clone(), cells.as_deref()).await?;
     let metrics = Arc::new(Metrics::with_names(match args.metric_names {
         MetricNamesArg::Slidegate => MetricNames::Slidegate,
         MetricNamesArg::Reference => MetricNames::Reference,
@@ -124,6 +142,7 @@ async fn serve_async(args: ServeArgs) -> Result<(), String> {
                 }
                 _ => None,
             },
+            cells,
             ..ServerOptions::default()
         },
     };
@@ -254,7 +273,11 @@ fn initial_config(
 const MEMORY_SWEEP_EVERY: Duration = Duration::from_secs(10);
 
 /// The embedded store, or Redis when `--redis` names one.
-async fn open_store(args: &ServeArgs, clock: Arc<SystemClock>) -> Result<Arc<dyn Store>, String> {
+async fn open_store(
+    args: &ServeArgs,
+    clock: Arc<SystemClock>,
+    cells: Option<&Cells>,
+) -> Result<Arc<dyn Store>, String> {
     let Some(url) = &args.redis_url else {
         return Ok(Arc::new(
             MemoryStore::bounded(args.memory_max_keys)
@@ -276,12 +299,29 @@ async fn open_store(args: &ServeArgs, clock: Arc<SystemClock>) -> Result<Arc<dyn
             key: args.redis_tls_key.clone(),
             skip_hostname_verification: args.redis_tls_skip_hostname_verification,
         },
+        calls_out: RedisOptions::CALLS_OUT,
     };
-    let store = RedisStore::connect(options)
-        .await
-        .map_err(|e| format!("cannot use Redis at {}: {e}", redact(url)))?;
+    let cannot = |e| format!("cannot use Redis at {}: {e}", redact(url));
+    let store = RedisStore::connect(options.clone()).await.map_err(cannot)?;
     tracing::info!(redis = %redact(url), store = store.name(), "using Redis");
-    Ok(Arc::new(store))
+    let Some(cells) = cells else {
+        return Ok(Arc::new(store));
+    };
+    // A client per cell, connected from inside it so that its tasks run there. One call out
+    // each: the cells together keep about as many calls in Redis as one store would.
+    let mut stores: Vec<Arc<dyn Store>> = Vec::with_capacity(cells.len());
+    for index in 0..cells.len() {
+        let options = RedisOptions {
+            calls_out: 1,
+            ..options.clone()
+        };
+        let connected = cells
+            .run(index, move || RedisStore::connect(options))
+            .await
+            .ok_or_else(|| format!("cell {index} ended before its Redis client connected"))?;
+        stores.push(Arc::new(connected.map_err(cannot)?));
+    }
+    Ok(Arc::new(PerCell::new(stores, Arc::new(store))))
 }
 
 fn limiter_options(args: &ServeArgs) -> LimiterOptions {

@@ -6,6 +6,7 @@
 //! the previous one kept.
 
 use std::io;
+use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::pin::Pin;
 use std::sync::{Arc, Mutex};
@@ -197,12 +198,8 @@ pub fn incoming(
             let tls = tls.clone();
             let tx = tx.clone();
             tokio::spawn(async move {
-                match tokio::time::timeout(handshake_timeout, tls.accept(stream)).await {
-                    Ok(Ok(conn)) => {
-                        let _ = tx.send(GrpcConn::Tls(Box::new(conn))).await;
-                    }
-                    Ok(Err(e)) => tracing::debug!(%peer, "TLS handshake refused: {e}"),
-                    Err(_) => tracing::debug!(%peer, "TLS handshake timed out"),
+                if let Some(conn) = handshake(&tls, stream, peer, handshake_timeout).await {
+                    let _ = tx.send(conn).await;
                 }
             });
         }
@@ -210,6 +207,26 @@ pub fn incoming(
     Box::pin(futures_util::stream::unfold(rx, |mut rx| async move {
         rx.recv().await.map(|conn| (Ok(conn), rx))
     }))
+}
+
+/// One connection's TLS handshake, at most `timeout`; a failed one is logged at debug.
+pub async fn handshake(
+    tls: &ServerTls,
+    stream: GuardedStream,
+    peer: SocketAddr,
+    timeout: Duration,
+) -> Option<GrpcConn> {
+    match tokio::time::timeout(timeout, tls.accept(stream)).await {
+        Ok(Ok(conn)) => Some(GrpcConn::Tls(Box::new(conn))),
+        Ok(Err(e)) => {
+            tracing::debug!(%peer, "TLS handshake refused: {e}");
+            None
+        }
+        Err(_) => {
+            tracing::debug!(%peer, "TLS handshake timed out");
+            None
+        }
+    }
 }
 
 impl AsyncRead for GrpcConn {

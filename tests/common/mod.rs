@@ -288,6 +288,32 @@ pub async fn hammer(servers: &[std::net::SocketAddr], domain: &str, key: &str) -
     total
 }
 
+/// Starts the slidegate binary on the config at `config` with `extra` flags, gRPC and HTTP on
+/// free ports, its output discarded; does not wait for it. (gRPC port, HTTP port, process.)
+pub fn spawn_slidegate(config: &std::path::Path, extra: &[&str]) -> (u16, u16, KillOnDrop) {
+    let (grpc, http) = (redis::free_port(), redis::free_port());
+    let child = std::process::Command::new(env!("CARGO_BIN_EXE_slidegate"))
+        .arg("--config")
+        .arg(config)
+        .args(["--grpc-addr", &format!("127.0.0.1:{grpc}")])
+        .args(["--http-addr", &format!("127.0.0.1:{http}")])
+        .args(extra)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .expect("start slidegate");
+    (grpc, http, KillOnDrop(child))
+}
+
+/// Sends signal `name` (`TERM`, `HUP`) to `child`.
+pub fn signal(child: &std::process::Child, name: &str) {
+    let status = std::process::Command::new("kill")
+        .args([&format!("-{name}"), &child.id().to_string()])
+        .status()
+        .expect("kill");
+    assert!(status.success());
+}
+
 /// A raw gRPC channel, for the health and reflection clients.
 pub async fn channel(addr: std::net::SocketAddr) -> Channel {
     tonic::transport::Endpoint::from_shared(format!("http://{addr}"))

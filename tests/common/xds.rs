@@ -438,3 +438,61 @@ pub fn dockerfile_env() -> Vec<(String, String)> {
         .map(|(k, v)| (k.to_string(), v.trim_matches('"').to_string()))
         .collect()
 }
+
+/// slidegate in this process with mutual TLS on its gRPC port (`ratelimit.crt` of
+/// [`gateway_certs`] in `dir`, clients signed by `ca.crt` and named `envoy`), the rules `yaml`
+/// on `store`; the gRPC address.
+pub async fn start_mtls_server(
+    dir: &Path,
+    yaml: &str,
+    store: Arc<dyn slidegate::store::Store>,
+    options: slidegate::server::ServerOptions,
+) -> SocketAddr {
+    use slidegate::limiter::{Limiter, LimiterOptions, SystemClock};
+    use slidegate::server::{App, Listeners};
+
+    let tls = ServerTls::load(ServerTlsFiles {
+        cert: dir.join("ratelimit.crt"),
+        key: dir.join("ratelimit.key"),
+        client_ca: Some(dir.join("ca.crt")),
+        client_san: Some("envoy".into()),
+    })
+    .expect("TLS files load");
+    let limits = slidegate::config::compile_sources(&[("t.yaml".into(), yaml.into())]).unwrap();
+    let limiter = Arc::new(Limiter::new(
+        limits,
+        store,
+        Arc::new(SystemClock),
+        LimiterOptions::default(),
+    ));
+    let grpc = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let http = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let grpc_addr = grpc.local_addr().unwrap();
+    let mut listeners = Listeners::new(grpc, http);
+    listeners.grpc_tls = Some(Arc::new(tls));
+    let app = App {
+        limiter,
+        metrics: Arc::new(slidegate::metrics::Metrics::new()),
+        options,
+    };
+    tokio::spawn(slidegate::server::run(
+        listeners,
+        app,
+        std::future::pending(),
+    ));
+    grpc_addr
+}
+
+/// Whether a client presenting `dir/<client>.crt` is refused: at the handshake, or its first
+/// call (TLS 1.3 may finish the client's side of the handshake before the server checks it).
+pub async fn refused_as(addr: SocketAddr, dir: &Path, client: &str) -> bool {
+    use slidegate::proto::rate_limit_service_client::RateLimitServiceClient;
+
+    let Ok(channel) = tls_channel(addr, dir, Some(client)).await else {
+        return true;
+    };
+    RateLimitServiceClient::new(channel)
+        .should_rate_limit(super::request("d", vec![super::descriptor(&[("k", "v")])]))
+        .await
+        .is_err()
+}
