@@ -9,6 +9,7 @@
 
 use std::cell::Cell;
 use std::future::Future;
+use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 use tokio::sync::{mpsc, oneshot};
@@ -31,7 +32,28 @@ type Job = Box<dyn FnOnce() + Send>;
 /// runtime stops, with the tasks it still holds.
 pub struct Cells {
     jobs: Vec<mpsc::UnboundedSender<Job>>,
+    /// Connections open in each cell (see [`Place`]).
+    open: Arc<[AtomicUsize]>,
+    /// Where the search for the least busy cell starts, so that ties take turns.
     next: AtomicUsize,
+}
+
+/// A connection's place in a cell: counted among the cell's open connections until dropped.
+pub struct Place {
+    cell: usize,
+    open: Arc<[AtomicUsize]>,
+}
+
+impl Place {
+    pub fn cell(&self) -> usize {
+        self.cell
+    }
+}
+
+impl Drop for Place {
+    fn drop(&mut self) {
+        self.open[self.cell].fetch_sub(1, Ordering::Relaxed);
+    }
 }
 
 impl std::fmt::Debug for Cells {
@@ -53,8 +75,10 @@ impl Cells {
         let jobs = (0..count.max(1))
             .map(start_cell)
             .collect::<Result<Vec<_>, _>>()?;
+        let open = (0..jobs.len()).map(|_| AtomicUsize::new(0)).collect();
         Ok(Cells {
             jobs,
+            open,
             next: AtomicUsize::new(0),
         })
     }
@@ -67,10 +91,21 @@ impl Cells {
         self.jobs.is_empty()
     }
 
-    /// The cell for the next connection: each in turn, so that many connections (many Envoys,
-    /// or one Envoy's workers, each with its own) spread evenly.
-    pub fn next_index(&self) -> usize {
-        self.next.fetch_add(1, Ordering::Relaxed) % self.jobs.len()
+    /// A place for a new connection in the cell with the fewest open (ties in turn), so that
+    /// connections (many Envoys, or one Envoy's workers, each with its own) stay spread evenly
+    /// as others close. Connections are accepted one at a time, so two never race for a place.
+    pub fn place(&self) -> Place {
+        let count = self.jobs.len();
+        let start = self.next.fetch_add(1, Ordering::Relaxed);
+        let cell = (0..count)
+            .map(|i| (start + i) % count)
+            .min_by_key(|&cell| self.open[cell].load(Ordering::Relaxed))
+            .unwrap_or(0);
+        self.open[cell].fetch_add(1, Ordering::Relaxed);
+        Place {
+            cell,
+            open: self.open.clone(),
+        }
     }
 
     /// Runs `job` on cell `index` (modulo the count). False if that cell has ended.
@@ -130,15 +165,25 @@ mod tests {
     use super::*;
 
     #[tokio::test]
-    async fn work_runs_on_its_cell_and_connections_take_turns() {
+    async fn work_runs_on_its_cell() {
         let cells = Cells::start(3).unwrap();
         assert_eq!(current(), None, "the test's own thread is no cell");
         for index in 0..3 {
             let ran_on = cells.run(index, || async { current() }).await;
             assert_eq!(ran_on, Some(Some(index)));
         }
-        let turns: Vec<usize> = (0..7).map(|_| cells.next_index()).collect();
-        assert_eq!(turns, [0, 1, 2, 0, 1, 2, 0]);
+    }
+
+    #[test]
+    fn a_connection_goes_to_the_cell_with_the_fewest_open() {
+        let cells = Cells::start(3).unwrap();
+        let mut places: Vec<Place> = (0..6).map(|_| cells.place()).collect();
+        let cells_of = |places: &[Place]| places.iter().map(Place::cell).collect::<Vec<_>>();
+        assert_eq!(cells_of(&places), [0, 1, 2, 0, 1, 2], "ties take turns");
+        // Both of cell 1's connections close: the next two go there.
+        places.retain(|place| place.cell() != 1);
+        let next: Vec<Place> = (0..3).map(|_| cells.place()).collect();
+        assert_eq!(cells_of(&next), [1, 1, 2], "then in turn again");
     }
 
     #[tokio::test]

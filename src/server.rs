@@ -358,8 +358,10 @@ async fn serve_grpc<S>(
                     let builder = builder.clone();
                     let service = service.clone();
                     let tls = tls.clone();
-                    let handed = cells.run_on(cells.next_index(), move || {
+                    let place = cells.place();
+                    let handed = cells.run_on(place.cell(), move || {
                         tokio::spawn(async move {
+                            let _place = place;
                             let Some(io) = open_in_cell(stream, tls, peer, handshake_timeout).await
                             else {
                                 return;
