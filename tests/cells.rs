@@ -152,3 +152,45 @@ async fn standalone_redis_admits_exactly_the_limit_across_cells() {
 async fn a_cluster_admits_exactly_the_limit_across_cells() {
     exact_across_cells(&shared_cluster().url()).await;
 }
+
+/// Start-up waits for a Redis that does not answer once (`--redis-connect-timeout`), not once
+/// per cell: the cells' clients and the one outside them connect at the same time. (A bound on
+/// start-up, which readiness probes and restarts depend on; the margin is seconds.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn start_up_waits_for_a_silent_redis_once_not_once_per_cell() {
+    // Connections complete in the kernel's backlog and nothing ever answers them.
+    let silent = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let url = format!("redis://{}", silent.local_addr().unwrap());
+    let scratch = temp_dir("cells-silent");
+    std::fs::write(
+        scratch.0.join("limits.yaml"),
+        "domain: cells\ndescriptors:\n  - key: user\n    rate_limit: {unit: minute, requests_per_unit: 20}\n",
+    )
+    .unwrap();
+    let started = Instant::now();
+    let (_, http, _child) = spawn_slidegate(
+        &scratch.0,
+        &[
+            "--redis",
+            &url,
+            "--redis-connect-timeout",
+            "1s",
+            "--thread-per-core",
+            "--worker-threads",
+            "4",
+        ],
+    );
+    wait_until("alive", Duration::from_secs(20), || {
+        command(http, "GET /healthz HTTP/1.0\r\n").is_ok_and(|r| r.contains("200 OK"))
+    });
+    let took = started.elapsed();
+    assert!(
+        took >= Duration::from_millis(900),
+        "alive after {took:?}, before the connect timeout: was the silent Redis waited for?"
+    );
+    assert!(
+        took < Duration::from_secs(3),
+        "alive after {took:?}; five clients connecting one after another take 5 s"
+    );
+    drop(silent);
+}

@@ -408,6 +408,16 @@ fn config_errors(s: &TestServer) -> f64 {
 /// policy) and connects once Redis appears, without a restart.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn starts_before_redis_and_connects_when_it_appears() {
+    starts_before_redis(&[]).await;
+}
+
+/// The same with a Redis client per cell: each connects in the background.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn starts_before_redis_with_thread_per_core() {
+    starts_before_redis(&["--thread-per-core", "--worker-threads", "3"]).await;
+}
+
+async fn starts_before_redis(extra: &[&str]) {
     let dir = temp_dir("before-redis");
     std::fs::write(dir.0.join("limits.yaml"), limits("e1", "e2")).expect("write");
     let redis_port = free_port();
@@ -421,11 +431,17 @@ async fn starts_before_redis_and_connects_when_it_appears() {
             "300ms",
             "--redis-timeout",
             "200ms",
-        ],
+        ]
+        .iter()
+        .chain(extra)
+        .copied()
+        .collect::<Vec<_>>(),
     );
+    let started = Instant::now();
     wait_until("alive", Duration::from_secs(20), || {
         command(http, "GET /healthz HTTP/1.0\r\n").is_ok_and(|r| r.contains("200 OK"))
     });
+    eprintln!("alive {:?} after the start", started.elapsed());
     assert!(
         command(http, "GET /readyz HTTP/1.0\r\n").is_ok_and(|r| r.contains(" 503 ")),
         "not ready without Redis"

@@ -302,26 +302,35 @@ async fn open_store(
         calls_out: RedisOptions::CALLS_OUT,
     };
     let cannot = |e| format!("cannot use Redis at {}: {e}", redact(url));
-    let store = RedisStore::connect(options.clone()).await.map_err(cannot)?;
-    tracing::info!(redis = %redact(url), store = store.name(), "using Redis");
     let Some(cells) = cells else {
+        let store = RedisStore::connect(options).await.map_err(cannot)?;
+        tracing::info!(redis = %redact(url), store = store.name(), "using Redis");
         return Ok(Arc::new(store));
     };
-    // A client per cell, connected from inside it so that its tasks run there. One call out
-    // each: the cells together keep about as many calls in Redis as one store would.
-    let mut stores: Vec<Arc<dyn Store>> = Vec::with_capacity(cells.len());
-    for index in 0..cells.len() {
+    // A client per cell, connected from inside it so that its tasks run there, and one for
+    // the threads outside the cells; all at once, so that start-up waits for Redis (at most
+    // `--redis-connect-timeout`) once, not once per cell. One call out per cell: the cells
+    // together keep about as many calls in Redis as one store would.
+    let in_cells = futures_util::future::join_all((0..cells.len()).map(|index| {
         let options = RedisOptions {
             calls_out: 1,
             ..options.clone()
         };
-        let connected = cells
-            .run(index, move || RedisStore::connect(options))
-            .await
-            .ok_or_else(|| format!("cell {index} ended before its Redis client connected"))?;
-        stores.push(Arc::new(connected.map_err(cannot)?));
+        async move {
+            cells
+                .run(index, move || RedisStore::connect(options))
+                .await
+                .ok_or_else(|| format!("cell {index} ended before its Redis client connected"))
+        }
+    }));
+    let (in_cells, outside) = tokio::join!(in_cells, RedisStore::connect(options));
+    let outside = outside.map_err(cannot)?;
+    tracing::info!(redis = %redact(url), store = outside.name(), cells = cells.len(), "using Redis, a client per cell");
+    let mut stores: Vec<Arc<dyn Store>> = Vec::with_capacity(cells.len());
+    for connected in in_cells {
+        stores.push(Arc::new(connected?.map_err(cannot)?));
     }
-    Ok(Arc::new(PerCell::new(stores, Arc::new(store))))
+    Ok(Arc::new(PerCell::new(stores, Arc::new(outside))))
 }
 
 fn limiter_options(args: &ServeArgs) -> LimiterOptions {
