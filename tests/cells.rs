@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 
 use common::redis::{RedisProcess, command, shared_cluster, wait_until};
 use common::xds::{gateway_certs, start_mtls_server, tls_channel};
-use common::{descriptor, hammer, ok, request, spawn_slidegate, temp_dir};
+use common::{TempDir, descriptor, hammer, ok, request, spawn_slidegate, temp_dir};
 use slidegate::cells::{self, Cells};
 use slidegate::proto::rate_limit_service_client::RateLimitServiceClient;
 use slidegate::server::ServerOptions;
@@ -88,6 +88,17 @@ async fn mtls_connections_are_served_each_in_its_cell() {
     );
 }
 
+/// A config directory: domain `cells`, descriptor `user` limited to 20 a minute.
+fn user_limit_of_20(name: &str) -> TempDir {
+    let scratch = temp_dir(name);
+    std::fs::write(
+        scratch.0.join("limits.yaml"),
+        "domain: cells\ndescriptors:\n  - key: user\n    rate_limit: {unit: minute, requests_per_unit: 20}\n",
+    )
+    .unwrap();
+    scratch
+}
+
 /// Threads of process `pid` whose name starts with `prefix`.
 fn threads_named(pid: u32, prefix: &str) -> usize {
     std::fs::read_dir(format!("/proc/{pid}/task"))
@@ -103,12 +114,7 @@ fn threads_named(pid: u32, prefix: &str) -> usize {
 /// The binary with `--thread-per-core --worker-threads 3` on `redis_url`: three cells; 64 connections (spread over the cells) send 640 calls at once for one
 /// descriptor limited to 20 a minute, and exactly 20 are admitted. Then SIGTERM ends it cleanly.
 async fn exact_across_cells(redis_url: &str) {
-    let scratch = temp_dir("cells-redis");
-    std::fs::write(
-        scratch.0.join("limits.yaml"),
-        "domain: cells\ndescriptors:\n  - key: user\n    rate_limit: {unit: minute, requests_per_unit: 20}\n",
-    )
-    .unwrap();
+    let scratch = user_limit_of_20("cells-redis");
     let (grpc, http, mut child) = spawn_slidegate(
         &scratch.0,
         &[
@@ -161,12 +167,7 @@ async fn start_up_waits_for_a_silent_redis_once_not_once_per_cell() {
     // Connections complete in the kernel's backlog and nothing ever answers them.
     let silent = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let url = format!("redis://{}", silent.local_addr().unwrap());
-    let scratch = temp_dir("cells-silent");
-    std::fs::write(
-        scratch.0.join("limits.yaml"),
-        "domain: cells\ndescriptors:\n  - key: user\n    rate_limit: {unit: minute, requests_per_unit: 20}\n",
-    )
-    .unwrap();
+    let scratch = user_limit_of_20("cells-silent");
     let started = Instant::now();
     let (_, http, _child) = spawn_slidegate(
         &scratch.0,
