@@ -112,7 +112,8 @@ fn threads_named(pid: u32, prefix: &str) -> usize {
 }
 
 /// The binary with `--thread-per-core --worker-threads 3` on `redis_url`: three cells; 64 connections (spread over the cells) send 640 calls at once for one
-/// descriptor limited to 20 a minute, and exactly 20 are admitted. Then SIGTERM ends it cleanly.
+/// descriptor limited to 20 a minute, and exactly 20 are admitted; a cell sees what the client
+/// outside the cells recorded. Then SIGTERM ends it cleanly.
 async fn exact_across_cells(redis_url: &str) {
     let scratch = user_limit_of_20("cells-redis");
     let (grpc, http, mut child) = spawn_slidegate(
@@ -135,6 +136,22 @@ async fn exact_across_cells(redis_url: &str) {
 
     let addr = std::net::SocketAddr::from(([127, 0, 0, 1], grpc));
     assert_eq!(hammer(&[addr], "cells", "user").await, 20);
+
+    // Threads outside the cells (here `POST /json`) have a Redis client of their own, on the
+    // same Redis: 20 admitted there leave nothing for a cell.
+    let http_addr = std::net::SocketAddr::from(([127, 0, 0, 1], http));
+    let body = r#"{"domain":"cells","descriptors":[{"entries":[{"key":"user","value":"other"}]}]}"#;
+    for n in 0..20 {
+        let (code, answer) = common::http(http_addr, "POST", "/json", body).await;
+        assert_eq!(code, 200, "call {n}: {answer}");
+    }
+    let answer = common::connect(addr)
+        .await
+        .should_rate_limit(request("cells", vec![descriptor(&[("user", "other")])]))
+        .await
+        .expect("call")
+        .into_inner();
+    assert_eq!(answer.overall_code, common::over());
 
     common::signal(&child.0, "TERM");
     let end = Instant::now() + Duration::from_secs(15);
