@@ -171,12 +171,12 @@ pub async fn run(
             listeners.grpc_tls,
             limits.header_timeout(),
         )),
-        Some(cells) => Connections::Cells {
+        Some(cells) => Connections::Cells(InCells {
             listener: grpc_listener,
             tls: listeners.grpc_tls,
             handshake_timeout: limits.header_timeout(),
             cells,
-        },
+        }),
     };
     let grpc_server = serve_grpc(
         connections,
@@ -279,20 +279,41 @@ fn grpc_service(
 enum Connections {
     /// On this runtime, as `incoming` yields them (TLS handshakes done).
     Here(Pin<Box<dyn Stream<Item = std::io::Result<GrpcConn>> + Send>>),
-    /// Each accepted here and handed to a cell in turn, where its TLS handshake (if any) and
-    /// everything after it runs.
-    Cells {
-        listener: GuardedListener,
-        tls: Option<Arc<ServerTls>>,
-        handshake_timeout: Duration,
-        cells: Arc<Cells>,
-    },
+    /// Each accepted here and handed to a cell.
+    Cells(InCells),
 }
 
-/// Serves HTTP/2 (only: gRPC has no HTTP/1) on each connection, with keep-alive pings every
-/// `keep_alive`, until `shutdown`; then takes no more connections, asks the open ones to finish
-/// (`GOAWAY`) and returns once they have. hyper serves the connections directly, without
-/// tonic's server around it (see [`GrpcService`] for what that saves).
+/// Connections accepted here and handed each to the least busy cell, where its TLS handshake
+/// (if any) and everything after it runs.
+struct InCells {
+    listener: GuardedListener,
+    tls: Option<Arc<ServerTls>>,
+    handshake_timeout: Duration,
+    cells: Arc<Cells>,
+}
+
+/// The HTTP/2 side of the gRPC port: hyper's server, with keep-alive pings every `keep_alive`.
+fn grpc_builder(keep_alive: Duration) -> hyper::server::conn::http2::Builder<TokioExecutor> {
+    let mut builder = hyper::server::conn::http2::Builder::new(TokioExecutor::new());
+    builder
+        .timer(TokioTimer::new())
+        .keep_alive_interval(keep_alive)
+        .keep_alive_timeout(keep_alive)
+        // No cap on a connection's streams, as tonic's server set (hyper's own default is
+        // 200): Envoy multiplexes a worker's calls on one connection. hyper's other defaults
+        // stay, among them its cap on streams a peer makes the server reset (1,024), which
+        // tonic's server turned off.
+        .max_concurrent_streams(None)
+        // No `date` header: gRPC does not use it (grpc-go's and gRPC core's servers send none),
+        // and every response would encode it.
+        .auto_date_header(false);
+    builder
+}
+
+/// Serves HTTP/2 (only: gRPC has no HTTP/1) on each connection until `shutdown`; then takes no
+/// more connections, asks the open ones to finish (`GOAWAY`) and returns once they have. hyper
+/// serves the connections directly, without tonic's server around it (see [`GrpcService`] for
+/// what that saves).
 async fn serve_grpc<S>(
     connections: Connections,
     service: S,
@@ -308,19 +329,7 @@ async fn serve_grpc<S>(
         + 'static,
     S::Future: Send + 'static,
 {
-    let mut builder = hyper::server::conn::http2::Builder::new(TokioExecutor::new());
-    builder
-        .timer(TokioTimer::new())
-        .keep_alive_interval(keep_alive)
-        .keep_alive_timeout(keep_alive)
-        // No cap on a connection's streams, as tonic's server set (hyper's own default is
-        // 200): Envoy multiplexes a worker's calls on one connection. hyper's other defaults
-        // stay, among them its cap on streams a peer makes the server reset (1,024), which
-        // tonic's server turned off.
-        .max_concurrent_streams(None)
-        // No `date` header: gRPC does not use it (grpc-go's and gRPC core's servers send none),
-        // and every response would encode it.
-        .auto_date_header(false);
+    let builder = grpc_builder(keep_alive);
     let graceful = hyper_util::server::graceful::GracefulShutdown::new();
     tokio::pin!(shutdown);
     // Each arm ends on shutdown, dropping its listener or incoming stream (the TLS acceptor
@@ -332,11 +341,7 @@ async fn serve_grpc<S>(
                     Some(Ok(io)) => {
                         let connection = graceful
                             .watch(builder.serve_connection(TokioIo::new(io), service.clone()));
-                        tokio::spawn(async move {
-                            if let Err(e) = connection.await {
-                                tracing::debug!("gRPC connection ended: {e}");
-                            }
-                        });
+                        tokio::spawn(log_end(connection));
                     }
                     Some(Err(e)) => tracing::debug!("gRPC connection not accepted: {e}"),
                     None => break,
@@ -344,44 +349,63 @@ async fn serve_grpc<S>(
                 () = &mut shutdown => break,
             }
         },
-        Connections::Cells {
-            mut listener,
-            tls,
-            handshake_timeout,
-            cells,
-        } => loop {
+        Connections::Cells(mut in_cells) => loop {
             tokio::select! {
-                (stream, peer) = listener.next() => {
+                (stream, peer) = in_cells.listener.next() => {
                     // Watched from here: a connection still in its handshake at shutdown is
                     // waited for as well.
-                    let watcher = graceful.watcher();
-                    let builder = builder.clone();
-                    let service = service.clone();
-                    let tls = tls.clone();
-                    let place = cells.place();
-                    let handed = cells.run_on(place.cell(), move || {
-                        tokio::spawn(async move {
-                            let _place = place;
-                            let Some(io) = open_in_cell(stream, tls, peer, handshake_timeout).await
-                            else {
-                                return;
-                            };
-                            let connection =
-                                watcher.watch(builder.serve_connection(TokioIo::new(io), service));
-                            if let Err(e) = connection.await {
-                                tracing::debug!("gRPC connection ended: {e}");
-                            }
-                        });
-                    });
-                    if !handed {
-                        tracing::debug!(%peer, "gRPC connection dropped: its cell has ended");
-                    }
+                    in_cells.hand(stream, peer, graceful.watcher(), &builder, service.clone());
                 }
                 () = &mut shutdown => break,
             }
         },
     }
     graceful.shutdown().await;
+}
+
+/// Waits for a served connection to end, and says why at debug if it failed.
+async fn log_end(connection: impl Future<Output = Result<(), hyper::Error>>) {
+    if let Err(e) = connection.await {
+        tracing::debug!("gRPC connection ended: {e}");
+    }
+}
+
+impl InCells {
+    /// Hands `stream` to the least busy cell, which opens it (see [`open_in_cell`]) and serves
+    /// it, counted there until it ends.
+    fn hand<S>(
+        &self,
+        stream: GuardedStream,
+        peer: std::net::SocketAddr,
+        watcher: hyper_util::server::graceful::Watcher,
+        builder: &hyper::server::conn::http2::Builder<TokioExecutor>,
+        service: S,
+    ) where
+        S: hyper::service::Service<
+                HttpRequest<hyper::body::Incoming>,
+                Response = HttpResponse<GrpcBody>,
+                Error = Infallible,
+            > + Send
+            + 'static,
+        S::Future: Send + 'static,
+    {
+        let builder = builder.clone();
+        let tls = self.tls.clone();
+        let handshake_timeout = self.handshake_timeout;
+        let place = self.cells.place();
+        let handed = self.cells.run_on(place.cell(), move || {
+            tokio::spawn(async move {
+                let _place = place;
+                let Some(io) = open_in_cell(stream, tls, peer, handshake_timeout).await else {
+                    return;
+                };
+                log_end(watcher.watch(builder.serve_connection(TokioIo::new(io), service))).await;
+            });
+        });
+        if !handed {
+            tracing::debug!(%peer, "gRPC connection dropped: its cell has ended");
+        }
+    }
 }
 
 /// A connection accepted elsewhere, moved to the cell this runs in, after its TLS handshake if
