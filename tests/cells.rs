@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 
 use common::redis::{RedisProcess, command, shared_cluster, wait_until};
 use common::xds::{gateway_certs, start_mtls_server, tls_channel};
-use common::{TempDir, descriptor, hammer, ok, request, spawn_slidegate, temp_dir};
+use common::{TempDir, descriptor, hammer, ok, request, spawn_slidegate, temp_dir, threads_named};
 use slidegate::cells::{self, Cells};
 use slidegate::proto::rate_limit_service_client::RateLimitServiceClient;
 use slidegate::server::ServerOptions;
@@ -97,18 +97,6 @@ fn user_limit_of_20(name: &str) -> TempDir {
     )
     .unwrap();
     scratch
-}
-
-/// Threads of process `pid` whose name starts with `prefix`.
-fn threads_named(pid: u32, prefix: &str) -> usize {
-    std::fs::read_dir(format!("/proc/{pid}/task"))
-        .expect("threads of the server")
-        .filter(|task| {
-            let comm = task.as_ref().map(|t| t.path().join("comm")).ok();
-            comm.and_then(|c| std::fs::read_to_string(c).ok())
-                .is_some_and(|name| name.trim().starts_with(prefix))
-        })
-        .count()
 }
 
 /// The binary with `--thread-per-core --worker-threads 3` on `redis_url`: three cells; 64 connections (spread over the cells) send 640 calls at once for one

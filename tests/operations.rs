@@ -506,14 +506,7 @@ fn start_binary(extra: &[&str]) -> (u16, u16, KillOnDrop) {
 
 /// Threads of process `pid` named as tokio names its workers.
 fn worker_threads(pid: u32) -> usize {
-    std::fs::read_dir(format!("/proc/{pid}/task"))
-        .expect("threads of the server")
-        .filter(|task| {
-            let comm = task.as_ref().map(|t| t.path().join("comm")).ok();
-            comm.and_then(|c| std::fs::read_to_string(c).ok())
-                .is_some_and(|name| name.trim() == "tokio-rt-worker")
-        })
-        .count()
+    threads_named(pid, "tokio-rt-worker")
 }
 
 /// `--worker-threads` sets how many threads serve calls (one per CPU without it); zero is

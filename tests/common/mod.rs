@@ -305,6 +305,19 @@ pub fn spawn_slidegate(config: &std::path::Path, extra: &[&str]) -> (u16, u16, K
     (grpc, http, KillOnDrop(child))
 }
 
+/// Threads of process `pid` whose name (as the kernel keeps it, 15 bytes at most) starts with
+/// `prefix`.
+pub fn threads_named(pid: u32, prefix: &str) -> usize {
+    std::fs::read_dir(format!("/proc/{pid}/task"))
+        .expect("threads of the server")
+        .filter(|task| {
+            let comm = task.as_ref().map(|t| t.path().join("comm")).ok();
+            comm.and_then(|c| std::fs::read_to_string(c).ok())
+                .is_some_and(|name| name.trim().starts_with(prefix))
+        })
+        .count()
+}
+
 /// Sends signal `name` (`TERM`, `HUP`) to `child`.
 pub fn signal(child: &std::process::Child, name: &str) {
     let status = std::process::Command::new("kill")
