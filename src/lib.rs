@@ -29,6 +29,7 @@ pub mod proto;
 pub mod server;
 pub mod service;
 pub mod store;
+pub mod streams;
 pub mod tls;
 pub mod wire;
 pub mod xds;

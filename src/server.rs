@@ -9,7 +9,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use futures_util::{Stream, StreamExt as _};
-use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
+use hyper_util::rt::{TokioIo, TokioTimer};
 use tokio::net::TcpListener;
 use tokio::sync::watch;
 use tonic::codegen::http::{Request as HttpRequest, Response as HttpResponse};
@@ -26,6 +26,7 @@ use crate::net::{self, ConnectionLimits, GuardedListener, GuardedStream};
 use crate::proto::FILE_DESCRIPTOR_SET;
 use crate::proto::rate_limit_service_server::RateLimitServiceServer;
 use crate::service::{GrpcBody, GrpcService, RateLimitGrpc};
+use crate::streams::{Served, StreamQueue};
 use crate::tls::server::{GrpcConn, handshake};
 use crate::tls::{self, ServerTls};
 
@@ -292,9 +293,13 @@ struct InCells {
     cells: Arc<Cells>,
 }
 
-/// The HTTP/2 side of the gRPC port: hyper's server, with keep-alive pings every `keep_alive`.
-fn grpc_builder(keep_alive: Duration) -> hyper::server::conn::http2::Builder<TokioExecutor> {
-    let mut builder = hyper::server::conn::http2::Builder::new(TokioExecutor::new());
+/// The HTTP/2 side of a gRPC connection: hyper's server, with keep-alive pings every
+/// `keep_alive`, its streams handed to `queue` (see [`crate::streams`]).
+fn grpc_builder(
+    keep_alive: Duration,
+    queue: StreamQueue,
+) -> hyper::server::conn::http2::Builder<StreamQueue> {
+    let mut builder = hyper::server::conn::http2::Builder::new(queue);
     builder
         .timer(TokioTimer::new())
         .keep_alive_interval(keep_alive)
@@ -329,7 +334,6 @@ async fn serve_grpc<S>(
         + 'static,
     S::Future: Send + 'static,
 {
-    let builder = grpc_builder(keep_alive);
     let graceful = hyper_util::server::graceful::GracefulShutdown::new();
     tokio::pin!(shutdown);
     // Each arm ends on shutdown, dropping its listener or incoming stream (the TLS acceptor
@@ -339,9 +343,12 @@ async fn serve_grpc<S>(
             tokio::select! {
                 accepted = incoming.next() => match accepted {
                     Some(Ok(io)) => {
-                        let connection = graceful
-                            .watch(builder.serve_connection(TokioIo::new(io), service.clone()));
-                        tokio::spawn(log_end(connection));
+                        let queue = StreamQueue::new();
+                        let connection = graceful.watch(
+                            grpc_builder(keep_alive, queue.clone())
+                                .serve_connection(TokioIo::new(io), service.clone()),
+                        );
+                        tokio::spawn(log_end(Served::new(connection, &queue)));
                     }
                     Some(Err(e)) => tracing::debug!("gRPC connection not accepted: {e}"),
                     None => break,
@@ -354,7 +361,7 @@ async fn serve_grpc<S>(
                 (stream, peer) = in_cells.listener.next() => {
                     // Watched from here: a connection still in its handshake at shutdown is
                     // waited for as well.
-                    in_cells.hand(stream, peer, graceful.watcher(), &builder, service.clone());
+                    in_cells.hand(stream, peer, graceful.watcher(), keep_alive, service.clone());
                 }
                 () = &mut shutdown => break,
             }
@@ -378,7 +385,7 @@ impl InCells {
         stream: GuardedStream,
         peer: std::net::SocketAddr,
         watcher: hyper_util::server::graceful::Watcher,
-        builder: &hyper::server::conn::http2::Builder<TokioExecutor>,
+        keep_alive: Duration,
         service: S,
     ) where
         S: hyper::service::Service<
@@ -389,7 +396,6 @@ impl InCells {
             + 'static,
         S::Future: Send + 'static,
     {
-        let builder = builder.clone();
         let tls = self.tls.clone();
         let handshake_timeout = self.handshake_timeout;
         let place = self.cells.place();
@@ -399,7 +405,12 @@ impl InCells {
                 let Some(io) = open_in_cell(stream, tls, peer, handshake_timeout).await else {
                     return;
                 };
-                log_end(watcher.watch(builder.serve_connection(TokioIo::new(io), service))).await;
+                let queue = StreamQueue::new();
+                let connection = watcher.watch(
+                    grpc_builder(keep_alive, queue.clone())
+                        .serve_connection(TokioIo::new(io), service),
+                );
+                log_end(Served::new(connection, &queue)).await;
             });
         });
         if !handed {

@@ -43,6 +43,10 @@ pub fn serve(args: ServeArgs, notes: Vec<String>) -> ExitCode {
     for note in &notes {
         tracing::warn!("{note}");
     }
+    // tokio's defaults, its LIFO slot included: a task woken by the running one (a lone call's
+    // Redis client, then its connection) runs next on the same worker without waking an idle
+    // one. Under load a connection still writes its streams' answers together, as it runs them
+    // itself (`crate::streams`).
     let mut builder = tokio::runtime::Builder::new_multi_thread();
     builder.enable_all();
     let cells = if args.thread_per_core {
@@ -66,13 +70,6 @@ pub fn serve(args: ServeArgs, notes: Vec<String>) -> ExitCode {
         }
         None
     };
-    // Without the LIFO slot a woken task waits its turn instead of running next. Under load that
-    // lets a connection's task find several finished responses and write them in one `writev`
-    // (with the slot it ran right after each stream and wrote one at a time): about a third
-    // less CPU per decision and a third more decisions per second embedded, at the cost of
-    // about 5-15% on the latency of a lone call (README, *Performance*).
-    #[cfg(tokio_unstable)]
-    builder.disable_lifo_slot();
     let runtime = match builder.build() {
         Ok(rt) => rt,
         Err(e) => {
