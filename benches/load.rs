@@ -2,7 +2,8 @@
 //! binary (a separate process, so its CPU is its own), drives it over many HTTP/2 connections
 //! from this process, and prints one line per scenario: decisions/s, latency percentiles,
 //! errors, admitted against the limit where there is one, slidegate CPU and Redis CPU per
-//! decision (`/proc/<pid>/stat`, `INFO cpu`), and Redis commands per decision
+//! decision (`/proc/<pid>/stat`, `INFO cpu`), slidegate's context switches per decision
+//! (`/proc/<pid>/task/*/status`), and Redis commands per decision
 //! (`INFO commandstats`, the script's own calls included). Then the ceiling: calls per second
 //! of the script alone on one Redis core (`redis-benchmark` running `FCALL` with the
 //! arguments slidegate sends), and Redis memory per log entry.
@@ -59,6 +60,26 @@ fn env_or(name: &str, default: u64) -> u64 {
         .ok()
         .and_then(|v| v.parse().ok())
         .unwrap_or(default)
+}
+
+/// Context switches of a process's threads so far, voluntary (it waited: for a socket, a lock,
+/// work) and not (the kernel took its core), summed over `/proc/<pid>/task/*/status`. Per
+/// decision, it counts the wake-ups a call costs, which the machine's speed does not move.
+fn context_switches(pid: u32) -> u64 {
+    let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
+        return 0;
+    };
+    tasks
+        .filter_map(Result::ok)
+        .filter_map(|task| std::fs::read_to_string(task.path().join("status")).ok())
+        .flat_map(|status| {
+            status
+                .lines()
+                .filter(|line| line.contains("ctxt_switches:"))
+                .filter_map(|line| line.split_whitespace().nth(1)?.parse::<u64>().ok())
+                .collect::<Vec<_>>()
+        })
+        .sum()
 }
 
 /// CPU seconds of a process, user plus system, from `/proc/<pid>/stat` (fields 14 and 15, in
@@ -191,6 +212,8 @@ struct Report {
     elapsed: Duration,
     latencies_us: Vec<u64>,
     server_cpu_s: f64,
+    /// slidegate's context switches while it served the load.
+    server_switches: u64,
     /// This process's CPU while it drove the load (the load generator's share of the machine).
     load_cpu_s: f64,
     redis_cpu_s: f64,
@@ -222,7 +245,7 @@ impl Report {
             format!("{:>6} | {:>5}", "-", "-")
         };
         println!(
-            "| {:<44} | {:>8.0} | {:>7.0} | {:>7.0} | {:>7.0} | {:>6} | {:>9} | {:>6.1} | {redis} | {:>6.1} |",
+            "| {:<44} | {:>8.0} | {:>7.0} | {:>7.0} | {:>7.0} | {:>6} | {:>9} | {:>6.1} | {:>5.2} | {redis} | {:>6.1} |",
             self.name,
             self.calls as f64 / self.elapsed.as_secs_f64(),
             self.percentile(0.50),
@@ -231,6 +254,7 @@ impl Report {
             self.errors,
             admitted,
             per(self.server_cpu_s) * 1e6,
+            per(self.server_switches as f64),
             per(self.load_cpu_s) * 1e6,
         );
     }
@@ -238,7 +262,7 @@ impl Report {
 
 fn header() {
     println!(
-        "| {:<44} | {:>8} | {:>7} | {:>7} | {:>7} | {:>6} | {:>9} | {:>6} | {:>6} | {:>5} | {:>6} |",
+        "| {:<44} | {:>8} | {:>7} | {:>7} | {:>7} | {:>6} | {:>9} | {:>6} | {:>5} | {:>6} | {:>5} | {:>6} |",
         "scenario",
         "calls/s",
         "p50 us",
@@ -247,13 +271,14 @@ fn header() {
         "errors",
         "admitted",
         "sg cpu",
+        "sg cs",
         "rd cpu",
         "cmds",
         "lg cpu"
     );
     println!(
-        "|{:-<46}|{:->10}|{:->9}|{:->9}|{:->9}|{:->8}|{:->11}|{:->8}|{:->8}|{:->7}|{:->8}|",
-        "", ":", ":", ":", ":", ":", ":", ":", ":", ":", ":"
+        "|{:-<46}|{:->10}|{:->9}|{:->9}|{:->9}|{:->8}|{:->11}|{:->8}|{:->7}|{:->8}|{:->7}|{:->8}|",
+        "", ":", ":", ":", ":", ":", ":", ":", ":", ":", ":", ":"
     );
 }
 
@@ -375,6 +400,7 @@ async fn drive(
     let deadline = Instant::now() + Duration::from_secs(load.secs);
     let (redis_cpu0, commands0) = redis_usage(redis_ports);
     let server_cpu0 = cpu_s(server.child.id());
+    let server_switches0 = context_switches(server.child.id());
     let load_cpu0 = cpu_s(std::process::id());
     let started = Instant::now();
     let mut tasks = Vec::new();
@@ -408,6 +434,7 @@ async fn drive(
         elapsed: Duration::ZERO,
         latencies_us: Vec::new(),
         server_cpu_s: 0.0,
+        server_switches: 0,
         load_cpu_s: 0.0,
         redis_cpu_s: 0.0,
         redis_commands: 0,
@@ -421,6 +448,7 @@ async fn drive(
     }
     report.elapsed = started.elapsed();
     report.server_cpu_s = cpu_s(server.child.id()) - server_cpu0;
+    report.server_switches = context_switches(server.child.id()).saturating_sub(server_switches0);
     report.load_cpu_s = cpu_s(std::process::id()) - load_cpu0;
     let (redis_cpu1, commands1) = redis_usage(redis_ports);
     report.redis_cpu_s = redis_cpu1 - redis_cpu0;
@@ -789,7 +817,7 @@ fn main() {
         }
     );
     println!(
-        "latencies in microseconds; CPU per decision in microseconds (sg: slidegate, rd: Redis, lg: the load generator, this process); cmds: Redis commands per decision\n"
+        "latencies in microseconds; CPU per decision in microseconds (sg: slidegate, rd: Redis, lg: the load generator, this process); sg cs: slidegate's context switches per decision; cmds: Redis commands per decision\n"
     );
     let stores = Stores::start();
     let standalone = &stores.standalone;

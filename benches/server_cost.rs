@@ -12,8 +12,8 @@
 //! opens 8 HTTP/2 connections and sends warm-up calls, then turns instrumentation on for a
 //! fixed stream of calls (32 in flight, the same requests every run, each with the headers Envoy
 //! sends) and prints slidegate's instructions per decision over all its threads, and
-//! the inclusive share of a few layers (hyper's stream tasks, the `ShouldRateLimit` call inside
-//! them and its store's part, h2's connection tasks, the Redis client, memcpy). The server runs
+//! the inclusive share of a few layers (hyper's streams, the `ShouldRateLimit` call inside
+//! them and its store's part, h2's connections, the Redis client, memcpy). The server runs
 //! about 50 times slower under valgrind, and one thread at a time, so more calls wait in its
 //! queues than at native speed and a socket read finds several: the figure is for comparing
 //! builds, not a native cost.
@@ -173,12 +173,13 @@ fn measure(case: &Case, binary: &Path, config: &Path, dir: &Path) -> (u64, Strin
 
 /// Where the instructions go: the inclusive share of a few layers, each the first entry of
 /// `callgrind_annotate --inclusive=yes` whose name holds the pattern (layers nest: the store's
-/// part is inside the call, inside hyper's stream task). The compiler inlines the limiter into
+/// part is inside the call, inside hyper's stream; each connection's streams and the connection
+/// are polled side by side by its task, `slidegate::streams::Served`). The compiler inlines the limiter into
 /// the call, so it has no entry of its own.
 const LAYERS: [(&str, &str); 6] = [
     (
         "hyper::proto::h2::server::H2Stream",
-        "hyper's HTTP/2 stream tasks",
+        "hyper's HTTP/2 streams",
     ),
     (
         "GrpcService<S> as hyper::service::service::Service",
@@ -190,7 +191,7 @@ const LAYERS: [(&str, &str); 6] = [
     ),
     (
         "h2::proto::connection::Connection<T,P,B>::poll",
-        "h2's connection tasks",
+        "h2's connections",
     ),
     (
         "fred::runtime::_tokio::ClientLike::connect",
