@@ -61,9 +61,15 @@ impl Shared {
         self.connection_ready.load(Ordering::SeqCst) || self.streams_ready.load(Ordering::SeqCst)
     }
 
-    fn take_new(&self) -> Vec<StreamFuture> {
+    /// Moves the streams hyper started into `running`; false if there were none. Drained, not
+    /// taken: the list keeps its buffer for the next streams. Only `execute`, called from the
+    /// connection's own poll in the same task, takes the lock too.
+    fn start_new(&self, running: &mut FuturesUnordered<StreamFuture>) -> bool {
         // Plain futures in a list: one left by a panicking holder is still usable.
-        std::mem::take(&mut *self.new.lock().unwrap_or_else(|p| p.into_inner()))
+        let mut new = self.new.lock().unwrap_or_else(|p| p.into_inner());
+        let started = !new.is_empty();
+        running.extend(new.drain(..));
+        started
     }
 }
 
@@ -181,9 +187,7 @@ impl<F: Future> Future for Served<F> {
                     shared.polling.store(false, Ordering::SeqCst);
                     return Poll::Ready(ended);
                 }
-                let new = shared.take_new();
-                started = !new.is_empty();
-                this.running.extend(new);
+                started = shared.start_new(&mut this.running);
             }
             // Then every stream that can go on. One that answers wakes the connection, which
             // only marks it ready while this poll runs.
