@@ -560,10 +560,10 @@ impl RedisStore {
         items: &[CheckItem<'_>],
         group: &Group,
         now_ms: u64,
-        prefix: &str,
+        call: &Call,
         mode: Mode,
     ) -> Result<GroupReply, StoreError> {
-        let request = self.script_input(items, group, now_ms, prefix, mode);
+        let request = self.script_input(items, group, now_ms, call, mode);
         let batcher = self.batcher.as_ref().or(group.master.as_ref());
         let answer = match batcher {
             Some(batcher) => batcher.submit(request, &self.sender).await,
@@ -581,7 +581,7 @@ impl RedisStore {
         items: &[CheckItem<'_>],
         group: &Group,
         now_ms: u64,
-        prefix: &str,
+        call: &Call,
         mode: Mode,
     ) -> Request {
         let (group, slots) = (&group.items, group.slots);
@@ -590,7 +590,7 @@ impl RedisStore {
         let int = |n: u64| Value::Integer(i64::try_from(n).unwrap_or(i64::MAX));
         let mut keys = Vec::with_capacity(group.len() * 2);
         let mut args: Vec<Value> = Vec::with_capacity(2 + group.len() * 2);
-        args.push(Value::String(prefix.into()));
+        args.push(Value::String(call.prefix.as_str().into()));
         // The request's shape: its descriptor count and mode in one argument.
         args.push(int(4 * group.len() as u64 + mode.code()));
         for &i in group {
@@ -615,6 +615,7 @@ impl RedisStore {
             keys,
             args,
             slots,
+            lane: call.lane,
         }
     }
 
@@ -626,10 +627,17 @@ impl RedisStore {
         now_ms: u64,
         rejected: bool,
     ) -> Result<CheckOutcome, StoreError> {
+        let number = self.calls.fetch_add(1, Ordering::Relaxed);
         let mut prefix = String::with_capacity(self.instance.len() + 21);
         prefix.push_str(&self.instance);
         prefix.push('-');
-        push_decimal(&mut prefix, self.calls.fetch_add(1, Ordering::Relaxed));
+        push_decimal(&mut prefix, number);
+        let call = Call {
+            prefix,
+            // Requests take the pool's clients in turn, as `Pool::next` would hand them out
+            // (the low 32 bits: a `usize` on every target).
+            lane: usize::try_from(number & u64::from(u32::MAX)).unwrap_or(0),
+        };
         let mode = match (rejected, groups.len()) {
             (true, _) => Mode::Rejected,
             (false, 1) => Mode::Final,
@@ -638,19 +646,19 @@ impl RedisStore {
         // One group (standalone Redis, or one slot) is awaited as it is: collecting its large
         // future into a list for `join_all` would copy it for nothing.
         let replies = match groups.as_slice() {
-            [group] => vec![self.call_group(items, group, now_ms, &prefix, mode).await],
+            [group] => vec![self.call_group(items, group, now_ms, &call, mode).await],
             _ => {
                 join_all(
                     groups
                         .iter()
-                        .map(|g| self.call_group(items, g, now_ms, &prefix, mode)),
+                        .map(|g| self.call_group(items, g, now_ms, &call, mode)),
                 )
                 .await
             }
         };
         let (groups, replies, mode) = if replies.iter().any(not_served) {
             // Boxed: rare, and its future would otherwise enlarge every decision's.
-            Box::pin(self.per_slot(items, groups, replies, now_ms, &prefix, mode)).await
+            Box::pin(self.per_slot(items, groups, replies, now_ms, &call, mode)).await
         } else {
             (groups, replies, mode)
         };
@@ -677,7 +685,7 @@ impl RedisStore {
             && admits(items.iter().zip(&outcomes).map(|(i, o)| (i.role, o.fits)));
         if mode == Mode::Tentative && !admitted && !recorded_groups.is_empty() {
             // Boxed: rare, and its future would otherwise enlarge every decision's.
-            Box::pin(self.undo(items, &recorded_groups, &prefix, &mut outcomes)).await;
+            Box::pin(self.undo(items, &recorded_groups, &call, &mut outcomes)).await;
         }
         match first_error {
             Some(e) => Err(e),
@@ -699,7 +707,7 @@ impl RedisStore {
         groups: Vec<Group>,
         replies: Vec<Result<GroupReply, StoreError>>,
         now_ms: u64,
-        prefix: &str,
+        call: &Call,
         mode: Mode,
     ) -> (Vec<Group>, Vec<Result<GroupReply, StoreError>>, Mode) {
         let mut kept = Vec::with_capacity(groups.len() + 2);
@@ -724,7 +732,7 @@ impl RedisStore {
         let replies = join_all(
             again
                 .iter()
-                .map(|g| self.call_group(items, g, now_ms, prefix, mode)),
+                .map(|g| self.call_group(items, g, now_ms, call, mode)),
         )
         .await;
         kept.extend(again.into_iter().zip(replies));
@@ -740,9 +748,10 @@ impl RedisStore {
         &self,
         items: &[CheckItem<'_>],
         groups: &[(&[usize], u64, Vec<u64>)],
-        prefix: &str,
+        call: &Call,
         outcomes: &mut [ItemOutcome],
     ) {
+        let prefix = &call.prefix;
         let mut removals = Vec::new();
         for (group, now_ms, entries) in groups {
             for (position, (&i, &cum)) in group.iter().zip(entries).enumerate() {
@@ -754,7 +763,7 @@ impl RedisStore {
                 for w in outcomes[i].windows.iter_mut() {
                     w.count = w.count.saturating_sub(item.hits);
                 }
-                let client = self.sender.pool.load().next().clone();
+                let client = batch::client_of(&self.sender.pool.load(), call.lane).clone();
                 match item.algorithm {
                     Algorithm::SlidingLog => {
                         // The member as the script wrote it: "<cum>:<weight>:<prefix>:<i>", i
@@ -858,6 +867,13 @@ impl RedisStore {
         }
         groups
     }
+}
+
+/// What the calls of one request share: the prefix that names its log entries (unique to
+/// this process and request) and the client that carries them ([`Request::lane`]).
+struct Call {
+    prefix: String,
+    lane: usize,
 }
 
 /// Items of a request that go in one script call.

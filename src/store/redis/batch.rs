@@ -40,6 +40,12 @@ pub(super) struct Request {
     pub keys: Vec<Key>,
     pub args: Vec<Value>,
     pub slots: Slots,
+    /// Which of the pool's clients carries it (taken modulo the pool's size). Every call of
+    /// one request goes by the same client: a client is one task that writes to and reads
+    /// from every master, so a request of three masters wakes that one task, where a client
+    /// per call would wake three, and tokio hands all but one of them to another worker
+    /// (a `futex` wake-up each).
+    pub lane: usize,
 }
 
 impl Request {
@@ -120,6 +126,7 @@ impl Sender {
     /// requests are not needed after it, so their parts move into the command.
     async fn call_declared(&self, requests: Vec<Request>) -> Vec<Answer> {
         let count = requests.len();
+        let lane = requests.first().map_or(0, |r| r.lane);
         let mut keys = Vec::with_capacity(requests.iter().map(|r| r.keys.len()).sum());
         let mut args = Vec::with_capacity(2 + requests.iter().map(|r| r.args.len()).sum::<usize>());
         args.push(int(count));
@@ -128,7 +135,7 @@ impl Sender {
             keys.extend(request.keys);
             args.extend(request.args);
         }
-        match self.send(keys, args, false).await {
+        match self.send(lane, keys, args, false).await {
             Ok(reply) => split(reply, count),
             Err(e) => vec![Err(e); count],
         }
@@ -157,7 +164,8 @@ impl Sender {
             .take(1)
             .cloned()
             .collect();
-        let answers = match self.send(routing, args, true).await {
+        let lane = requests.first().map_or(0, |r| r.lane);
+        let answers = match self.send(lane, routing, args, true).await {
             Ok(reply) => split(reply, count),
             Err(e) => vec![Err(e); count],
         };
@@ -203,6 +211,7 @@ impl Sender {
     /// copy to send again is cheap.
     async fn send(
         &self,
+        lane: usize,
         keys: Vec<Key>,
         args: Vec<Value>,
         spread: bool,
@@ -212,7 +221,7 @@ impl Sender {
             let pool = self.pool.load();
             let sent = self
                 .library
-                .call_as(pool.next(), keys.clone(), args.clone(), spread)
+                .call_as(client_of(&pool, lane), keys.clone(), args.clone(), spread)
                 .await;
             match sent {
                 Ok(reply) => return Ok(reply),
@@ -233,6 +242,16 @@ impl Sender {
             }
         }
     }
+}
+
+/// The client of `pool` for `lane` (see [`Request::lane`]). The pool is read at each try, so
+/// a pool replaced meanwhile is the one used.
+pub(super) fn client_of(pool: &Pool, lane: usize) -> &Client {
+    let clients = pool.clients();
+    // A pool always has a client (built with at least one); `next` covers the impossible.
+    clients
+        .get(lane % clients.len().max(1))
+        .unwrap_or_else(|| pool.next())
 }
 
 /// Whether `requests` sit in more than one cluster slot (one of several slots, or several of
@@ -523,6 +542,7 @@ mod tests {
             keys: Vec::new(),
             args: Vec::new(),
             slots: Slots::Standalone,
+            lane: 0,
         };
         let call = sender.call_one(request());
         let batcher = Batcher::new(1, Duration::from_secs(1));
@@ -535,6 +555,28 @@ mod tests {
         );
     }
 
+    /// A lane names one client of the pool however many calls it makes, and requests in turn
+    /// take every client.
+    #[test]
+    fn a_lane_is_one_client_of_the_pool() {
+        let pool = fred::types::Builder::default_centralized()
+            .build_pool(3)
+            .expect("a pool builds without connecting");
+        let id = |lane| client_of(&pool, lane).id().to_string();
+        let ids: Vec<String> = pool.clients().iter().map(|c| c.id().to_string()).collect();
+        assert_eq!(ids.len(), 3);
+        for lane in 0..9 {
+            assert_eq!(id(lane), ids[lane % 3], "lane {lane}");
+            assert_eq!(id(lane), id(lane), "lane {lane} twice");
+        }
+        let taken: std::collections::HashSet<String> = (10..13).map(id).collect();
+        assert_eq!(
+            taken.len(),
+            3,
+            "three requests in turn take the three clients"
+        );
+    }
+
     #[test]
     fn a_call_is_decided_at_its_latest_requests_time() {
         let request = |now_ms| Request {
@@ -542,6 +584,7 @@ mod tests {
             keys: Vec::new(),
             args: Vec::new(),
             slots: Slots::Standalone,
+            lane: 0,
         };
         let now = |nows: &[Option<u64>]| {
             let requests: Vec<Request> = nows.iter().map(|&n| request(n)).collect();
