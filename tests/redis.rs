@@ -730,75 +730,108 @@ async fn a_script_load_past_the_connect_timeout_is_left_to_the_first_call() {
     server.stop().await;
 }
 
-/// The caller's `grpc-timeout` (Envoy sends its filter timeout) ends a call there, over a real
-/// connection: Redis holds every command (`CLIENT PAUSE ... ALL`) and the store would wait 10 s,
-/// but a call sent with `grpc-timeout: 50m` is answered `CANCELLED` long before either ends. The
-/// call goes from hyper's HTTP/2 client with the header written by hand: tonic's client would
-/// also end the call itself at the same moment, hiding whether the server did.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_callers_grpc_timeout_ends_the_call_while_redis_holds_it() {
-    use http_body_util::BodyExt as _;
-    use prost::Message as _;
+/// An HTTP/2 connection to `addr` from hyper's client, with `ShouldRateLimit` calls of
+/// `message` written by hand, `grpc-timeout` only where given: tonic's client would also end a
+/// call itself at its deadline, hiding whether the server did.
+struct RawCaller {
+    send: hyper::client::conn::http2::SendRequest<http_body_util::Full<prost::bytes::Bytes>>,
+    addr: std::net::SocketAddr,
+    body: prost::bytes::Bytes,
+}
 
-    let redis = RedisProcess::start(&[]);
-    let store = RedisStore::connect(options(redis.url(), Duration::from_secs(10)))
+impl RawCaller {
+    async fn connect(
+        addr: std::net::SocketAddr,
+        message: &slidegate::proto::RateLimitRequest,
+    ) -> RawCaller {
+        use prost::Message as _;
+        let tcp = tokio::net::TcpStream::connect(addr).await.expect("connect");
+        let (send, connection) = hyper::client::conn::http2::handshake(
+            hyper_util::rt::TokioExecutor::new(),
+            hyper_util::rt::TokioIo::new(tcp),
+        )
         .await
-        .expect("the store starts");
-    let domain = unique_domain("grpctimeout");
-    let config = format!(
-        "domain: {domain}\ndescriptors:\n  - key: k\n    rate_limit: {{unit: hour, requests_per_unit: 10}}\n"
-    );
-    let server = TestServer::start(&config, Arc::new(store), LimiterOptions::default()).await;
-    let tcp = tokio::net::TcpStream::connect(server.grpc_addr)
-        .await
-        .expect("connect");
-    let (mut send, connection) = hyper::client::conn::http2::handshake(
-        hyper_util::rt::TokioExecutor::new(),
-        hyper_util::rt::TokioIo::new(tcp),
-    )
-    .await
-    .expect("HTTP/2 handshake");
-    tokio::spawn(connection);
-    let message = request(&domain, vec![descriptor(&[("k", "v")])]).encode_to_vec();
-    let mut body = vec![0u8];
-    body.extend(u32::try_from(message.len()).expect("small").to_be_bytes());
-    body.extend(message);
-    let call = |timeout: Option<&'static str>| {
+        .expect("HTTP/2 handshake");
+        tokio::spawn(connection);
+        let message = message.encode_to_vec();
+        let mut body = vec![0u8];
+        body.extend(u32::try_from(message.len()).expect("small").to_be_bytes());
+        body.extend(message);
+        RawCaller {
+            send,
+            addr,
+            body: body.into(),
+        }
+    }
+
+    /// One call: its `grpc-status` (in the trailers, or the headers of a trailers-only
+    /// answer), the headers it came with, and how long it took.
+    async fn call(
+        &mut self,
+        timeout: Option<&'static str>,
+    ) -> (Option<String>, hyper::HeaderMap, Duration) {
+        use http_body_util::BodyExt as _;
         let mut call = hyper::Request::post(format!(
             "http://{}/envoy.service.ratelimit.v3.RateLimitService/ShouldRateLimit",
-            server.grpc_addr
+            self.addr
         ))
         .header("content-type", "application/grpc")
         .header("te", "trailers");
         if let Some(timeout) = timeout {
             call = call.header("grpc-timeout", timeout);
         }
-        call.body(http_body_util::Full::new(prost::bytes::Bytes::from(
-            body.clone(),
-        )))
-        .expect("a request")
-    };
-    // The store answers while Redis runs: the script is loaded and the call path works.
-    let answered = send.send_request(call(None)).await.expect("an answer");
-    let trailers = answered.into_body().collect().await.expect("a body");
-    let status = trailers
-        .trailers()
-        .and_then(|t| t.get("grpc-status"))
-        .cloned();
-    assert_eq!(status.as_ref().map(|v| v.as_bytes()), Some(&b"0"[..]));
+        let call = call
+            .body(http_body_util::Full::new(self.body.clone()))
+            .expect("a request");
+        let started = Instant::now();
+        let answer = tokio::time::timeout(Duration::from_secs(5), self.send.send_request(call))
+            .await
+            .expect("answered within 5 s")
+            .expect("an answer");
+        let headers = answer.headers().clone();
+        let body = answer.into_body().collect().await.expect("a body");
+        let waited = started.elapsed();
+        let status = body
+            .trailers()
+            .and_then(|t| t.get("grpc-status"))
+            .or_else(|| headers.get("grpc-status"))
+            .map(|v| String::from_utf8_lossy(v.as_bytes()).into_owned());
+        (status, headers, waited)
+    }
+}
+
+/// A Redis of its own, a server on it whose store waits `timeout` for a caller without a
+/// deadline, and a [`RawCaller`] whose first call shows the path works (the script loaded).
+async fn raw_caller_on_redis(timeout: Duration) -> (RedisProcess, TestServer, RawCaller) {
+    let redis = RedisProcess::start(&[]);
+    let store = RedisStore::connect(options(redis.url(), timeout))
+        .await
+        .expect("the store starts");
+    let domain = unique_domain("deadline");
+    let config = format!(
+        "domain: {domain}\ndescriptors:\n  - key: k\n    rate_limit: {{unit: hour, requests_per_unit: 10}}\n"
+    );
+    let server = TestServer::start(&config, Arc::new(store), LimiterOptions::default()).await;
+    let message = request(&domain, vec![descriptor(&[("k", "v")])]);
+    let mut caller = RawCaller::connect(server.grpc_addr, &message).await;
+    let (status, _, _) = caller.call(None).await;
+    assert_eq!(status.as_deref(), Some("0"), "Redis answers while it runs");
+    (redis, server, caller)
+}
+
+/// The caller's `grpc-timeout` (Envoy sends its filter timeout) ends a call there, over a real
+/// connection: Redis holds every command (`CLIENT PAUSE ... ALL`) and the store would wait 10 s,
+/// but a call sent with `grpc-timeout: 50m` is answered `CANCELLED` long before either ends.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_callers_grpc_timeout_ends_the_call_while_redis_holds_it() {
+    let (redis, server, mut caller) = raw_caller_on_redis(Duration::from_secs(10)).await;
 
     let paused = command(redis.port, "CLIENT PAUSE 3000 ALL\r\n").expect("CLIENT PAUSE");
     assert!(paused.starts_with("+OK"), "{paused}");
-    let started = Instant::now();
-    let answer = tokio::time::timeout(Duration::from_secs(2), send.send_request(call(Some("50m"))))
-        .await
-        .expect("answered before the pause and the store deadline end")
-        .expect("an answer");
-    let waited = started.elapsed();
-    let headers = answer.headers();
+    let (status, headers, waited) = caller.call(Some("50m")).await;
     assert_eq!(
-        headers.get("grpc-status").map(|v| v.as_bytes()),
-        Some(&b"1"[..]),
+        status.as_deref(),
+        Some("1"),
         "CANCELLED, trailers-only: {headers:?}"
     );
     assert_eq!(
@@ -806,11 +839,48 @@ async fn a_callers_grpc_timeout_ends_the_call_while_redis_holds_it() {
         Some(&b"Timeout%20expired"[..])
     );
     assert!(
-        waited >= Duration::from_millis(50),
+        waited >= Duration::from_millis(50) && waited < Duration::from_secs(2),
         "answered at {waited:?}"
     );
     // The pause ends by itself (Redis holds even `CLIENT UNPAUSE` from a client during it).
-    drop(send);
+    drop(caller);
+    server.stop().await;
+}
+
+/// A caller that waits longer than `--redis-timeout` (a gRPC client's deadline, Envoy with a
+/// longer filter timeout) gets Redis's answer rather than a failure while it still waits: with
+/// the shipped 15 ms, a call sent with `grpc-timeout: 2S` while Redis holds every command for
+/// 300 ms is decided when Redis resumes; one sent with no deadline fails at 15 ms, as before.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_callers_longer_deadline_is_waited_for() {
+    let (redis, server, mut caller) = raw_caller_on_redis(Duration::from_millis(15)).await;
+
+    let paused = command(redis.port, "CLIENT PAUSE 300 ALL\r\n").expect("CLIENT PAUSE");
+    assert!(paused.starts_with("+OK"), "{paused}");
+    let (status, headers, waited) = caller.call(Some("2S")).await;
+    assert_eq!(
+        status.as_deref(),
+        Some("0"),
+        "decided, not failed: {headers:?}"
+    );
+    assert!(
+        waited >= Duration::from_millis(200),
+        "decided when Redis resumed, not before: {waited:?}"
+    );
+
+    let paused = command(redis.port, "CLIENT PAUSE 300 ALL\r\n").expect("CLIENT PAUSE");
+    assert!(paused.starts_with("+OK"), "{paused}");
+    let (status, headers, waited) = caller.call(None).await;
+    assert_eq!(
+        status.as_deref(),
+        Some("14"),
+        "UNAVAILABLE at --redis-timeout: {headers:?}"
+    );
+    assert!(
+        waited < Duration::from_millis(250),
+        "failed at the store deadline, before Redis resumed: {waited:?}"
+    );
+    drop(caller);
     server.stop().await;
 }
 

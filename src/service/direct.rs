@@ -23,6 +23,7 @@ use tonic::codegen::http::{HeaderMap, HeaderValue, Request, Response};
 use super::{BoxError, GrpcBody, decide};
 use crate::limiter::Limiter;
 use crate::proto::{RateLimitRequest, RateLimitResponse};
+use crate::store;
 
 /// The largest request message taken: tonic's default, which applied before.
 pub const MAX_REQUEST_BYTES: usize = 4 * 1024 * 1024;
@@ -38,12 +39,25 @@ where
     B: http_body::Body<Data = Bytes>,
     B::Error: Into<BoxError>,
 {
-    let deadline = request.headers().get("grpc-timeout").and_then(grpc_timeout);
+    // A timeout too far away to be a moment (8 digits of hours) is no deadline.
+    let deadline = request
+        .headers()
+        .get("grpc-timeout")
+        .and_then(grpc_timeout)
+        .and_then(|timeout| tokio::time::Instant::now().checked_add(timeout));
     let answered = match deadline {
         None => answer(limiter, request).await,
-        Some(deadline) => tokio::time::timeout(deadline, answer(limiter, request))
-            .await
-            .unwrap_or_else(|_| Err(Status::cancelled("Timeout expired"))),
+        Some(deadline) => {
+            let decided = store::with_caller_deadline(deadline, answer(limiter, request));
+            let cancelled = || Err(Status::cancelled("Timeout expired"));
+            match tokio::time::timeout_at(deadline, decided).await {
+                // The store's wait for Redis ends at the caller's deadline too, and may end
+                // first: a failure then is the deadline's, answered as tonic's server answers.
+                Ok(Err(_)) if tokio::time::Instant::now() >= deadline => cancelled(),
+                Ok(answered) => answered,
+                Err(_) => cancelled(),
+            }
+        }
     };
     match answered {
         Ok(response) => response,

@@ -259,6 +259,29 @@ pub type StoreFuture<'a> =
     Pin<Box<dyn Future<Output = Result<CheckOutcome, StoreError>> + Send + 'a>>;
 pub type ReadyFuture<'a> = Pin<Box<dyn Future<Output = bool> + Send + 'a>>;
 
+tokio::task_local! {
+    /// When the caller of the decision being made stops waiting for it (its `grpc-timeout`).
+    static CALLER_DEADLINE: tokio::time::Instant;
+}
+
+/// Runs `decision` for a caller that waits until `deadline`: the Redis store's calls for it
+/// wait for Redis up to that moment rather than `--redis-timeout` (see [`caller_deadline`]).
+/// Kept beside the decision rather than passed through the limiter: a deadline is the
+/// transport's, and only a store that waits on a network has a use for it.
+pub async fn with_caller_deadline<F: Future>(
+    deadline: tokio::time::Instant,
+    decision: F,
+) -> F::Output {
+    CALLER_DEADLINE.scope(deadline, decision).await
+}
+
+/// The deadline of the caller whose decision is being made, where it sent one (set by
+/// [`with_caller_deadline`]; the HTTP endpoint's callers and a gRPC call without
+/// `grpc-timeout` have none).
+pub fn caller_deadline() -> Option<tokio::time::Instant> {
+    CALLER_DEADLINE.try_with(|deadline| *deadline).ok()
+}
+
 /// The one interface the limiter needs from a store.
 pub trait Store: Send + Sync + 'static {
     /// Decides a batch at time `now_ms` (milliseconds since the Unix epoch): an item fits if it
@@ -388,6 +411,27 @@ mod tests {
         assert!(admits([(Quota, false), (Quota, true)]));
         assert!(!admits([(Quota, false), (Quota, false)]));
         assert!(!admits([(Quota, true), (Enforce, false)]));
+    }
+
+    /// A decision knows its caller's deadline inside its own future only: not outside it, and
+    /// not in another decision polled beside it.
+    #[tokio::test]
+    async fn a_callers_deadline_is_its_decisions_alone() {
+        assert_eq!(caller_deadline(), None);
+        let deadline = tokio::time::Instant::now() + Duration::from_millis(20);
+        let (inside, beside) = tokio::join!(
+            with_caller_deadline(deadline, async {
+                tokio::task::yield_now().await;
+                caller_deadline()
+            }),
+            async {
+                tokio::task::yield_now().await;
+                caller_deadline()
+            }
+        );
+        assert_eq!(inside, Some(deadline));
+        assert_eq!(beside, None);
+        assert_eq!(caller_deadline(), None);
     }
 
     /// A store that answers every check with an error naming it.

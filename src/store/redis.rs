@@ -465,6 +465,7 @@ impl RedisStore {
                 library,
                 load_timeout: options.connect_timeout,
                 resent: Arc::default(),
+                timeout: options.timeout,
             },
             batcher: (!cluster).then(|| Batcher::new(options.calls_out, QUEUED_AT_MOST)),
             nodes: cluster.then(|| Nodes::new(options.calls_out, QUEUED_AT_MOST)),
@@ -616,6 +617,7 @@ impl RedisStore {
             args,
             slots,
             lane: call.lane,
+            deadline: super::caller_deadline(),
         }
     }
 

@@ -46,6 +46,8 @@ pub(super) struct Request {
     /// per call would wake three, and tokio hands all but one of them to another worker
     /// (a `futex` wake-up each).
     pub lane: usize,
+    /// When its caller stops waiting (`grpc-timeout`), where it said.
+    pub deadline: Option<Instant>,
 }
 
 impl Request {
@@ -84,6 +86,8 @@ pub(super) struct Sender {
     /// Requests a cluster master refused (it no longer serves their slot) and that were sent
     /// again; read by the metrics.
     pub resent: Arc<AtomicU64>,
+    /// How long a call waits for Redis for a caller that sent no deadline (`--redis-timeout`).
+    pub timeout: Duration,
 }
 
 impl Sender {
@@ -127,6 +131,9 @@ impl Sender {
     async fn call_declared(&self, requests: Vec<Request>) -> Vec<Answer> {
         let count = requests.len();
         let lane = requests.first().map_or(0, |r| r.lane);
+        let Some(wait) = call_wait(&requests, self.timeout, Instant::now()) else {
+            return vec![Err(StoreError::Timeout(Duration::ZERO)); count];
+        };
         let mut keys = Vec::with_capacity(requests.iter().map(|r| r.keys.len()).sum());
         let mut args = Vec::with_capacity(2 + requests.iter().map(|r| r.args.len()).sum::<usize>());
         args.push(int(count));
@@ -135,7 +142,7 @@ impl Sender {
             keys.extend(request.keys);
             args.extend(request.args);
         }
-        match self.send(lane, keys, args, false).await {
+        match self.send(lane, wait, keys, args, false).await {
             Ok(reply) => split(reply, count),
             Err(e) => vec![Err(e); count],
         }
@@ -146,6 +153,9 @@ impl Sender {
     /// send again any the master refuses.
     async fn call_spread(&self, requests: Vec<Request>) -> Vec<Answer> {
         let count = requests.len();
+        let Some(wait) = call_wait(&requests, self.timeout, Instant::now()) else {
+            return vec![Err(StoreError::Timeout(Duration::ZERO)); count];
+        };
         let key_count: usize = requests.iter().map(|r| r.keys.len()).sum();
         let arg_count: usize = requests.iter().map(|r| r.args.len()).sum();
         let mut args = Vec::with_capacity(3 + key_count + arg_count);
@@ -165,7 +175,7 @@ impl Sender {
             .cloned()
             .collect();
         let lane = requests.first().map_or(0, |r| r.lane);
-        let answers = match self.send(lane, routing, args, true).await {
+        let answers = match self.send(lane, wait, routing, args, true).await {
             Ok(reply) => split(reply, count),
             Err(e) => vec![Err(e); count],
         };
@@ -212,6 +222,7 @@ impl Sender {
     async fn send(
         &self,
         lane: usize,
+        wait: Duration,
         keys: Vec<Key>,
         args: Vec<Value>,
         spread: bool,
@@ -221,7 +232,13 @@ impl Sender {
             let pool = self.pool.load();
             let sent = self
                 .library
-                .call_as(client_of(&pool, lane), keys.clone(), args.clone(), spread)
+                .call_as(
+                    client_of(&pool, lane),
+                    Some(wait),
+                    keys.clone(),
+                    args.clone(),
+                    spread,
+                )
                 .await;
             match sent {
                 Ok(reply) => return Ok(reply),
@@ -242,6 +259,31 @@ impl Sender {
             }
         }
     }
+}
+
+/// The longest a caller whose deadline is its own waits for a call (a `grpc-timeout` of hours
+/// would otherwise hold a call's place that long while Redis does not answer); the same bound
+/// as a decision's wait for its turn (`QUEUED_AT_MOST`).
+const CALLER_WAIT_AT_MOST: Duration = Duration::from_secs(1);
+
+/// How long a call carrying `requests` waits for Redis, from `now`: as long as the longest any
+/// of their callers still waits, its deadline where it sent one (up to
+/// [`CALLER_WAIT_AT_MOST`]), else `timeout`. A caller that waits longer than `--redis-timeout`
+/// (Envoy with a longer filter timeout, a gRPC client's own deadline) is not answered with a
+/// failure while it would still take an answer; one that waits less frees the call's place
+/// sooner. `None` when every caller has stopped waiting: nothing to send.
+pub(super) fn call_wait(requests: &[Request], timeout: Duration, now: Instant) -> Option<Duration> {
+    let wait = requests
+        .iter()
+        .map(|r| match r.deadline {
+            Some(deadline) => deadline
+                .saturating_duration_since(now)
+                .min(CALLER_WAIT_AT_MOST),
+            None => timeout,
+        })
+        .max()?;
+    // A zero timeout is none to the client: a call that may wait no time is not sent.
+    (!wait.is_zero()).then_some(wait)
 }
 
 /// The client of `pool` for `lane` (see [`Request::lane`]). The pool is read at each try, so
@@ -536,6 +578,7 @@ mod tests {
             library: Library::new(),
             load_timeout: Duration::from_secs(2),
             resent: Arc::default(),
+            timeout: Duration::from_millis(15),
         };
         let request = || Request {
             now_ms: None,
@@ -543,6 +586,7 @@ mod tests {
             args: Vec::new(),
             slots: Slots::Standalone,
             lane: 0,
+            deadline: None,
         };
         let call = sender.call_one(request());
         let batcher = Batcher::new(1, Duration::from_secs(1));
@@ -577,6 +621,47 @@ mod tests {
         );
     }
 
+    /// A call waits as long as the longest-waiting of its callers: a caller's own deadline
+    /// where it sent one (up to a second), `--redis-timeout` where it did not; a call whose
+    /// callers have all stopped waiting is not sent.
+    #[test]
+    fn a_call_waits_as_long_as_its_longest_waiting_caller() {
+        let now = Instant::now();
+        let timeout = Duration::from_millis(15);
+        let request = |deadline: Option<Duration>| Request {
+            now_ms: None,
+            keys: Vec::new(),
+            args: Vec::new(),
+            slots: Slots::Standalone,
+            lane: 0,
+            deadline: deadline.map(|d| now + d),
+        };
+        let wait = |deadlines: &[Option<u64>]| {
+            let requests: Vec<Request> = deadlines
+                .iter()
+                .map(|d| request(d.map(Duration::from_millis)))
+                .collect();
+            call_wait(&requests, timeout, now).map(|w| w.as_millis())
+        };
+        assert_eq!(wait(&[None]), Some(15));
+        assert_eq!(
+            wait(&[Some(20)]),
+            Some(20),
+            "Envoy's 20 ms, past --redis-timeout"
+        );
+        assert_eq!(wait(&[Some(5)]), Some(5), "a caller that waits less");
+        assert_eq!(wait(&[Some(5), None, Some(12)]), Some(15));
+        assert_eq!(wait(&[Some(5), Some(40), None]), Some(40));
+        assert_eq!(wait(&[Some(3_600_000)]), Some(1_000), "at most a second");
+        assert_eq!(wait(&[Some(0), Some(0)]), None, "every caller has gone");
+        let gone = Request {
+            deadline: Some(now - Duration::from_millis(1)),
+            ..request(None)
+        };
+        assert_eq!(call_wait(&[gone], timeout, now), None);
+        assert_eq!(wait(&[]), None, "no request, no call");
+    }
+
     #[test]
     fn a_call_is_decided_at_its_latest_requests_time() {
         let request = |now_ms| Request {
@@ -585,6 +670,7 @@ mod tests {
             args: Vec::new(),
             slots: Slots::Standalone,
             lane: 0,
+            deadline: None,
         };
         let now = |nows: &[Option<u64>]| {
             let requests: Vec<Request> = nows.iter().map(|&n| request(n)).collect();

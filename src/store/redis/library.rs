@@ -114,7 +114,7 @@ impl Library {
         keys: Vec<Key>,
         args: Vec<Value>,
     ) -> Pin<Box<dyn Future<Output = Result<Value, Error>> + Send + 'a>> {
-        self.call_as(client, keys, args, false)
+        self.call_as(client, None, keys, args, false)
     }
 
     /// [`Library::call`], by the spread function when `spread` (`keys` then holds the one key
@@ -122,16 +122,32 @@ impl Library {
     pub fn call_as<'a>(
         &'a self,
         client: &'a Client,
+        wait: Option<Duration>,
         keys: Vec<Key>,
         args: Vec<Value>,
         spread: bool,
     ) -> Pin<Box<dyn Future<Output = Result<Value, Error>> + Send + 'a>> {
-        if spread {
-            Box::pin(client.fcall(self.spread.clone(), keys, args))
-        } else if self.by_script() {
-            Box::pin(self.script.evalsha(client, keys, args))
+        if self.by_script() && !spread {
+            // The client takes no options for `EVALSHA`: a call by script waits
+            // `--redis-timeout` whatever its callers' deadlines.
+            return Box::pin(self.script.evalsha(client, keys, args));
+        }
+        let function = if spread {
+            self.spread.clone()
         } else {
-            Box::pin(client.fcall(self.function.clone(), keys, args))
+            self.function.clone()
+        };
+        match wait {
+            // The client's own timeout, not a timer around the call: it also marks the command
+            // given up, so that it is never sent after a reconnection (`RedisStore::checked`).
+            Some(wait) => {
+                let client = client.with_options(&Options {
+                    timeout: Some(wait),
+                    ..Options::default()
+                });
+                Box::pin(async move { client.fcall(function, keys, args).await })
+            }
+            None => Box::pin(client.fcall(function, keys, args)),
         }
     }
 
