@@ -262,13 +262,14 @@ impl Sender {
 }
 
 /// The longest a caller whose deadline is its own waits for a call (a `grpc-timeout` of hours
-/// would otherwise hold a call's place that long while Redis does not answer); the same bound
-/// as a decision's wait for its turn (`QUEUED_AT_MOST`).
+/// would otherwise hold a call's place that long while Redis does not answer), unless
+/// `--redis-timeout` is longer; the same bound as a decision's wait for its turn
+/// (`QUEUED_AT_MOST`).
 const CALLER_WAIT_AT_MOST: Duration = Duration::from_secs(1);
 
 /// How long a call carrying `requests` waits for Redis, from `now`: as long as the longest any
 /// of their callers still waits, its deadline where it sent one (up to
-/// [`CALLER_WAIT_AT_MOST`]), else `timeout`. A caller that waits longer than `--redis-timeout`
+/// [`CALLER_WAIT_AT_MOST`] or `timeout`, the longer), else `timeout`. A caller that waits longer than `--redis-timeout`
 /// (Envoy with a longer filter timeout, a gRPC client's own deadline) is not answered with a
 /// failure while it would still take an answer; one that waits less frees the call's place
 /// sooner. `None` when every caller has stopped waiting: nothing to send.
@@ -278,7 +279,7 @@ pub(super) fn call_wait(requests: &[Request], timeout: Duration, now: Instant) -
         .map(|r| match r.deadline {
             Some(deadline) => deadline
                 .saturating_duration_since(now)
-                .min(CALLER_WAIT_AT_MOST),
+                .min(CALLER_WAIT_AT_MOST.max(timeout)),
             None => timeout,
         })
         .max()?;
@@ -653,6 +654,12 @@ mod tests {
         assert_eq!(wait(&[Some(5), None, Some(12)]), Some(15));
         assert_eq!(wait(&[Some(5), Some(40), None]), Some(40));
         assert_eq!(wait(&[Some(3_600_000)]), Some(1_000), "at most a second");
+        let requests = [request(Some(Duration::from_secs(3_600)))];
+        assert_eq!(
+            call_wait(&requests, Duration::from_secs(5), now),
+            Some(Duration::from_secs(5)),
+            "or --redis-timeout where that is longer"
+        );
         assert_eq!(wait(&[Some(0), Some(0)]), None, "every caller has gone");
         let gone = Request {
             deadline: Some(now - Duration::from_millis(1)),
