@@ -268,11 +268,12 @@ impl Sender {
 const CALLER_WAIT_AT_MOST: Duration = Duration::from_secs(1);
 
 /// How long a call carrying `requests` waits for Redis, from `now`: as long as the longest any
-/// of their callers still waits, its deadline where it sent one (up to
-/// [`CALLER_WAIT_AT_MOST`] or `timeout`, the longer), else `timeout`. A caller that waits longer than `--redis-timeout`
-/// (Envoy with a longer filter timeout, a gRPC client's own deadline) is not answered with a
-/// failure while it would still take an answer; one that waits less frees the call's place
-/// sooner. `None` when every caller has stopped waiting: nothing to send.
+/// of their callers still waits, its deadline where it sent one (up to [`CALLER_WAIT_AT_MOST`]
+/// or `timeout`, the longer), else `timeout`. A caller that waits longer than
+/// `--redis-timeout` (Envoy with a longer filter timeout, a gRPC client's own deadline) is not
+/// answered with a failure while it would still take an answer; one that waits less frees the
+/// call's place sooner. `None` when every caller has stopped waiting: nothing to send. Each
+/// try of [`Sender::send`] waits this long (as each waited `--redis-timeout` before).
 pub(super) fn call_wait(requests: &[Request], timeout: Duration, now: Instant) -> Option<Duration> {
     let wait = requests
         .iter()
