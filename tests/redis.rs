@@ -868,7 +868,9 @@ async fn a_callers_longer_deadline_is_waited_for() {
         "decided when Redis resumed, not before: {waited:?}"
     );
 
-    let paused = command(redis.port, "CLIENT PAUSE 300 ALL\r\n").expect("CLIENT PAUSE");
+    // A long pause, so that failing at 15 ms and waiting for Redis stay far apart however
+    // slowly the machine runs (the pause ends by itself; the test does not wait for it).
+    let paused = command(redis.port, "CLIENT PAUSE 3000 ALL\r\n").expect("CLIENT PAUSE");
     assert!(paused.starts_with("+OK"), "{paused}");
     let (status, headers, waited) = caller.call(None).await;
     assert_eq!(
@@ -877,7 +879,7 @@ async fn a_callers_longer_deadline_is_waited_for() {
         "UNAVAILABLE at --redis-timeout: {headers:?}"
     );
     assert!(
-        waited < Duration::from_millis(250),
+        waited < Duration::from_millis(2_000),
         "failed at the store deadline, before Redis resumed: {waited:?}"
     );
     drop(caller);
