@@ -93,7 +93,6 @@ pub struct RedisStore {
     /// Whether the last noted call failed: lets a success skip the lock on the hot path.
     failing: std::sync::atomic::AtomicBool,
     cluster: bool,
-    timeout: Duration,
     clock: ClockSource,
     /// Makes members unique across replicas: a random id per process plus a call counter.
     instance: String,
@@ -473,7 +472,6 @@ impl RedisStore {
             health: Arc::new(Mutex::new(Health::default())),
             failing: std::sync::atomic::AtomicBool::new(false),
             cluster,
-            timeout: options.timeout,
             clock: options.clock,
             instance: format!(
                 "{:016x}",
@@ -1098,7 +1096,7 @@ impl Store for RedisStore {
     fn ready(&self) -> super::ReadyFuture<'_> {
         Box::pin(async move {
             let ping: Result<Result<String, Error>, _> = tokio::time::timeout(
-                self.timeout.max(Duration::from_millis(200)),
+                self.sender.timeout.max(Duration::from_millis(200)),
                 self.sender.pool.load().next().ping(None),
             )
             .await;
