@@ -16,6 +16,9 @@
 //!     SLIDEGATE_BENCH_LIMITADOR=/path/to/limitador-server cargo bench --bench load  # side by side
 //!     SLIDEGATE_BENCH_GRPC_TIMEOUT_MS=20 cargo bench --bench load   # Envoy's default deadline
 //!
+//! Side by side, limitador runs after each standalone scenario under load; with one call in
+//! flight the two take turns, a second each, so that both meet the machine's same spells.
+//!
 //! Every call carries the headers Envoy sends, its `grpc-timeout` 1,000 ms unless
 //! `SLIDEGATE_BENCH_GRPC_TIMEOUT_MS` says otherwise: reading them and the server's timer per
 //! call are part of a real call's cost, and a deadline as long as a second leaves the figures
@@ -221,6 +224,21 @@ struct Report {
 }
 
 impl Report {
+    /// Another slice of the same server's run added to this one.
+    fn add(&mut self, slice: Report) {
+        self.calls += slice.calls;
+        self.errors += slice.errors;
+        self.admitted += slice.admitted;
+        self.elapsed += slice.elapsed;
+        self.latencies_us.extend(slice.latencies_us);
+        self.latencies_us.sort_unstable();
+        self.server_cpu_s += slice.server_cpu_s;
+        self.server_switches += slice.server_switches;
+        self.load_cpu_s += slice.load_cpu_s;
+        self.redis_cpu_s += slice.redis_cpu_s;
+        self.redis_commands += slice.redis_commands;
+    }
+
     fn percentile(&self, p: f64) -> f64 {
         if self.latencies_us.is_empty() {
             return 0.0;
@@ -751,30 +769,62 @@ fn run_scenario(
     } else {
         (load, &runtimes.workers)
     };
-    let measure = |name: &str, server: &Server| {
-        let report = runtime.block_on(drive(
+    let run = |name: &str, server: &Server, load: &Load| {
+        runtime.block_on(drive(
             name,
             server,
             &ports,
             load,
             scenario.shape,
             scenario.limit,
-        ));
-        report.print();
+        ))
     };
-    // Each server is stopped at the end of its statement, before the next starts.
-    measure(scenario.name, &Server::start(config_path, &args));
-    let peer = std::env::var_os("SLIDEGATE_BENCH_LIMITADOR");
-    let comparable = matches!(scenario.store, Store::Standalone)
-        && matches!(scenario.shape, Shape::Users | Shape::Attack);
-    if let (Some(binary), true) = (peer, comparable) {
-        let _ = redis_cli(standalone.port, &["FLUSHALL"]);
-        let limits = config_path.with_file_name("limitador.yaml");
-        std::fs::write(&limits, LIMITADOR_LIMITS).expect("write limitador limits");
-        measure(
-            &format!("limitador: {}", scenario.name),
-            &Server::start_limitador(Path::new(&binary), &limits, &standalone.url()),
-        );
+    let peer = std::env::var_os("SLIDEGATE_BENCH_LIMITADOR")
+        .filter(|_| {
+            matches!(scenario.store, Store::Standalone)
+                && matches!(scenario.shape, Shape::Users | Shape::Attack)
+        })
+        .map(|binary| {
+            let limits = config_path.with_file_name("limitador.yaml");
+            std::fs::write(&limits, LIMITADOR_LIMITS).expect("write limitador limits");
+            move || Server::start_limitador(Path::new(&binary), &limits, &standalone.url())
+        });
+    let peer_name = format!("limitador: {}", scenario.name);
+    match peer {
+        // A lone call's latency sits near this machine's wake-up floor, which moves from one
+        // second to the next: the two servers take turns, a second each (both running, one
+        // driven at a time), so that both meet the same spells of the machine. Each second
+        // starts from an empty store, as a whole run does: a slice's users are the same ones
+        // again, and their logs would otherwise be there.
+        Some(start_peer) if scenario.single => {
+            let (ours, theirs) = (Server::start(config_path, &args), start_peer());
+            let slice = Load {
+                connections: 1,
+                streams: 1,
+                secs: 1,
+            };
+            let run_slice = |name: &str, server: &Server| {
+                let _ = redis_cli(standalone.port, &["FLUSHALL"]);
+                run(name, server, &slice)
+            };
+            let mut ours_report = run_slice(scenario.name, &ours);
+            let mut theirs_report = run_slice(&peer_name, &theirs);
+            for _ in 1..load.secs {
+                ours_report.add(run_slice(scenario.name, &ours));
+                theirs_report.add(run_slice(&peer_name, &theirs));
+            }
+            ours_report.print();
+            theirs_report.print();
+        }
+        // Under load, one after the other, each from empty stores, each server stopped at the
+        // end of its statement, before the next starts.
+        _ => {
+            run(scenario.name, &Server::start(config_path, &args), load).print();
+            if let Some(start_peer) = peer {
+                let _ = redis_cli(standalone.port, &["FLUSHALL"]);
+                run(&peer_name, &start_peer(), load).print();
+            }
+        }
     }
 }
 
