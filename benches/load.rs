@@ -602,6 +602,9 @@ struct Scenario {
     limit: Option<usize>,
     /// One call in flight instead of the configured load.
     single: bool,
+    /// Another scenario's name and shape, driven in turns with this one on the same server (a
+    /// second each, its line printed first): two latencies compared over the same spells.
+    turns_with: Option<(&'static str, Shape)>,
 }
 
 #[derive(Clone, Copy)]
@@ -615,7 +618,7 @@ fn scenarios() -> Vec<Scenario> {
     use Shape::*;
     use Store::*;
     // (name, shape, store, limit, one call in flight)
-    let table: [(&'static str, Shape, Store, Option<usize>, bool); 14] = [
+    let table: [(&'static str, Shape, Store, Option<usize>, bool); 13] = [
         ("embedded, 100k users", Users, Embedded, None, false),
         ("standalone, 100k users", Users, Standalone, None, false),
         ("cluster, 100k users", Users, Cluster, None, false),
@@ -662,9 +665,9 @@ fn scenarios() -> Vec<Scenario> {
             None,
             false,
         ),
-        // Latency of one descriptor against three in three slots, with nothing else in flight:
-        // the three slots' calls go out together.
-        ("cluster, one call in flight", Users, Cluster, None, true),
+        // Latency of one descriptor against three in three slots, with nothing else in flight
+        // (the three slots' calls go out together), in turns (below): "cluster, one call in
+        // flight" is driven with it.
         (
             "cluster, three slots, one call in flight",
             ThreeSlots,
@@ -695,6 +698,8 @@ fn scenarios() -> Vec<Scenario> {
             store,
             limit,
             single,
+            turns_with: (shape == ThreeSlots && single)
+                .then_some(("cluster, one call in flight", Users)),
         })
         .collect()
 }
@@ -769,6 +774,30 @@ fn run_scenario(
     } else {
         (load, &runtimes.workers)
     };
+    if let Some((other, other_shape)) = scenario.turns_with {
+        // A second of each in turn, each from empty stores, on one server.
+        let server = Server::start(config_path, &args);
+        let slice = Load {
+            connections: 1,
+            streams: 1,
+            secs: 1,
+        };
+        let run_slice = |name: &str, shape: Shape| {
+            for port in &ports {
+                let _ = redis_cli(*port, &["FLUSHALL"]);
+            }
+            runtime.block_on(drive(name, &server, &ports, &slice, shape, None))
+        };
+        let mut first = run_slice(other, other_shape);
+        let mut second = run_slice(scenario.name, scenario.shape);
+        for _ in 1..load.secs {
+            first.add(run_slice(other, other_shape));
+            second.add(run_slice(scenario.name, scenario.shape));
+        }
+        first.print();
+        second.print();
+        return;
+    }
     let run = |name: &str, server: &Server, load: &Load| {
         runtime.block_on(drive(
             name,
@@ -872,10 +901,11 @@ fn main() {
     let stores = Stores::start();
     let standalone = &stores.standalone;
     header();
-    for scenario in scenarios()
-        .into_iter()
-        .filter(|s| s.name.contains(only.as_str()))
-    {
+    for scenario in scenarios().into_iter().filter(|s| {
+        s.name.contains(only.as_str())
+            || s.turns_with
+                .is_some_and(|(other, _)| other.contains(only.as_str()))
+    }) {
         run_scenario(&scenario, &stores, &config_path, &extra, &load, &runtimes);
     }
     if only.is_empty() || "ceiling".contains(only.as_str()) {
