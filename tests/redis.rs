@@ -682,8 +682,7 @@ fn malformed_script_arguments_get_an_error_reply() {
 #[tokio::test]
 async fn a_slow_script_load_at_start_is_waited_for() {
     let redis = RedisProcess::start(&[]);
-    let paused = command(redis.port, "CLIENT PAUSE 300 WRITE\r\n").expect("CLIENT PAUSE");
-    assert!(paused.starts_with("+OK"), "{paused}");
+    assert_eq!(redis.cmd("CLIENT PAUSE 300 WRITE").trim(), "+OK");
     let started = std::time::Instant::now();
     let store = RedisStore::connect(options(redis.url(), Duration::from_millis(15))).await;
     assert!(store.is_ok(), "start-up failed: {:?}", store.err());
@@ -703,8 +702,7 @@ async fn a_slow_script_load_at_start_is_waited_for() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_script_load_past_the_connect_timeout_is_left_to_the_first_call() {
     let redis = RedisProcess::start(&[]);
-    let paused = command(redis.port, "CLIENT PAUSE 5000 WRITE\r\n").expect("CLIENT PAUSE");
-    assert!(paused.starts_with("+OK"), "{paused}");
+    assert_eq!(redis.cmd("CLIENT PAUSE 5000 WRITE").trim(), "+OK");
     let mut opts = options(redis.url(), TEST_TIMEOUT);
     opts.connect_timeout = Duration::from_millis(500);
     let store = RedisStore::connect(opts).await;
@@ -826,8 +824,7 @@ async fn raw_caller_on_redis(timeout: Duration) -> (RedisProcess, TestServer, Ra
 async fn a_callers_grpc_timeout_ends_the_call_while_redis_holds_it() {
     let (redis, server, mut caller) = raw_caller_on_redis(Duration::from_secs(10)).await;
 
-    let paused = command(redis.port, "CLIENT PAUSE 3000 ALL\r\n").expect("CLIENT PAUSE");
-    assert!(paused.starts_with("+OK"), "{paused}");
+    assert_eq!(redis.cmd("CLIENT PAUSE 3000 ALL").trim(), "+OK");
     let (status, headers, waited) = caller.call(Some("50m")).await;
     assert_eq!(
         status.as_deref(),
@@ -855,8 +852,7 @@ async fn a_callers_grpc_timeout_ends_the_call_while_redis_holds_it() {
 async fn a_callers_longer_deadline_is_waited_for() {
     let (redis, server, mut caller) = raw_caller_on_redis(Duration::from_millis(15)).await;
 
-    let paused = command(redis.port, "CLIENT PAUSE 300 ALL\r\n").expect("CLIENT PAUSE");
-    assert!(paused.starts_with("+OK"), "{paused}");
+    assert_eq!(redis.cmd("CLIENT PAUSE 300 ALL").trim(), "+OK");
     let (status, headers, waited) = caller.call(Some("2S")).await;
     assert_eq!(
         status.as_deref(),
@@ -870,8 +866,7 @@ async fn a_callers_longer_deadline_is_waited_for() {
 
     // A long pause, so that failing at 15 ms and waiting for Redis stay far apart however
     // slowly the machine runs (the pause ends by itself; the test does not wait for it).
-    let paused = command(redis.port, "CLIENT PAUSE 3000 ALL\r\n").expect("CLIENT PAUSE");
-    assert!(paused.starts_with("+OK"), "{paused}");
+    assert_eq!(redis.cmd("CLIENT PAUSE 3000 ALL").trim(), "+OK");
     let (status, headers, waited) = caller.call(None).await;
     assert_eq!(
         status.as_deref(),
