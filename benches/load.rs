@@ -774,40 +774,19 @@ fn run_scenario(
     } else {
         (load, &runtimes.workers)
     };
+    let run = |name: &str, server: &Server, shape: Shape, load: &Load| {
+        runtime.block_on(drive(name, server, &ports, load, shape, scenario.limit))
+    };
     if let Some((other, other_shape)) = scenario.turns_with {
-        // A second of each in turn, each from empty stores, on one server.
         let server = Server::start(config_path, &args);
-        let slice = Load {
-            connections: 1,
-            streams: 1,
-            secs: 1,
-        };
-        let run_slice = |name: &str, shape: Shape| {
-            for port in &ports {
-                let _ = redis_cli(*port, &["FLUSHALL"]);
-            }
-            runtime.block_on(drive(name, &server, &ports, &slice, shape, None))
-        };
-        let mut first = run_slice(other, other_shape);
-        let mut second = run_slice(scenario.name, scenario.shape);
-        for _ in 1..load.secs {
-            first.add(run_slice(other, other_shape));
-            second.add(run_slice(scenario.name, scenario.shape));
-        }
-        first.print();
-        second.print();
+        in_turns(
+            load.secs,
+            &ports,
+            |slice| run(other, &server, other_shape, slice),
+            |slice| run(scenario.name, &server, scenario.shape, slice),
+        );
         return;
     }
-    let run = |name: &str, server: &Server, load: &Load| {
-        runtime.block_on(drive(
-            name,
-            server,
-            &ports,
-            load,
-            scenario.shape,
-            scenario.limit,
-        ))
-    };
     let peer = std::env::var_os("SLIDEGATE_BENCH_LIMITADOR")
         .filter(|_| {
             matches!(scenario.store, Store::Standalone)
@@ -820,41 +799,63 @@ fn run_scenario(
         });
     let peer_name = format!("limitador: {}", scenario.name);
     match peer {
-        // A lone call's latency sits near this machine's wake-up floor, which moves from one
-        // second to the next: the two servers take turns, a second each (both running, one
-        // driven at a time), so that both meet the same spells of the machine. Each second
-        // starts from an empty store, as a whole run does: a slice's users are the same ones
-        // again, and their logs would otherwise be there.
+        // Both running, one driven at a time.
         Some(start_peer) if scenario.single => {
             let (ours, theirs) = (Server::start(config_path, &args), start_peer());
-            let slice = Load {
-                connections: 1,
-                streams: 1,
-                secs: 1,
-            };
-            let run_slice = |name: &str, server: &Server| {
-                let _ = redis_cli(standalone.port, &["FLUSHALL"]);
-                run(name, server, &slice)
-            };
-            let mut ours_report = run_slice(scenario.name, &ours);
-            let mut theirs_report = run_slice(&peer_name, &theirs);
-            for _ in 1..load.secs {
-                ours_report.add(run_slice(scenario.name, &ours));
-                theirs_report.add(run_slice(&peer_name, &theirs));
-            }
-            ours_report.print();
-            theirs_report.print();
+            in_turns(
+                load.secs,
+                &ports,
+                |slice| run(scenario.name, &ours, scenario.shape, slice),
+                |slice| run(&peer_name, &theirs, scenario.shape, slice),
+            );
         }
         // Under load, one after the other, each from empty stores, each server stopped at the
         // end of its statement, before the next starts.
         _ => {
-            run(scenario.name, &Server::start(config_path, &args), load).print();
+            run(
+                scenario.name,
+                &Server::start(config_path, &args),
+                scenario.shape,
+                load,
+            )
+            .print();
             if let Some(start_peer) = peer {
                 let _ = redis_cli(standalone.port, &["FLUSHALL"]);
-                run(&peer_name, &start_peer(), load).print();
+                run(&peer_name, &start_peer(), scenario.shape, load).print();
             }
         }
     }
+}
+
+/// Two lone-call measurements taken in turns, a second each for `secs` seconds, and their lines
+/// printed in order. A lone call's latency sits near this machine's wake-up floor, which moves
+/// from one second to the next: in turns, both meet the same spells of the machine. Each second
+/// starts from empty stores (`ports`), as a whole run does: a second's users are the same ones
+/// again, and their logs would otherwise be there.
+fn in_turns(
+    secs: u64,
+    ports: &[u16],
+    first: impl Fn(&Load) -> Report,
+    second: impl Fn(&Load) -> Report,
+) {
+    let slice = Load {
+        connections: 1,
+        streams: 1,
+        secs: 1,
+    };
+    let second_of = |measure: &dyn Fn(&Load) -> Report| {
+        for port in ports {
+            let _ = redis_cli(*port, &["FLUSHALL"]);
+        }
+        measure(&slice)
+    };
+    let (mut first_report, mut second_report) = (second_of(&first), second_of(&second));
+    for _ in 1..secs {
+        first_report.add(second_of(&first));
+        second_report.add(second_of(&second));
+    }
+    first_report.print();
+    second_report.print();
 }
 
 fn main() {
