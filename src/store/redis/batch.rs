@@ -126,12 +126,18 @@ impl Sender {
         .await
     }
 
+    /// A call's client (its first request's lane) and how long it waits ([`call_wait`]); `None`
+    /// when every caller has stopped waiting.
+    fn terms(&self, requests: &[Request]) -> Option<(usize, Duration)> {
+        let lane = requests.first().map_or(0, |r| r.lane);
+        call_wait(requests, self.timeout, Instant::now()).map(|wait| (lane, wait))
+    }
+
     /// One call with every key declared (they share a slot, or there are no slots). The
     /// requests are not needed after it, so their parts move into the command.
     async fn call_declared(&self, requests: Vec<Request>) -> Vec<Answer> {
         let count = requests.len();
-        let lane = requests.first().map_or(0, |r| r.lane);
-        let Some(wait) = call_wait(&requests, self.timeout, Instant::now()) else {
+        let Some((lane, wait)) = self.terms(&requests) else {
             return vec![Err(StoreError::Timeout(Duration::ZERO)); count];
         };
         let mut keys = Vec::with_capacity(requests.iter().map(|r| r.keys.len()).sum());
@@ -153,7 +159,7 @@ impl Sender {
     /// send again any the master refuses.
     async fn call_spread(&self, requests: Vec<Request>) -> Vec<Answer> {
         let count = requests.len();
-        let Some(wait) = call_wait(&requests, self.timeout, Instant::now()) else {
+        let Some((lane, wait)) = self.terms(&requests) else {
             return vec![Err(StoreError::Timeout(Duration::ZERO)); count];
         };
         let key_count: usize = requests.iter().map(|r| r.keys.len()).sum();
@@ -174,7 +180,6 @@ impl Sender {
             .take(1)
             .cloned()
             .collect();
-        let lane = requests.first().map_or(0, |r| r.lane);
         let answers = match self.send(lane, wait, routing, args, true).await {
             Ok(reply) => split(reply, count),
             Err(e) => vec![Err(e); count],
