@@ -15,6 +15,13 @@
 //!     SLIDEGATE_BENCH_SCRIPT=/tmp/old.lua SLIDEGATE_BENCH_ONLY=ceiling cargo bench --bench load
 //!     SLIDEGATE_BENCH_LIMITADOR=/path/to/limitador-server cargo bench --bench load  # side by side
 //!     SLIDEGATE_BENCH_GRPC_TIMEOUT_MS=20 cargo bench --bench load   # Envoy's default deadline
+//!     SLIDEGATE_BENCH_WARM_SECS=65 cargo bench --bench load   # measured after 65 s of the load
+//!
+//! A scenario under load starts from empty stores: in 5 s each of the 100,000 users is called
+//! about twice, so its log holds a few entries, where a deployment serving them for a minute
+//! holds a window's worth. `SLIDEGATE_BENCH_WARM_SECS` drives the same load that long before
+//! measuring (with one call in flight there is none); the admitted count is then of the
+//! measured calls only.
 //!
 //! Side by side, limitador runs after each standalone scenario under load; with one call in
 //! flight the two take turns, a second each, so that both meet the machine's same spells.
@@ -204,6 +211,9 @@ struct Load {
     connections: u64,
     streams: u64,
     secs: u64,
+    /// Seconds of the same load before measuring: logs and counters filled as in a deployment
+    /// that has served its users for that long (0: measured from empty stores).
+    warm_secs: u64,
 }
 
 struct Report {
@@ -415,12 +425,8 @@ async fn drive(
     for (n, client) in clients.iter().enumerate() {
         let _ = client.clone().call(&request(Shape::Users, n as u64)).await;
     }
-    let deadline = Instant::now() + Duration::from_secs(load.secs);
-    let (redis_cpu0, commands0) = redis_usage(redis_ports);
-    let server_cpu0 = cpu_s(server.child.id());
-    let server_switches0 = context_switches(server.child.id());
-    let load_cpu0 = cpu_s(std::process::id());
-    let started = Instant::now();
+    let measured_from = Instant::now() + Duration::from_secs(load.warm_secs);
+    let deadline = measured_from + Duration::from_secs(load.secs);
     let mut tasks = Vec::new();
     // The streams take the request numbers in turn (stream k sends k, k + streams, ...), so the
     // load walks every user of `request` evenly: each stream starting at its own offset would
@@ -438,7 +444,11 @@ async fn drive(
                     let r = request(shape, i * streams + stream);
                     i += 1;
                     let t = Instant::now();
-                    match client.call(&r).await {
+                    let answer = client.call(&r).await;
+                    if t < measured_from {
+                        continue;
+                    }
+                    match answer {
                         Ok(ok) => admitted += usize::from(ok),
                         Err(_) => errors += 1,
                     }
@@ -448,6 +458,14 @@ async fn drive(
             }));
         }
     }
+    // The counters start where the measured calls do (a call in flight across the line counts
+    // on the side it started on).
+    tokio::time::sleep_until(measured_from.into()).await;
+    let (redis_cpu0, commands0) = redis_usage(redis_ports);
+    let server_cpu0 = cpu_s(server.child.id());
+    let server_switches0 = context_switches(server.child.id());
+    let load_cpu0 = cpu_s(std::process::id());
+    let started = Instant::now();
     let mut report = Report {
         name: name.into(),
         calls: 0,
@@ -773,6 +791,7 @@ fn run_scenario(
         connections: 1,
         streams: 1,
         secs: load.secs,
+        warm_secs: 0,
     };
     let (load, runtime) = if scenario.single {
         (&single, &runtimes.one_thread)
@@ -847,6 +866,7 @@ fn in_turns(
         connections: 1,
         streams: 1,
         secs: 1,
+        warm_secs: 0,
     };
     let second_of = |measure: &dyn Fn(&Load) -> Report| {
         for port in ports {
@@ -868,6 +888,7 @@ fn main() {
         connections: env_or("SLIDEGATE_BENCH_CONNECTIONS", 16),
         streams: env_or("SLIDEGATE_BENCH_STREAMS", 16),
         secs: env_or("SLIDEGATE_BENCH_SECS", 5),
+        warm_secs: env_or("SLIDEGATE_BENCH_WARM_SECS", 0),
     };
     let only = std::env::var("SLIDEGATE_BENCH_ONLY").unwrap_or_default();
     let extra: Vec<String> = std::env::var("SLIDEGATE_BENCH_ARGS")
