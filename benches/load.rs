@@ -425,6 +425,21 @@ async fn drive(
     for (n, client) in clients.iter().enumerate() {
         let _ = client.clone().call(&request(Shape::Users, n as u64)).await;
     }
+    // What the server, Redis and this process have used so far: read as the measured calls
+    // begin (before the first is sent, or when the warm-up ends).
+    let usage = || {
+        let (redis_cpu, commands) = redis_usage(redis_ports);
+        let server_cpu = cpu_s(server.child.id());
+        let server_switches = context_switches(server.child.id());
+        (
+            redis_cpu,
+            commands,
+            server_cpu,
+            server_switches,
+            cpu_s(std::process::id()),
+        )
+    };
+    let before = (load.warm_secs == 0).then(usage);
     let measured_from = Instant::now() + Duration::from_secs(load.warm_secs);
     let deadline = measured_from + Duration::from_secs(load.secs);
     let mut tasks = Vec::new();
@@ -458,14 +473,16 @@ async fn drive(
             }));
         }
     }
-    // The counters start where the measured calls do (a call in flight across the line counts
-    // on the side it started on).
-    tokio::time::sleep_until(measured_from.into()).await;
-    let (redis_cpu0, commands0) = redis_usage(redis_ports);
-    let server_cpu0 = cpu_s(server.child.id());
-    let server_switches0 = context_switches(server.child.id());
-    let load_cpu0 = cpu_s(std::process::id());
-    let started = Instant::now();
+    // After a warm-up the counters start where the measured calls do (a call in flight across
+    // the line counts on the side it started on).
+    let (redis_cpu0, commands0, server_cpu0, server_switches0, load_cpu0) = match before {
+        Some(before) => before,
+        None => {
+            tokio::time::sleep_until(measured_from.into()).await;
+            usage()
+        }
+    };
+    let started = measured_from;
     let mut report = Report {
         name: name.into(),
         calls: 0,
