@@ -116,6 +116,15 @@ fn info_field(info: &str, name: &str) -> f64 {
         .unwrap_or(0.0)
 }
 
+/// Keys held by the Redis servers at `ports` together.
+fn redis_keys(ports: &[u16]) -> u64 {
+    ports
+        .iter()
+        .filter_map(|&port| redis_proc::command(port, "DBSIZE").ok())
+        .filter_map(|reply| reply.trim().strip_prefix(':')?.parse::<u64>().ok())
+        .sum()
+}
+
 /// Redis CPU seconds and commands run, summed over `ports`.
 fn redis_usage(ports: &[u16]) -> (f64, u64) {
     let mut cpu = 0.0;
@@ -231,6 +240,9 @@ struct Report {
     load_cpu_s: f64,
     redis_cpu_s: f64,
     redis_commands: u64,
+    /// Keys in Redis when the load stopped (`DBSIZE`, summed over the masters): the
+    /// descriptors the load reached, so a table shows how far it spread.
+    redis_keys: u64,
 }
 
 impl Report {
@@ -247,6 +259,8 @@ impl Report {
         self.load_cpu_s += slice.load_cpu_s;
         self.redis_cpu_s += slice.redis_cpu_s;
         self.redis_commands += slice.redis_commands;
+        // Each slice starts from empty stores: the most any of them reached.
+        self.redis_keys = self.redis_keys.max(slice.redis_keys);
     }
 
     fn percentile(&self, p: f64) -> f64 {
@@ -265,12 +279,13 @@ impl Report {
         };
         let redis = if self.redis_commands > 0 {
             format!(
-                "{:>6.1} | {:>5.2}",
+                "{:>6.1} | {:>5.2} | {:>7}",
                 per(self.redis_cpu_s) * 1e6,
-                per(self.redis_commands as f64)
+                per(self.redis_commands as f64),
+                self.redis_keys
             )
         } else {
-            format!("{:>6} | {:>5}", "-", "-")
+            format!("{:>6} | {:>5} | {:>7}", "-", "-", "-")
         };
         println!(
             "| {:<44} | {:>8.0} | {:>7.0} | {:>7.0} | {:>7.0} | {:>6} | {:>9} | {:>6.1} | {:>5.2} | {redis} | {:>6.1} |",
@@ -290,7 +305,7 @@ impl Report {
 
 fn header() {
     println!(
-        "| {:<44} | {:>8} | {:>7} | {:>7} | {:>7} | {:>6} | {:>9} | {:>6} | {:>5} | {:>6} | {:>5} | {:>6} |",
+        "| {:<44} | {:>8} | {:>7} | {:>7} | {:>7} | {:>6} | {:>9} | {:>6} | {:>5} | {:>6} | {:>5} | {:>7} | {:>6} |",
         "scenario",
         "calls/s",
         "p50 us",
@@ -302,6 +317,7 @@ fn header() {
         "sg cs",
         "rd cpu",
         "cmds",
+        "rd keys",
         "lg cpu"
     );
     println!(
@@ -496,6 +512,7 @@ async fn drive(
         load_cpu_s: 0.0,
         redis_cpu_s: 0.0,
         redis_commands: 0,
+        redis_keys: 0,
     };
     for t in tasks {
         let (latencies, errors, admitted) = t.await.expect("caller");
@@ -511,6 +528,7 @@ async fn drive(
     let (redis_cpu1, commands1) = redis_usage(redis_ports);
     report.redis_cpu_s = redis_cpu1 - redis_cpu0;
     report.redis_commands = commands1.saturating_sub(commands0);
+    report.redis_keys = redis_keys(redis_ports);
     report.latencies_us.sort_unstable();
     report
 }
@@ -940,7 +958,7 @@ fn main() {
         }
     );
     println!(
-        "latencies in microseconds; CPU per decision in microseconds (sg: slidegate, rd: Redis, lg: the load generator, this process); sg cs: slidegate's context switches per decision; cmds: Redis commands per decision\n"
+        "latencies in microseconds; CPU per decision in microseconds (sg: slidegate, rd: Redis, lg: the load generator, this process); sg cs: slidegate's context switches per decision; cmds: Redis commands per decision; rd keys: keys in Redis when the load stopped\n"
     );
     let stores = Stores::start();
     let standalone = &stores.standalone;
