@@ -676,7 +676,7 @@ fn scenarios() -> Vec<Scenario> {
     use Shape::*;
     use Store::*;
     // (name, shape, store, limit, one call in flight)
-    let table: [(&'static str, Shape, Store, Option<usize>, bool); 13] = [
+    let table: [(&'static str, Shape, Store, Option<usize>, bool); 14] = [
         ("embedded, 100k users", Users, Embedded, None, false),
         ("standalone, 100k users", Users, Standalone, None, false),
         ("cluster, 100k users", Users, Cluster, None, false),
@@ -733,6 +733,15 @@ fn scenarios() -> Vec<Scenario> {
             None,
             true,
         ),
+        // The same with three descriptors of one user: the fan-out alone, without the shared
+        // tenant and route logs, which every request adds to.
+        (
+            "cluster, three user slots, one call in flight",
+            ThreeUserSlots,
+            Cluster,
+            None,
+            true,
+        ),
         (
             "standalone, 1,000 wildcard rules",
             Wildcards,
@@ -756,7 +765,7 @@ fn scenarios() -> Vec<Scenario> {
             store,
             limit,
             single,
-            turns_with: (shape == ThreeSlots && single)
+            turns_with: (matches!(shape, ThreeSlots | ThreeUserSlots) && single)
                 .then_some(("cluster, one call in flight", Users)),
         })
         .collect()

@@ -20,6 +20,12 @@ descriptors:
     rate_limit: {unit: minute, requests_per_unit: 1000000}
   - key: route
     rate_limit: {unit: minute, requests_per_unit: 1000000}
+  # Three descriptors of one user (user, session, device), each its own slot: the fan-out of
+  # the three above without their shared, busier logs.
+  - key: session
+    rate_limit: {unit: minute, requests_per_unit: 1000000}
+  - key: device
+    rate_limit: {unit: minute, requests_per_unit: 1000000}
 ",
     );
     // 1,000 wildcard rules on one key: /svc<n>/* each with its own limit.
@@ -57,6 +63,7 @@ pub enum Shape {
     Users,
     Attack,
     ThreeSlots,
+    ThreeUserSlots,
     Wildcards,
 }
 
@@ -77,6 +84,11 @@ pub fn request(shape: Shape, n: u64) -> RateLimitRequest {
             one(vec![entry("user", format!("u{user}"))]),
             one(vec![entry("tenant", format!("t{}", user % 97))]),
             one(vec![entry("route", format!("r{}", user % 13))]),
+        ],
+        Shape::ThreeUserSlots => vec![
+            one(vec![entry("user", format!("u{user}"))]),
+            one(vec![entry("session", format!("s{user}"))]),
+            one(vec![entry("device", format!("d{user}"))]),
         ],
         Shape::Wildcards => vec![one(vec![entry(
             "path",
