@@ -442,7 +442,7 @@ async fn drive(
         let _ = client.clone().call(&request(Shape::Users, n as u64)).await;
     }
     // What the server, Redis and this process have used so far: read as the measured calls
-    // begin (before the first is sent, or when the warm-up ends).
+    // begin (before the first is sent, or when the warm-up ends) and when they end.
     let usage = || {
         let (redis_cpu, commands) = redis_usage(redis_ports);
         let server_cpu = cpu_s(server.child.id());
@@ -522,10 +522,10 @@ async fn drive(
         report.latencies_us.extend(latencies);
     }
     report.elapsed = started.elapsed();
-    report.server_cpu_s = cpu_s(server.child.id()) - server_cpu0;
-    report.server_switches = context_switches(server.child.id()).saturating_sub(server_switches0);
-    report.load_cpu_s = cpu_s(std::process::id()) - load_cpu0;
-    let (redis_cpu1, commands1) = redis_usage(redis_ports);
+    let (redis_cpu1, commands1, server_cpu1, server_switches1, load_cpu1) = usage();
+    report.server_cpu_s = server_cpu1 - server_cpu0;
+    report.server_switches = server_switches1.saturating_sub(server_switches0);
+    report.load_cpu_s = load_cpu1 - load_cpu0;
     report.redis_cpu_s = redis_cpu1 - redis_cpu0;
     report.redis_commands = commands1.saturating_sub(commands0);
     report.redis_keys = redis_keys(redis_ports);
