@@ -63,7 +63,7 @@ use hyper_util::rt::{TokioExecutor, TokioIo};
 use prost::Message as _;
 use prost::bytes::{BufMut as _, Bytes, BytesMut};
 use slidegate::proto::{RateLimitRequest, RateLimitResponse};
-use workload::{ENVOY_AUTHORITY, Shape, config, envoy_headers, request};
+use workload::{ENVOY_AUTHORITY, Shape, config, envoy_headers, request, request_number};
 
 fn env_or(name: &str, default: u64) -> u64 {
     std::env::var(name)
@@ -459,10 +459,6 @@ async fn drive(
     let measured_from = Instant::now() + Duration::from_secs(load.warm_secs);
     let deadline = measured_from + Duration::from_secs(load.secs);
     let mut tasks = Vec::new();
-    // The streams take the request numbers in turn (stream k sends k, k + streams, ...), so the
-    // load walks every user of `request` evenly: each stream starting at its own offset would
-    // overlap its neighbours after a few hundred calls (offsets a million apart are 3 apart
-    // among 100,000 users), and 256 streams drove about 3,000 users, not 100,000.
     let streams = load.connections * load.streams;
     for c in 0..load.connections {
         for s in 0..load.streams {
@@ -472,7 +468,7 @@ async fn drive(
                 let mut latencies = Vec::with_capacity(100_000);
                 let (mut errors, mut admitted, mut i) = (0usize, 0usize, 0u64);
                 while Instant::now() < deadline {
-                    let r = request(shape, i * streams + stream);
+                    let r = request(shape, request_number(i, stream, streams));
                     i += 1;
                     let t = Instant::now();
                     let answer = client.call(&r).await;

@@ -43,7 +43,7 @@ use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
 use slidegate::proto::rate_limit_service_client::RateLimitServiceClient;
-use workload::{Shape, config, envoy_headers, request};
+use workload::{Shape, config, envoy_headers, request, request_number};
 
 const CONNECTIONS: u64 = 8;
 const STREAMS_PER_CONNECTION: u64 = 4;
@@ -94,8 +94,7 @@ async fn drive(grpc: u16, shape: Shape, first: u64, calls_per_stream: u64) {
         clients.push(RateLimitServiceClient::new(channel));
     }
     let mut tasks = Vec::new();
-    // The streams take the request numbers in turn, as in the load benchmark: every call a
-    // user of its own.
+    // Every call a user of its own (`request_number`).
     let streams = CONNECTIONS * STREAMS_PER_CONNECTION;
     for c in 0..CONNECTIONS {
         for s in 0..STREAMS_PER_CONNECTION {
@@ -103,7 +102,8 @@ async fn drive(grpc: u16, shape: Shape, first: u64, calls_per_stream: u64) {
             let stream = c * STREAMS_PER_CONNECTION + s;
             tasks.push(tokio::spawn(async move {
                 for i in first..first + calls_per_stream {
-                    let mut call = tonic::Request::new(request(shape, i * streams + stream));
+                    let mut call =
+                        tonic::Request::new(request(shape, request_number(i, stream, streams)));
                     // As Envoy sends them, with a long timeout: valgrind runs the server ~50x
                     // slower. (tonic sends `te` itself.)
                     for (name, value) in envoy_headers(60_000) {
