@@ -45,13 +45,25 @@ enum Form {
     Script,
 }
 
-/// One measured case: requests per call and descriptors per request, whether each call reuses
-/// the same users (so their logs hold entries) or takes fresh ones, and how many calls.
+/// Whose logs a case's calls write.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Users {
+    /// Each call takes users of its own: every log is new.
+    Fresh,
+    /// Every call takes the same users: their logs hold entries.
+    Same,
+    /// Each measured call takes the users of one fill call: a second call on logs of one entry
+    /// (calls == fill).
+    Again,
+}
+
+/// One measured case: requests per call and descriptors per request, whose logs they write,
+/// and how many calls.
 struct Case {
     name: &'static str,
     per_call: usize,
     descriptors: usize,
-    same_users: bool,
+    users: Users,
     calls: usize,
     /// The rule's window: calls come 1 ms apart, so a window shorter than the calls lets one
     /// entry per log leave the window on each call (the trim has work to do).
@@ -60,12 +72,12 @@ struct Case {
     fill: usize,
 }
 
-const CASES: [Case; 6] = [
+const CASES: [Case; 7] = [
     Case {
         name: "new descriptors, one request per call",
         per_call: 1,
         descriptors: 1,
-        same_users: false,
+        users: Users::Fresh,
         calls: 3_200,
         window_ms: 60_000,
         fill: 0,
@@ -74,16 +86,25 @@ const CASES: [Case; 6] = [
         name: "new descriptors, 32 requests per call",
         per_call: 32,
         descriptors: 1,
-        same_users: false,
+        users: Users::Fresh,
         calls: 100,
         window_ms: 60_000,
         fill: 0,
     },
     Case {
+        name: "logs of one entry (a second call), 32 requests per call",
+        per_call: 32,
+        descriptors: 1,
+        users: Users::Again,
+        calls: 100,
+        window_ms: 60_000,
+        fill: 100,
+    },
+    Case {
         name: "logs of about 100 entries, 32 requests per call",
         per_call: 32,
         descriptors: 1,
-        same_users: true,
+        users: Users::Same,
         calls: 100,
         window_ms: 60_000,
         fill: 0,
@@ -92,7 +113,7 @@ const CASES: [Case; 6] = [
         name: "logs of 50 entries, one leaving per call, 32 requests per call",
         per_call: 32,
         descriptors: 1,
-        same_users: true,
+        users: Users::Same,
         calls: 100,
         window_ms: 50,
         fill: 50,
@@ -103,7 +124,7 @@ const CASES: [Case; 6] = [
         name: "three new descriptors per request, 10 requests per call",
         per_call: 10,
         descriptors: 3,
-        same_users: false,
+        users: Users::Fresh,
         calls: 100,
         window_ms: 60_000,
         fill: 0,
@@ -112,7 +133,7 @@ const CASES: [Case; 6] = [
         name: "three descriptors per request on logs of about 100 entries, 10 requests per call",
         per_call: 10,
         descriptors: 3,
-        same_users: true,
+        users: Users::Same,
         calls: 100,
         window_ms: 60_000,
         fill: 0,
@@ -150,10 +171,12 @@ fn call_args(case: &Case, head: &[String], spread: bool, c: usize, tag: &str) ->
     // numkeys, the keys, then ARGV[1], the number of requests.
     args.push((case.per_call * case.descriptors).to_string());
     for r in 0..case.per_call {
-        let user = if case.same_users {
-            r
-        } else {
-            c * case.per_call + r
+        let user = match case.users {
+            Users::Same => r,
+            Users::Fresh => c * case.per_call + r,
+            // The measured calls come after the fill (see `measure`), one for one.
+            Users::Again if c >= 5 + case.fill => (c - case.fill) * case.per_call + r,
+            Users::Again => c * case.per_call + r,
         };
         for d in 0..case.descriptors {
             args.push(format!("rl:{{bench:{tag}:user=u{user}:d{d}}}:log"));

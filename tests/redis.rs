@@ -1109,11 +1109,12 @@ fn a_logs_expiry_is_set_once_a_period_and_outlasts_its_newest_entry() {
 /// Fed the same calls on twin logs, the library with those paths and one whose general path
 /// decides everything must answer alike, field by field: every role, mode and debit, checks
 /// (hits 0), weighted hits, rejections whose reset is searched in the log, logs emptied by the
-/// window, several requests on one log in one call, and requests that are not of those kinds
+/// window, logs whose only entry is their first (which the common paths read as such), several requests on one log
+/// in one call, and requests that are not of those kinds
 /// (two descriptors on one log, a ban, two windows) left to the general path.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_common_request_paths_answer_as_the_general_one() {
-    use fred::prelude::{ClientLike as _, Value};
+    use fred::prelude::{ClientLike as _, SortedSetsInterface as _, Value};
     use slidegate::store::redis::Library;
 
     const SOURCE: &str = include_str!("../lua/slidegate.lua");
@@ -1155,6 +1156,7 @@ async fn the_common_request_paths_answer_as_the_general_one() {
     // 4 a debit recorded past its budget.
     let mut lone = [0u64; 3];
     let mut several = 0u64;
+    let mut one_entry = 0u64;
     for case in 0..32 {
         let tag = unique_domain("paths");
         let mut now = 1_000_000u64;
@@ -1179,6 +1181,24 @@ async fn the_common_request_paths_answer_as_the_general_one() {
                     descriptors.push((log, rule.starts_with("0:800:")));
                 }
                 several += u64::from(n > 1);
+            }
+            // Logs whose newest entry has a running total of 1, their only entry (the common
+            // paths read such a log as it is: nothing to trim, no first entry to read),
+            // counted on the own paths' twin before the call.
+            let mut logs: Vec<u64> = descriptors.iter().map(|&(log, _)| log).collect();
+            logs.sort_unstable();
+            logs.dedup();
+            for log in logs {
+                let key = format!("rl:{{{tag}}}:own:{log}");
+                let newest: Vec<String> = client
+                    .zrange(key, -1, -1, None, false, None, false)
+                    .await
+                    .unwrap();
+                one_entry += u64::from(
+                    newest
+                        .first()
+                        .is_some_and(|m| m.starts_with("00000000000000000001:")),
+                );
             }
             let mut answers = Vec::new();
             for (library, twin) in [(&own_paths, "own"), (&general, "general")] {
@@ -1218,8 +1238,9 @@ async fn the_common_request_paths_answer_as_the_general_one() {
     }
     // The sequence reaches each kind of answer.
     assert!(
-        lone.iter().all(|&n| n > 0) && several > 100,
-        "lone descriptors' answers by kind: {lone:?}; requests of several: {several}"
+        lone.iter().all(|&n| n > 0) && several > 100 && one_entry > 100,
+        "lone descriptors' answers by kind: {lone:?}; requests of several: {several}; \
+         logs of one entry: {one_entry}"
     );
     client.quit().await.unwrap();
 }
