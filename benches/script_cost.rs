@@ -70,9 +70,26 @@ struct Case {
     window_ms: u64,
     /// Calls on the measured keys before measuring (the logs fill first).
     fill: usize,
+    /// More windows of the rule, ":limit:window_ms" each (such a rule goes the script's
+    /// general path), or "".
+    more_windows: &'static str,
 }
 
-const CASES: [Case; 7] = [
+/// Calls of 32 requests, each the second on a log of one entry written by the fill.
+const fn second_call(name: &'static str, more_windows: &'static str) -> Case {
+    Case {
+        name,
+        per_call: 32,
+        descriptors: 1,
+        users: Users::Again,
+        calls: 100,
+        window_ms: 60_000,
+        fill: 100,
+        more_windows,
+    }
+}
+
+const CASES: [Case; 8] = [
     Case {
         name: "new descriptors, one request per call",
         per_call: 1,
@@ -81,6 +98,7 @@ const CASES: [Case; 7] = [
         calls: 3_200,
         window_ms: 60_000,
         fill: 0,
+        more_windows: "",
     },
     Case {
         name: "new descriptors, 32 requests per call",
@@ -90,16 +108,16 @@ const CASES: [Case; 7] = [
         calls: 100,
         window_ms: 60_000,
         fill: 0,
+        more_windows: "",
     },
-    Case {
-        name: "logs of one entry (a second call), 32 requests per call",
-        per_call: 32,
-        descriptors: 1,
-        users: Users::Again,
-        calls: 100,
-        window_ms: 60_000,
-        fill: 100,
-    },
+    second_call(
+        "logs of one entry (a second call), 32 requests per call",
+        "",
+    ),
+    second_call(
+        "two windows (the general path), logs of one entry, 32 requests per call",
+        ":2000000:3600000",
+    ),
     Case {
         name: "logs of about 100 entries, 32 requests per call",
         per_call: 32,
@@ -108,6 +126,7 @@ const CASES: [Case; 7] = [
         calls: 100,
         window_ms: 60_000,
         fill: 0,
+        more_windows: "",
     },
     Case {
         name: "logs of 50 entries, one leaving per call, 32 requests per call",
@@ -117,6 +136,7 @@ const CASES: [Case; 7] = [
         calls: 100,
         window_ms: 50,
         fill: 50,
+        more_windows: "",
     },
     // Three descriptors per request, each on a log of its own: a call carries at most 32
     // descriptors, so 10 such requests.
@@ -128,6 +148,7 @@ const CASES: [Case; 7] = [
         calls: 100,
         window_ms: 60_000,
         fill: 0,
+        more_windows: "",
     },
     Case {
         name: "three descriptors per request on logs of about 100 entries, 10 requests per call",
@@ -137,6 +158,7 @@ const CASES: [Case; 7] = [
         calls: 100,
         window_ms: 60_000,
         fill: 0,
+        more_windows: "",
     },
 ];
 
@@ -189,7 +211,10 @@ fn call_args(case: &Case, head: &[String], spread: bool, c: usize, tag: &str) ->
     for r in 0..case.per_call {
         args.extend([format!("p{c}-{r}"), (4 * case.descriptors + 1).to_string()]);
         for _ in 0..case.descriptors {
-            args.extend(["1".into(), format!("0:0:0:0:1000000:{}", case.window_ms)]);
+            args.extend([
+                "1".into(),
+                format!("0:0:0:0:1000000:{}{}", case.window_ms, case.more_windows),
+            ]);
         }
     }
     if spread {
@@ -290,8 +315,10 @@ fn measure(case: &Case, form: Form, library: &Library, dir: &Path) -> u64 {
     let reply = cli(&next);
     let values: Vec<&str> = reply.lines().collect();
     // The call's time, then per request: its length, then per descriptor flags 5 (fits,
-    // recorded), entry, count, reset.
-    let length = 4 * case.descriptors;
+    // recorded), entry, and a count and a reset per window.
+    let windows = 1 + case.more_windows.matches(':').count() / 2;
+    let per_descriptor = 2 + 2 * windows;
+    let length = per_descriptor * case.descriptors;
     assert_eq!(
         values.len(),
         1 + case.per_call * (1 + length),
@@ -299,7 +326,11 @@ fn measure(case: &Case, form: Form, library: &Library, dir: &Path) -> u64 {
         case.name
     );
     for request in values[1..].chunks(1 + length) {
-        let flags = request.iter().skip(1).step_by(4).take(case.descriptors);
+        let flags = request
+            .iter()
+            .skip(1)
+            .step_by(per_descriptor)
+            .take(case.descriptors);
         assert!(
             request[0] == length.to_string() && flags.clone().all(|f| *f == "5"),
             "{}: {request:?}",

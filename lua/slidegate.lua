@@ -597,15 +597,20 @@ local function count_and_fit(d)
       if st.head_cum > 0 then
         st.trimmed = now - rule.longest
         if st.head_time <= st.trimmed then
+          -- Emptied: its running totals start again (see `trim_and_count`).
           call('DEL', d.key)
-        else
+          st.head_cum = 0
+        elseif st.head_cum > 1 then
           call('ZREMRANGEBYSCORE', d.key, '-inf', ms(st.trimmed))
         end
       end
     end
     for w = 1, rule.m do
       local bound = now - rule[3 * w - 1]
-      if st.head_cum > 0 and st.head_time > bound then
+      if st.head_cum == 1 and st.head_time > bound then
+        -- The log's only entry (see `trim_and_count`) is the window's first.
+        d[3 * w - 1], d[3 * w] = 0, st.head_time
+      elseif st.head_cum > 0 and st.head_time > bound then
         -- The window's first entry: the cum before it and its time. Where the log was just
         -- trimmed to this window, that is the log's first entry (found by rank: no score
         -- range to read).
@@ -802,12 +807,17 @@ end
 -- descriptor's second request in a window, which is most of them where most users call a few
 -- times a window (`cargo bench --bench script_cost`: -34%). Weighted entries are not read
 -- for it: reading an entry's weight beside its total costs every other request about 1%.
+-- (The general path, `count_and_fit`, does the same.)
 local function trim_and_count(key, length)
   local head_cum, head_time = last_entry(key)
   if head_cum > 0 then
     local bound = now - length
     if head_time <= bound then
+      -- Every entry has left the window: the log goes, and its running totals start again
+      -- from 0, so that its next entry is again an only entry of total 1 (a user who calls
+      -- once a window or less).
       call('DEL', key)
+      return 0, head_time, false, 0, 0
     elseif head_cum == 1 then
       return 1, head_time, 0, head_time, 1
     else
