@@ -32,7 +32,8 @@
 --   ban:        a string holding the ban's end (ms since the epoch), with a TTL
 -- ARGV:
 --   ARGV[1]  the number of requests in this call (>= 1)
---   ARGV[2]  now, the time every request of the call is decided at, in ms since the epoch;
+--   ARGV[2]  now, the time every request of the call is decided at, in ms since the epoch
+--            (digits only: the text is the score of the entries recorded at that time);
 --            "" reads Redis TIME instead (one clock for all replicas). (One per call, not
 --            per request: each argument costs Redis about 1,000 instructions to read.)
 --   then per request:
@@ -92,7 +93,7 @@
 -- table lookup. Set by the first call: while a library loads, Redis lets its code reach
 -- nothing but the registration API. (Loops count with an index: `ipairs` is a function call
 -- per step.)
-local tonumber, format, max, call
+local tonumber, format, find, max, call
 -- This call's KEYS and ARGV (the function's arguments).
 local KEYS, ARGV
 
@@ -283,9 +284,9 @@ local function check_request(r, a, k)
   return a, k
 end
 
--- The call's time, and the request being decided: its member prefix, mode and number of
--- descriptors.
-local now, prefix, mode, n
+-- The call's time (and as text), and the request being decided: its member prefix, mode and
+-- number of descriptors.
+local now, now_text, prefix, mode, n
 
 -- Per descriptor position i, the decision state of the request being decided: made once and
 -- reset for each request (requests are decided one after the other), so deciding a request
@@ -669,7 +670,7 @@ local function record(d, i)
     local stamp = max(now, st.head_time)
     -- (At most one printf, for the padded total; the rest joined from text: each directive
     -- of a format is a printf of its own.)
-    call('ZADD', d.key, ms(stamp), padded_cum(d.cum) .. ':' .. ms(d.hits) .. ':' .. prefix .. ':' .. ms(i))
+    call('ZADD', d.key, stamp == now and now_text or ms(stamp), padded_cum(d.cum) .. ':' .. ms(d.hits) .. ':' .. prefix .. ':' .. ms(i))
     if not st.new_before then
       st.new_before, st.new_time = st.head_cum, stamp
     end
@@ -931,7 +932,7 @@ local function decide_logs(a, k, n)
       local hits = s_hits[i]
       local cum = s_head[i] + hits
       newest = max(now, head_time)
-      call('ZADD', key, ms(newest), padded_cum(cum) .. ':' .. ms(hits) .. ':' .. prefix .. ':' .. ms(i))
+      call('ZADD', key, newest == now and now_text or ms(newest), padded_cum(cum) .. ':' .. ms(hits) .. ':' .. prefix .. ':' .. ms(i))
       if not s_before[i] then
         s_before[i], s_time[i] = s_head[i], newest
       end
@@ -1000,7 +1001,7 @@ local function decide_single(a, k)
   if records and (mode ~= 2 or debit) then
     cum = head_cum + hits
     newest = max(now, head_time)
-    call('ZADD', key, ms(newest), padded_cum(cum) .. ':' .. ms(hits) .. ':' .. prefix .. ':1')
+    call('ZADD', key, newest == now and now_text or ms(newest), padded_cum(cum) .. ':' .. ms(hits) .. ':' .. prefix .. ':1')
     if not before then
       before, time = head_cum, newest
     end
@@ -1077,7 +1078,8 @@ local function decide_call(keys, args, spread)
     out = {}
   end
   if call == nil then
-    tonumber, format, max, call = _G.tonumber, _G.string.format, _G.math.max, _G.redis.call
+    tonumber, format, find, max, call =
+      _G.tonumber, _G.string.format, _G.string.find, _G.math.max, _G.redis.call
   end
   local base = 0
   if spread then
@@ -1095,11 +1097,17 @@ local function decide_call(keys, args, spread)
   if count == nil or count < 1 then
     return fail('ARGV[' .. (base + 1) .. '] (request count) must be at least 1')
   end
+  -- The call's time, and its text for the scores of the entries recorded at it: the caller's
+  -- digits as they came (an entry's score is the call's time unless the log's newest entry is
+  -- later), so that no call pays a printf for it, nor keeps a number it will not see again.
   local text = ARGV[base + 2]
   if text == '' then
     now = redis_now()
+    now_text = format('%d', now)
+  elseif text ~= nil and find(text, '^%d+$') then
+    now, now_text = tonumber(text), text
   else
-    now = whole(text)
+    now = nil
   end
   if now == nil then
     return fail('ARGV[' .. (base + 2) .. '] (now) must be a whole number of ms or empty')

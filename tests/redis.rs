@@ -571,6 +571,12 @@ fn malformed_script_arguments_get_an_error_reply() {
         vec!["1", "k", "0"],
         vec!["1", "k", "2", "1", "p", "5", "1", ok],
         request("x", "5", "1", ok),
+        // The call's time: digits only (its text becomes entries' scores as it came).
+        request(" 5", "5", "1", ok),
+        request("5 ", "5", "1", ok),
+        request("1.5", "5", "1", ok),
+        request("-1", "5", "1", ok),
+        request("1e3", "5", "1", ok),
         vec!["1", "k", "1", "1", "", "5", "1", ok],
         // Mode 3, no descriptor, a shape that is no number.
         request("1", "7", "1", ok),
