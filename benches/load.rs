@@ -16,6 +16,7 @@
 //!     SLIDEGATE_BENCH_LIMITADOR=/path/to/limitador-server cargo bench --bench load  # side by side
 //!     SLIDEGATE_BENCH_GRPC_TIMEOUT_MS=20 cargo bench --bench load   # Envoy's default deadline
 //!     SLIDEGATE_BENCH_WARM_SECS=65 cargo bench --bench load   # measured after 65 s of the load
+//!     SLIDEGATE_BENCH_USERS=1000000 SLIDEGATE_BENCH_WARM_SECS=65 cargo bench --bench load  # more users
 //!
 //! A scenario under load starts from empty stores: in 5 s each of the 100,000 users is called
 //! about twice, so its log holds a few entries, where a deployment serving them for a minute
@@ -951,11 +952,19 @@ fn main() {
     let config_path: PathBuf = scratch.join("bench.yaml");
     std::fs::write(&config_path, config()).expect("write config");
     println!(
-        "slidegate load benchmark: {} connections x {} streams ({} in flight), {} s per scenario, loopback gRPC, slidegate as its own process{}",
+        "slidegate load benchmark: {} connections x {} streams ({} in flight), {} s per scenario, loopback gRPC, slidegate as its own process{}{}",
         load.connections,
         load.streams,
         load.connections * load.streams,
         load.secs,
+        if workload::users() == 100_000 {
+            String::new()
+        } else {
+            format!(
+                ", {} users (the scenarios named \"100k users\" too)",
+                workload::users()
+            )
+        },
         if extra.is_empty() {
             String::new()
         } else {

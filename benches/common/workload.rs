@@ -70,10 +70,29 @@ pub enum Shape {
 /// The request number of a stream's `call`-th call when `streams` streams send together: they
 /// take the numbers in turn (stream k sends k, k + streams, ...), so the load walks every user
 /// of [`request`] evenly. Each stream counting up from an offset of its own would overlap its
-/// neighbours after a few hundred calls (`request` reads the number modulo 100,000, where an
-/// offset of a million and three is 3): 256 streams drove about 3,000 users, not 100,000.
+/// neighbours after a few hundred calls (`request` reads the number modulo the users, 100,000,
+/// where an offset of a million and three is 3): 256 streams drove about 3,000 users, not
+/// 100,000.
 pub fn request_number(call: u64, stream: u64, streams: u64) -> u64 {
     call * streams + stream
+}
+
+/// How many distinct users the calls walk: 100,000, or `SLIDEGATE_BENCH_USERS` (more keys in
+/// Redis, and after a warm-up fewer entries per log: each user is called once every users /
+/// (decisions/s) seconds).
+pub fn users() -> u64 {
+    static USERS: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
+    *USERS.get_or_init(|| {
+        std::env::var("SLIDEGATE_BENCH_USERS")
+            .ok()
+            .map(|v| {
+                v.parse()
+                    .ok()
+                    .filter(|&n: &u64| n > 0)
+                    .expect("SLIDEGATE_BENCH_USERS: a whole number of users, at least 1")
+            })
+            .unwrap_or(100_000)
+    })
 }
 
 pub fn request(shape: Shape, n: u64) -> RateLimitRequest {
@@ -85,7 +104,7 @@ pub fn request(shape: Shape, n: u64) -> RateLimitRequest {
         entries,
         ..Default::default()
     };
-    let user = n.wrapping_mul(2_654_435_761) % 100_000;
+    let user = n.wrapping_mul(2_654_435_761) % users();
     let descriptors = match shape {
         Shape::Users => vec![one(vec![entry("user", format!("u{user}"))])],
         Shape::Attack => vec![one(vec![entry("attack", "hot".into())])],
