@@ -17,6 +17,7 @@
 //!     SLIDEGATE_BENCH_GRPC_TIMEOUT_MS=20 cargo bench --bench load   # Envoy's default deadline
 //!     SLIDEGATE_BENCH_WARM_SECS=65 cargo bench --bench load   # measured after 65 s of the load
 //!     SLIDEGATE_BENCH_USERS=1000000 SLIDEGATE_BENCH_WARM_SECS=65 cargo bench --bench load  # more users
+//!     SLIDEGATE_BENCH_CALLS_PER_VISIT=2 cargo bench --bench load   # two calls in a row per user
 //!
 //! A scenario under load starts from empty stores: in 5 s each of the 100,000 users is called
 //! about twice, so its log holds a few entries, where a deployment serving them for a minute
@@ -964,6 +965,10 @@ fn main() {
                 ", {} users (the scenarios named \"100k users\" too)",
                 workload::users()
             )
+        } + &if workload::calls_per_visit() == 1 {
+            String::new()
+        } else {
+            format!(", {} calls in a row per user", workload::calls_per_visit())
         },
         if extra.is_empty() {
             String::new()

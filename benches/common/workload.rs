@@ -82,16 +82,24 @@ pub fn request_number(call: u64, stream: u64, streams: u64) -> u64 {
 /// (decisions/s) seconds).
 pub fn users() -> u64 {
     static USERS: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
-    *USERS.get_or_init(|| {
-        std::env::var("SLIDEGATE_BENCH_USERS")
+    *USERS.get_or_init(|| whole_env("SLIDEGATE_BENCH_USERS").unwrap_or(100_000))
+}
+
+/// How many calls in a row go to one user (a visit): 1, or `SLIDEGATE_BENCH_CALLS_PER_VISIT`.
+/// With 2 and more users than the calls of a window, a user calls twice and then stays away
+/// longer than the window: the second call finds a log of one entry.
+pub fn calls_per_visit() -> u64 {
+    static CALLS: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
+    *CALLS.get_or_init(|| whole_env("SLIDEGATE_BENCH_CALLS_PER_VISIT").unwrap_or(1))
+}
+
+/// A variable holding a whole number of at least 1, if set.
+fn whole_env(name: &str) -> Option<u64> {
+    std::env::var(name).ok().map(|v| {
+        v.parse()
             .ok()
-            .map(|v| {
-                v.parse()
-                    .ok()
-                    .filter(|&n: &u64| n > 0)
-                    .expect("SLIDEGATE_BENCH_USERS: a whole number of users, at least 1")
-            })
-            .unwrap_or(100_000)
+            .filter(|&n: &u64| n > 0)
+            .unwrap_or_else(|| panic!("{name}: a whole number, at least 1"))
     })
 }
 
@@ -104,7 +112,7 @@ pub fn request(shape: Shape, n: u64) -> RateLimitRequest {
         entries,
         ..Default::default()
     };
-    let user = n.wrapping_mul(2_654_435_761) % users();
+    let user = (n / calls_per_visit()).wrapping_mul(2_654_435_761) % users();
     let descriptors = match shape {
         Shape::Users => vec![one(vec![entry("user", format!("u{user}"))])],
         Shape::Attack => vec![one(vec![entry("attack", "hot".into())])],
