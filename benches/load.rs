@@ -925,6 +925,21 @@ fn in_turns(
     second_report.print();
 }
 
+/// The workload where it is not the default one: its users, and calls in a row per user.
+fn workload_note() -> String {
+    let mut note = String::new();
+    if workload::users() != 100_000 {
+        note += &format!(
+            ", {} users (the scenarios named \"100k users\" too)",
+            workload::users()
+        );
+    }
+    if workload::calls_per_visit() != 1 {
+        note += &format!(", {} calls in a row per user", workload::calls_per_visit());
+    }
+    note
+}
+
 fn main() {
     let load = Load {
         connections: env_or("SLIDEGATE_BENCH_CONNECTIONS", 16),
@@ -958,18 +973,7 @@ fn main() {
         load.streams,
         load.connections * load.streams,
         load.secs,
-        if workload::users() == 100_000 {
-            String::new()
-        } else {
-            format!(
-                ", {} users (the scenarios named \"100k users\" too)",
-                workload::users()
-            )
-        } + &if workload::calls_per_visit() == 1 {
-            String::new()
-        } else {
-            format!(", {} calls in a row per user", workload::calls_per_visit())
-        },
+        workload_note(),
         if extra.is_empty() {
             String::new()
         } else {

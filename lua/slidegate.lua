@@ -288,6 +288,15 @@ end
 -- number of descriptors.
 local now, now_text, prefix, mode, n
 
+-- The text of a log entry's time, its score: the call's time as the caller sent it (see
+-- `decide_call`), else a whole number as text.
+local function score(t)
+  if t == now then
+    return now_text
+  end
+  return ms(t)
+end
+
 -- Per descriptor position i, the decision state of the request being decided: made once and
 -- reset for each request (requests are decided one after the other), so deciding a request
 -- allocates little but its reply. Fields: rule, hits, key (data), ban (key or false),
@@ -670,7 +679,7 @@ local function record(d, i)
     local stamp = max(now, st.head_time)
     -- (At most one printf, for the padded total; the rest joined from text: each directive
     -- of a format is a printf of its own.)
-    call('ZADD', d.key, stamp == now and now_text or ms(stamp), padded_cum(d.cum) .. ':' .. ms(d.hits) .. ':' .. prefix .. ':' .. ms(i))
+    call('ZADD', d.key, score(stamp), padded_cum(d.cum) .. ':' .. ms(d.hits) .. ':' .. prefix .. ':' .. ms(i))
     if not st.new_before then
       st.new_before, st.new_time = st.head_cum, stamp
     end
@@ -932,7 +941,7 @@ local function decide_logs(a, k, n)
       local hits = s_hits[i]
       local cum = s_head[i] + hits
       newest = max(now, head_time)
-      call('ZADD', key, newest == now and now_text or ms(newest), padded_cum(cum) .. ':' .. ms(hits) .. ':' .. prefix .. ':' .. ms(i))
+      call('ZADD', key, score(newest), padded_cum(cum) .. ':' .. ms(hits) .. ':' .. prefix .. ':' .. ms(i))
       if not s_before[i] then
         s_before[i], s_time[i] = s_head[i], newest
       end
@@ -1001,7 +1010,7 @@ local function decide_single(a, k)
   if records and (mode ~= 2 or debit) then
     cum = head_cum + hits
     newest = max(now, head_time)
-    call('ZADD', key, newest == now and now_text or ms(newest), padded_cum(cum) .. ':' .. ms(hits) .. ':' .. prefix .. ':1')
+    call('ZADD', key, score(newest), padded_cum(cum) .. ':' .. ms(hits) .. ':' .. prefix .. ':1')
     if not before then
       before, time = head_cum, newest
     end

@@ -1115,9 +1115,9 @@ fn a_logs_expiry_is_set_once_a_period_and_outlasts_its_newest_entry() {
 /// Fed the same calls on twin logs, the library with those paths and one whose general path
 /// decides everything must answer alike, field by field: every role, mode and debit, checks
 /// (hits 0), weighted hits, rejections whose reset is searched in the log, logs emptied by the
-/// window, logs whose only entry is their first (which the common paths read as such), several requests on one log
-/// in one call, and requests that are not of those kinds
-/// (two descriptors on one log, a ban, two windows) left to the general path.
+/// window, logs whose only entry is their first (which the common paths read as such), several
+/// requests on one log in one call, and requests that are not of those kinds (two descriptors
+/// on one log, a ban, two windows) left to the general path.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_common_request_paths_answer_as_the_general_one() {
     use fred::prelude::{ClientLike as _, SortedSetsInterface as _, Value};
