@@ -4,7 +4,10 @@
 //! errors, admitted against the limit where there is one, slidegate CPU and Redis CPU per
 //! decision (`/proc/<pid>/stat`, `INFO cpu`), slidegate's context switches per decision
 //! (`/proc/<pid>/task/*/status`), and Redis commands per decision
-//! (`INFO commandstats`, the script's own calls included). Then the ceiling: calls per second
+//! (`INFO commandstats`, the script's own calls included). The first lines are the floor:
+//! calls whose descriptor no rule names, which take the whole path but count nothing, so that a
+//! decision's cost reads against what any call costs on this machine in the same run. Then
+//! the ceiling: calls per second
 //! of the script alone on one Redis core (`redis-benchmark` running `FCALL` with the
 //! arguments slidegate sends), and Redis memory per log entry.
 //!
@@ -674,10 +677,19 @@ fn scenarios() -> Vec<Scenario> {
     use Shape::*;
     use Store::*;
     // (name, shape, store, limit, one call in flight)
-    let table: [(&'static str, Shape, Store, Option<usize>, bool); 14] = [
+    let table: [(&'static str, Shape, Store, Option<usize>, bool); 16] = [
+        // What a call costs before any counting: the floor the others stand on, in this run.
+        ("floor: no rule matches", NoRule, Embedded, None, false),
         ("embedded, 100k users", Users, Embedded, None, false),
         ("standalone, 100k users", Users, Standalone, None, false),
         ("cluster, 100k users", Users, Cluster, None, false),
+        (
+            "floor: no rule matches, one call in flight",
+            NoRule,
+            Embedded,
+            None,
+            true,
+        ),
         ("embedded, one call in flight", Users, Embedded, None, true),
         (
             "standalone, one call in flight",

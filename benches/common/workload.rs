@@ -65,6 +65,9 @@ pub enum Shape {
     ThreeSlots,
     ThreeUserSlots,
     Wildcards,
+    /// A user's descriptor under a key no rule names: the whole call (HTTP/2, the message, the
+    /// rules searched, the answer) but no limit to count, so no store call.
+    NoRule,
 }
 
 /// The request number of a stream's `call`-th call when `streams` streams send together: they
@@ -115,6 +118,7 @@ pub fn request(shape: Shape, n: u64) -> RateLimitRequest {
     let user = (n / calls_per_visit()).wrapping_mul(2_654_435_761) % users();
     let descriptors = match shape {
         Shape::Users => vec![one(vec![entry("user", format!("u{user}"))])],
+        Shape::NoRule => vec![one(vec![entry("visitor", format!("u{user}"))])],
         Shape::Attack => vec![one(vec![entry("attack", "hot".into())])],
         Shape::ThreeSlots => vec![
             one(vec![entry("user", format!("u{user}"))]),
