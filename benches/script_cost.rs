@@ -89,6 +89,10 @@ const fn second_call(name: &'static str, more_windows: &'static str) -> Case {
     }
 }
 
+/// Calls before the fill and the measured ones, on keys of their own ("warm"): the library's
+/// helpers and caches made, Redis's buffers grown. Call numbers count on from them.
+const WARM_UP_CALLS: usize = 5;
+
 const CASES: [Case; 8] = [
     Case {
         name: "new descriptors, one request per call",
@@ -197,7 +201,7 @@ fn call_args(case: &Case, head: &[String], spread: bool, c: usize, tag: &str) ->
             Users::Same => r,
             Users::Fresh => c * case.per_call + r,
             // The measured calls come after the fill (see `measure`), one for one.
-            Users::Again if c >= 5 + case.fill => (c - case.fill) * case.per_call + r,
+            Users::Again if c >= WARM_UP_CALLS + case.fill => (c - case.fill) * case.per_call + r,
             Users::Again => c * case.per_call + r,
         };
         for d in 0..case.descriptors {
@@ -296,21 +300,40 @@ fn measure(case: &Case, form: Form, library: &Library, dir: &Path) -> u64 {
         }
     };
     let spread = matches!(form, Form::Spread);
-    pipe(port, &commands(case, &head, spread, 0, 5, "warm"));
+    pipe(
+        port,
+        &commands(case, &head, spread, 0, WARM_UP_CALLS, "warm"),
+    );
     if case.fill > 0 {
-        pipe(port, &commands(case, &head, spread, 5, case.fill, "run"));
+        pipe(
+            port,
+            &commands(case, &head, spread, WARM_UP_CALLS, case.fill, "run"),
+        );
     }
     let pid = redis.0.id().to_string();
     callgrind::run("callgrind_control", &["-i", "on", &pid]);
     pipe(
         port,
-        &commands(case, &head, spread, 5 + case.fill, case.calls, "run"),
+        &commands(
+            case,
+            &head,
+            spread,
+            WARM_UP_CALLS + case.fill,
+            case.calls,
+            "run",
+        ),
     );
     callgrind::run("callgrind_control", &["-i", "off", &pid]);
     // One more call, its reply read: every request of these cases is admitted and records
     // (a request that failed inside its call answers -1, which `redis-cli --pipe` does not
     // count as an error).
-    let next = call_args(case, &head, spread, 5 + case.fill + case.calls, "run");
+    let next = call_args(
+        case,
+        &head,
+        spread,
+        WARM_UP_CALLS + case.fill + case.calls,
+        "run",
+    );
     let next: Vec<&str> = next.iter().map(String::as_str).collect();
     let reply = cli(&next);
     let values: Vec<&str> = reply.lines().collect();

@@ -1191,6 +1191,8 @@ async fn the_common_request_paths_answer_as_the_general_one() {
             // Logs whose newest entry has a running total of 1, their only entry (the common
             // paths read such a log as it is: nothing to trim, no first entry to read),
             // counted on the own paths' twin before the call.
+            // A member starts with its running total, padded to 20 digits.
+            const ONLY_ENTRY: &str = "00000000000000000001:";
             let mut logs: Vec<u64> = descriptors.iter().map(|&(log, _)| log).collect();
             logs.sort_unstable();
             logs.dedup();
@@ -1200,11 +1202,7 @@ async fn the_common_request_paths_answer_as_the_general_one() {
                     .zrange(key, -1, -1, None, false, None, false)
                     .await
                     .unwrap();
-                one_entry += u64::from(
-                    newest
-                        .first()
-                        .is_some_and(|m| m.starts_with("00000000000000000001:")),
-                );
+                one_entry += u64::from(newest.first().is_some_and(|m| m.starts_with(ONLY_ENTRY)));
             }
             let mut answers = Vec::new();
             for (library, twin) in [(&own_paths, "own"), (&general, "general")] {
