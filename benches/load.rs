@@ -26,7 +26,10 @@
 //! about twice, so its log holds a few entries, where a deployment serving them for a minute
 //! holds a window's worth. `SLIDEGATE_BENCH_WARM_SECS` drives the same load that long before
 //! measuring (with one call in flight there is none); the admitted count is then of the
-//! measured calls only.
+//! measured calls only. One scenario is always measured so: the steady state, the same users on
+//! a rule of a 10 s window after 11 s of the load (or the warm-up asked for, if longer), where
+//! every log holds entries and each call trims its own (limitador alike counts in 10 s windows
+//! there).
 //!
 //! Side by side, limitador runs after each standalone scenario under load; with one call in
 //! flight the two take turns, a second each, so that both meet the machine's same spells.
@@ -68,7 +71,9 @@ use hyper_util::rt::{TokioExecutor, TokioIo};
 use prost::Message as _;
 use prost::bytes::{BufMut as _, Bytes, BytesMut};
 use slidegate::proto::{RateLimitRequest, RateLimitResponse};
-use workload::{ENVOY_AUTHORITY, Shape, config, envoy_headers, request, request_number};
+use workload::{
+    ENVOY_AUTHORITY, STEADY_WINDOW_SECS, Shape, config, envoy_headers, request, request_number,
+};
 
 fn env_or(name: &str, default: u64) -> u64 {
     std::env::var(name)
@@ -189,6 +194,11 @@ const LIMITADOR_LIMITS: &str = "- namespace: bench
   conditions: [\"'user' in descriptors[0]\"]
   variables: [\"descriptors[0].user\"]
 - namespace: bench
+  max_value: 1000000
+  seconds: 10
+  conditions: [\"'regular' in descriptors[0]\"]
+  variables: [\"descriptors[0].regular\"]
+- namespace: bench
   max_value: 100
   seconds: 60
   conditions: [\"'attack' in descriptors[0]\"]
@@ -221,6 +231,7 @@ impl Drop for Server {
     }
 }
 
+#[derive(Clone, Copy)]
 struct Load {
     connections: u64,
     streams: u64,
@@ -677,11 +688,20 @@ fn scenarios() -> Vec<Scenario> {
     use Shape::*;
     use Store::*;
     // (name, shape, store, limit, one call in flight)
-    let table: [(&'static str, Shape, Store, Option<usize>, bool); 16] = [
+    let table: [(&'static str, Shape, Store, Option<usize>, bool); 17] = [
         // What a call costs before any counting: the floor the others stand on, in this run.
         ("floor: no rule matches", NoRule, Embedded, None, false),
         ("embedded, 100k users", Users, Embedded, None, false),
         ("standalone, 100k users", Users, Standalone, None, false),
+        // The same users after a warm-up longer than their rule's window: each call trims
+        // its log, as in a deployment that has served its users for a while.
+        (
+            "standalone, steady state: 100k users on a 10 s window",
+            SteadyUsers,
+            Standalone,
+            None,
+            false,
+        ),
         ("cluster, 100k users", Users, Cluster, None, false),
         (
             "floor: no rule matches, one call in flight",
@@ -847,8 +867,15 @@ fn run_scenario(
         secs: load.secs,
         warm_secs: 0,
     };
+    // The steady state is measured after a warm-up a second longer than its rule's window.
+    let steady = Load {
+        warm_secs: load.warm_secs.max(STEADY_WINDOW_SECS + 1),
+        ..*load
+    };
     let (load, runtime) = if scenario.single {
         (&single, &runtimes.one_thread)
+    } else if scenario.shape == Shape::SteadyUsers {
+        (&steady, &runtimes.workers)
     } else {
         (load, &runtimes.workers)
     };
@@ -868,7 +895,10 @@ fn run_scenario(
     let peer = std::env::var_os("SLIDEGATE_BENCH_LIMITADOR")
         .filter(|_| {
             matches!(scenario.store, Store::Standalone)
-                && matches!(scenario.shape, Shape::Users | Shape::Attack)
+                && matches!(
+                    scenario.shape,
+                    Shape::Users | Shape::SteadyUsers | Shape::Attack
+                )
         })
         .map(|binary| {
             let limits = config_path.with_file_name("limitador.yaml");

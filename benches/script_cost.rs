@@ -93,7 +93,7 @@ const fn second_call(name: &'static str, more_windows: &'static str) -> Case {
 /// helpers and caches made, Redis's buffers grown. Call numbers count on from them.
 const WARM_UP_CALLS: usize = 5;
 
-const CASES: [Case; 8] = [
+const CASES: [Case; 9] = [
     Case {
         name: "new descriptors, one request per call",
         per_call: 1,
@@ -140,6 +140,18 @@ const CASES: [Case; 8] = [
         calls: 100,
         window_ms: 50,
         fill: 50,
+        more_windows: "",
+    },
+    // The load bench's steady state after a minute (`SLIDEGATE_BENCH_WARM_SECS=65`): each
+    // user's log holds about ten entries and its oldest leaves the window on every call.
+    Case {
+        name: "logs of 10 entries, one leaving per call, 32 requests per call",
+        per_call: 32,
+        descriptors: 1,
+        users: Users::Same,
+        calls: 100,
+        window_ms: 10,
+        fill: 10,
         more_windows: "",
     },
     // Three descriptors per request, each on a log of its own: a call carries at most 32

@@ -12,6 +12,10 @@ descriptors:
   # 100,000 users, each far within its limit: the common case.
   - key: user
     rate_limit: {unit: minute, requests_per_unit: 1000000}
+  # The same users on a 10 s window (`Shape::SteadyUsers`): after a warm-up longer than the
+  # window, every log holds entries and its oldest leaves the window as calls come.
+  - key: regular
+    rate_limit: {requests_per_unit: 1000000, window: 10s}
   # One descriptor under attack: 100 a minute.
   - key: attack
     rate_limit: {unit: minute, requests_per_unit: 100}
@@ -54,6 +58,10 @@ pub fn envoy_headers(timeout_ms: u64) -> [(&'static str, String); 5] {
     ]
 }
 
+/// The window of the rule `Shape::SteadyUsers` calls: short, so that a warm-up reaches the
+/// steady state in seconds, where the 1-minute rules of the other shapes take a minute.
+pub const STEADY_WINDOW_SECS: u64 = 10;
+
 /// The `:authority` Envoy sends: the name of the cluster the rate-limit service is in.
 pub const ENVOY_AUTHORITY: &str = "rate_limit_service";
 
@@ -61,6 +69,9 @@ pub const ENVOY_AUTHORITY: &str = "rate_limit_service";
 #[derive(Clone, Copy, PartialEq, Eq)]
 pub enum Shape {
     Users,
+    /// The users of `Users` on a rule of a 10 s window ([`STEADY_WINDOW_SECS`]): measured
+    /// after a longer warm-up, the steady state of a deployment (every call trims its log).
+    SteadyUsers,
     Attack,
     ThreeSlots,
     ThreeUserSlots,
@@ -118,6 +129,7 @@ pub fn request(shape: Shape, n: u64) -> RateLimitRequest {
     let user = (n / calls_per_visit()).wrapping_mul(2_654_435_761) % users();
     let descriptors = match shape {
         Shape::Users => vec![one(vec![entry("user", format!("u{user}"))])],
+        Shape::SteadyUsers => vec![one(vec![entry("regular", format!("u{user}"))])],
         Shape::NoRule => vec![one(vec![entry("visitor", format!("u{user}"))])],
         Shape::Attack => vec![one(vec![entry("attack", "hot".into())])],
         Shape::ThreeSlots => vec![
