@@ -188,14 +188,16 @@ impl Server {
 /// built elsewhere: nothing of it is in this repository), in its `redis` mode on the same
 /// standalone Redis, for a side-by-side in one run. Its limits are fixed windows keyed by the
 /// descriptor's value (CEL conditions and variables).
-const LIMITADOR_LIMITS: &str = "- namespace: bench
+fn limitador_limits() -> String {
+    format!(
+        "- namespace: bench
   max_value: 1000000
   seconds: 60
   conditions: [\"'user' in descriptors[0]\"]
   variables: [\"descriptors[0].user\"]
 - namespace: bench
   max_value: 1000000
-  seconds: 10
+  seconds: {STEADY_WINDOW_SECS}
   conditions: [\"'regular' in descriptors[0]\"]
   variables: [\"descriptors[0].regular\"]
 - namespace: bench
@@ -203,7 +205,9 @@ const LIMITADOR_LIMITS: &str = "- namespace: bench
   seconds: 60
   conditions: [\"'attack' in descriptors[0]\"]
   variables: [\"descriptors[0].attack\"]
-";
+"
+    )
+}
 
 impl Server {
     fn start_limitador(binary: &Path, limits: &Path, redis_url: &str) -> Server {
@@ -902,7 +906,7 @@ fn run_scenario(
         })
         .map(|binary| {
             let limits = config_path.with_file_name("limitador.yaml");
-            std::fs::write(&limits, LIMITADOR_LIMITS).expect("write limitador limits");
+            std::fs::write(&limits, limitador_limits()).expect("write limitador limits");
             move || Server::start_limitador(Path::new(&binary), &limits, &standalone.url())
         });
     let peer_name = format!("limitador: {}", scenario.name);

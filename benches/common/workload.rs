@@ -12,10 +12,6 @@ descriptors:
   # 100,000 users, each far within its limit: the common case.
   - key: user
     rate_limit: {unit: minute, requests_per_unit: 1000000}
-  # The same users on a 10 s window (`Shape::SteadyUsers`): after a warm-up longer than the
-  # window, every log holds entries and its oldest leaves the window as calls come.
-  - key: regular
-    rate_limit: {requests_per_unit: 1000000, window: 10s}
   # One descriptor under attack: 100 a minute.
   - key: attack
     rate_limit: {unit: minute, requests_per_unit: 100}
@@ -32,6 +28,11 @@ descriptors:
     rate_limit: {unit: minute, requests_per_unit: 1000000}
 ",
     );
+    // The same users on a short window (`Shape::SteadyUsers`): after a warm-up longer than the
+    // window, every log holds entries and its oldest leaves the window as calls come.
+    yaml.push_str(&format!(
+        "  - key: regular\n    rate_limit: {{requests_per_unit: 1000000, window: {STEADY_WINDOW_SECS}s}}\n"
+    ));
     // 1,000 wildcard rules on one key: /svc<n>/* each with its own limit.
     for n in 0..1000 {
         yaml.push_str(&format!(
