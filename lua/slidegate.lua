@@ -657,7 +657,10 @@ local function count_and_fit(d)
   d.fits = ok
   d.records = d.hits > 0 and (ok or (rule.debit and has_room))
   if not ok and rule.ban_ms > 0 then
-    call('SET', d.ban, ms(now + rule.ban_ms), 'PX', ms(rule.ban_ms))
+    -- The key holds the ban's end, which decides; it lives 1 s longer, the slack the data
+    -- keys keep too, so that a replica whose clock is behind still finds the ban until its
+    -- own clock reaches the end.
+    call('SET', d.ban, ms(now + rule.ban_ms), 'PX', ms(rule.ban_ms + 1000))
     d.banned = rule.ban_ms
     d.ban_set = 1
     d.records = false

@@ -1022,15 +1022,53 @@ fn calls_across_the_dropped_numbers_count_every_hit() {
 /// window, with a limit of 10 (most are rejected) and of 1,000 (all admitted, and the expiry
 /// set about once a period); Redis's own clock barely moves, so an expiry set at call time t
 /// lasts, in the calls' time, until t plus the TTL.
+/// A ban key holds the ban's end and lives a second past it, the slack the data keys keep for
+/// replicas' clocks: a replica whose clock is behind still finds the ban until its own clock
+/// reaches the end, and one past the end is not banned though the key is still there.
+#[test]
+fn a_ban_key_outlasts_its_ban_by_the_clock_slack() {
+    let (redis, library) = redis_with_library();
+    let cli = |args: &[&str]| node_cli(redis.port, args);
+    // role:ban_ms:buckets:debit:limit:window_ms: 1 a second, a ban of 800 ms. One request of
+    // one descriptor in final mode (shape 5), one hit; keys: the log, the ban.
+    let call = |now: &str, prefix: &str| {
+        cli(&[
+            "FCALL",
+            &library.function,
+            "2",
+            "b:log",
+            "b:ban",
+            "1",
+            now,
+            prefix,
+            "5",
+            "1",
+            "0:800:0:0:1:1000",
+        ])
+    };
+    // Per request: its length, then flags (1 fits, 2 set the ban, 4 recorded, 8 banned).
+    assert_eq!(call("10000", "p1")[2], "5", "admitted and recorded");
+    assert_eq!(
+        call("10010", "p2")[2..4],
+        ["10", "800"],
+        "over: the ban is set, 800 ms left"
+    );
+    assert_eq!(cli(&["GET", "b:ban"]), ["10810"], "the ban's end");
+    let left: u64 = cli(&["PTTL", "b:ban"])[0].parse().expect("PTTL");
+    assert!(
+        (1_000..=1_800).contains(&left),
+        "the ban (800 ms) and the slack (1 s): {left} ms left"
+    );
+    // Inside the ban by the caller's clock: banned, 310 ms left.
+    assert_eq!(call("10500", "p3")[2..4], ["8", "310"]);
+    // Past the ban's end and the window: admitted, the key notwithstanding.
+    assert_eq!(call("11100", "p4")[2], "5");
+}
+
 #[test]
 fn a_logs_expiry_is_set_once_a_period_and_outlasts_its_newest_entry() {
-    let redis = RedisProcess::start(&[]);
-    let library = slidegate::store::redis::Library::new();
+    let (redis, library) = redis_with_library();
     let cli = |args: &[&str]| node_cli(redis.port, args);
-    assert_eq!(
-        cli(&["FUNCTION", "LOAD", &library.code]),
-        [library.function.to_string()]
-    );
     // role:ban_ms:buckets:debit:limit:window_ms; a period of 250 ms, a TTL of 2,250 ms.
     let (window, ttl) = (1_000u64, 2_250u64);
     for (rule, keys) in [
@@ -1116,8 +1154,9 @@ fn a_logs_expiry_is_set_once_a_period_and_outlasts_its_newest_entry() {
 /// decides everything must answer alike, field by field: every role, mode and debit, checks
 /// (hits 0), weighted hits, rejections whose reset is searched in the log, logs emptied by the
 /// window, logs whose only entry is their first (which the common paths read as such), several
-/// requests on one log in one call, and requests that are not of those kinds (two descriptors
-/// on one log, a ban, two windows) left to the general path.
+/// requests on one log in one call, calls whose time is behind their logs' newest entries (a
+/// replica's clock behind another's), and requests that are not of those kinds (two
+/// descriptors on one log, a ban, two windows) left to the general path.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_common_request_paths_answer_as_the_general_one() {
     use fred::prelude::{ClientLike as _, SortedSetsInterface as _, Value};
@@ -1168,12 +1207,19 @@ async fn the_common_request_paths_answer_as_the_general_one() {
         let mut now = 1_000_000u64;
         for step in 0..60 {
             now += next(600);
+            // One call in six from a replica whose clock is behind the one that wrote the
+            // newest entries (each path stamps an entry no earlier than its log's newest).
+            let at = if next(6) == 0 {
+                now - 1 - next(800)
+            } else {
+                now
+            };
             let requests = 1 + next(3);
             let mode = next(3);
             let mut descriptors = Vec::new();
             let mut args = vec![
                 Value::from(requests.to_string()),
-                Value::from(now.to_string()),
+                Value::from(at.to_string()),
             ];
             for r in 0..requests {
                 // Mostly one descriptor, from one of the first rules (the common kinds).
@@ -1545,6 +1591,17 @@ async fn a_full_redis_refuses_the_script_and_the_policy_answers() {
 }
 
 /// `redis-cli` against one node, whole reply lines.
+/// A standalone Redis of the test's own with the script's library loaded.
+fn redis_with_library() -> (RedisProcess, slidegate::store::redis::Library) {
+    let redis = RedisProcess::start(&[]);
+    let library = slidegate::store::redis::Library::new();
+    assert_eq!(
+        node_cli(redis.port, &["FUNCTION", "LOAD", &library.code]),
+        [library.function.to_string()]
+    );
+    (redis, library)
+}
+
 fn node_cli(port: u16, args: &[&str]) -> Vec<String> {
     let out = std::process::Command::new("redis-cli")
         .args(["-p", &port.to_string()])

@@ -22,6 +22,11 @@ use super::{
 const SHARDS: usize = 64;
 /// How often a shard drops idle logs, at the latest (checked on access, and by the sweeper).
 const SWEEP_EVERY_MS: u64 = 10_000;
+/// How long idle state is kept past the moment no window needs it: the 1 s the Redis keys
+/// outlive their data too (their TTLs), so that a request whose time is up to this much
+/// behind the latest one seen (the clock stepped back) counts what it would have counted,
+/// on either store.
+const CLOCK_SLACK_MS: u64 = 1_000;
 /// Descriptors that may hold state at once, by default (4,096 a shard): some 300 bytes each,
 /// so about 80 MB.
 pub const DEFAULT_MAX_KEYS: usize = 262_144;
@@ -439,7 +444,8 @@ fn lock(shard: &Mutex<Shard>) -> MutexGuard<'_, Shard> {
 impl Shard {
     fn sweep(&mut self, now_ms: u64) {
         if now_ms >= self.next_sweep_ms {
-            self.slots.retain(|_, slot| slot.keep_until_ms > now_ms);
+            self.slots
+                .retain(|_, slot| slot.keep_until_ms.saturating_add(CLOCK_SLACK_MS) > now_ms);
             // Give memory back after a flood of descriptors has aged out.
             if self.slots.capacity() > 4 * self.slots.len() + 64 {
                 self.slots.shrink_to_fit();
@@ -815,6 +821,28 @@ mod tests {
             shards.upgrade().is_none(),
             "the sweeper holds no strong reference"
         );
+    }
+
+    /// A sweep at the latest time seen keeps what a request up to a second behind it still
+    /// counts: the hits recorded at 10,000 in a 2 s window count for a request at 11,500 even
+    /// after a sweep at 12,400 (past their window, within the slack).
+    #[test]
+    fn a_sweep_keeps_what_a_request_a_second_behind_still_counts() {
+        let store = MemoryStore::new();
+        let w = vec![window(3, 2000)];
+        // Every shard's next sweep at 12,400 (they run every 10 s).
+        store.sweep(2_400);
+        assert!(decide(&store, &[item("a", w.clone(), 3)], 10_000).admitted);
+        store.sweep(12_400);
+        assert_eq!(store.len(), 1, "kept through the slack");
+        let behind = decide(&store, &[item("a", w.clone(), 1)], 11_500);
+        assert!(
+            !behind.admitted,
+            "the 3 hits at 10,000 are in (9,500, 11,500]"
+        );
+        // The shard's next sweep (one every 10 s).
+        store.sweep(22_400);
+        assert_eq!(store.len(), 0, "gone once the slack has passed too");
     }
 
     #[test]
