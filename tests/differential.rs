@@ -3,8 +3,8 @@
 //! answer, field by field (overall code, every status, response headers, dynamic metadata).
 //! Windows, several windows per rule, bans, sliding counters (two windows sharing a bucket
 //! length), shadow and quota rules, debits (token budgets), overrides, weighted per-descriptor
-//! hits, repeated descriptors in one request and requests from a replica whose clock is behind
-//! are all in the mix.
+//! hits (a few, and thousands on a rule of 5,000), repeated descriptors in one request and
+//! requests from a replica whose clock is behind are all in the mix.
 // Tests and benchmarks may panic on a broken set-up, read the wall clock and run long.
 #![allow(
     clippy::unwrap_used,
@@ -62,10 +62,14 @@ descriptors:
   # One window, no ban: the script's own paths for the common requests.
   - key: plain
     rate_limit: {requests_per_unit: 4, window: 2s}
+  # Thousands of hits a request (tokens): running totals past 1,000, which the script writes
+  # another way than small ones.
+  - key: tokens
+    rate_limit: {requests_per_unit: 5000, window: 2s}
 "#;
 
-const KEYS: [&str; 10] = [
-    "user", "login", "big", "shadow", "quota", "free", "none", "budget", "meter", "plain",
+const KEYS: [&str; 11] = [
+    "user", "login", "big", "shadow", "quota", "free", "none", "budget", "meter", "plain", "tokens",
 ];
 
 /// One generated descriptor: which key, which value, its own hits, an override.
@@ -95,7 +99,7 @@ fn descriptor() -> impl Strategy<Value = Gen> {
     (
         0..KEYS.len(),
         any::<bool>(),
-        prop::option::weighted(0.4, 0u64..8),
+        prop::option::weighted(0.4, prop_oneof![4 => 0u64..8, 1 => 100u64..3000]),
         prop::option::weighted(0.1, 0u32..4),
     )
         .prop_map(|(key, value, hits, limit)| Gen {
