@@ -164,6 +164,10 @@ local function redis_now()
   return time_now
 end
 
+-- How long every key outlives what it holds: the slack for replicas' clocks, so that a replica
+-- whose clock is behind (up to this much) still finds all it would count.
+local CLOCK_SLACK_MS = 1000
+
 -- Rules read so far, by their text (false: not a rule), kept from call to call (a process's
 -- rules repeat) up to RULES_KEPT of them, then dropped all at once. A rule, once made, is only
 -- read: role, ban_ms, buckets, debit (boolean), m (windows), longest (window), ttl (the
@@ -204,9 +208,9 @@ local function read_rule(text)
       rule.m, rule.longest, at = w, max(rule.longest, length), after
     end
     if ok and rule.m > 0 and at == last + 1 then
-      -- Keep the data key as long as the longest window (plus a bucket), with 1 s of slack
-      -- for replica clocks.
-      local ttl = rule.longest + 1000
+      -- Keep the data key as long as the longest window (plus a bucket), with the slack for
+      -- replicas' clocks.
+      local ttl = rule.longest + CLOCK_SLACK_MS
       if buckets > 0 then
         ttl = ttl + math.ceil(rule.longest / buckets)
       end
@@ -657,10 +661,9 @@ local function count_and_fit(d)
   d.fits = ok
   d.records = d.hits > 0 and (ok or (rule.debit and has_room))
   if not ok and rule.ban_ms > 0 then
-    -- The key holds the ban's end, which decides; it lives 1 s longer, the slack the data
-    -- keys keep too, so that a replica whose clock is behind still finds the ban until its
-    -- own clock reaches the end.
-    call('SET', d.ban, ms(now + rule.ban_ms), 'PX', ms(rule.ban_ms + 1000))
+    -- The key holds the ban's end, which decides; it lives the clock slack longer, so that a
+    -- replica whose clock is behind still finds the ban until its own clock reaches the end.
+    call('SET', d.ban, ms(now + rule.ban_ms), 'PX', ms(rule.ban_ms + CLOCK_SLACK_MS))
     d.banned = rule.ban_ms
     d.ban_set = 1
     d.records = false
