@@ -679,6 +679,9 @@ struct Scenario {
     /// Another scenario's name and shape, driven in turns with this one on the same server (a
     /// second each, its line printed first): two latencies compared over the same spells.
     turns_with: Option<(&'static str, Shape)>,
+    /// Seconds of load before measuring, at least (under load): the steady state's warm-up,
+    /// a second longer than its rule's window.
+    min_warm_secs: u64,
 }
 
 #[derive(Clone, Copy)]
@@ -801,6 +804,11 @@ fn scenarios() -> Vec<Scenario> {
             single,
             turns_with: (matches!(shape, ThreeSlots | ThreeUserSlots) && single)
                 .then_some(("cluster, one call in flight", Users)),
+            min_warm_secs: if shape == SteadyUsers {
+                STEADY_WINDOW_SECS + 1
+            } else {
+                0
+            },
         })
         .collect()
 }
@@ -871,17 +879,14 @@ fn run_scenario(
         secs: load.secs,
         warm_secs: 0,
     };
-    // The steady state is measured after a warm-up a second longer than its rule's window.
-    let steady = Load {
-        warm_secs: load.warm_secs.max(STEADY_WINDOW_SECS + 1),
+    let warmed = Load {
+        warm_secs: load.warm_secs.max(scenario.min_warm_secs),
         ..*load
     };
     let (load, runtime) = if scenario.single {
         (&single, &runtimes.one_thread)
-    } else if scenario.shape == Shape::SteadyUsers {
-        (&steady, &runtimes.workers)
     } else {
-        (load, &runtimes.workers)
+        (&warmed, &runtimes.workers)
     };
     let run = |name: &str, server: &Server, shape: Shape, load: &Load| {
         runtime.block_on(drive(name, server, &ports, load, shape, scenario.limit))

@@ -62,8 +62,9 @@ descriptors:
   # One window, no ban: the script's own paths for the common requests.
   - key: plain
     rate_limit: {requests_per_unit: 4, window: 2s}
-  # Thousands of hits a request (tokens): running totals past 1,000, which the script writes
-  # another way than small ones.
+  # Thousands of hits a request (tokens): running totals past 1,000, which the script formats
+  # anew each time (it keeps only smaller ones formatted), and resets searched through weighted
+  # entries.
   - key: tokens
     rate_limit: {requests_per_unit: 5000, window: 2s}
 "#;

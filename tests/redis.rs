@@ -1013,15 +1013,6 @@ fn calls_across_the_dropped_numbers_count_every_hit() {
     );
 }
 
-/// A log's expiry, on the common paths (one request of one descriptor; one of two on logs of
-/// their own), is set when its newest entry is the first of its period (a quarter window), to
-/// the window plus a period plus 1 s, and by a call that finds the newest entry in an earlier
-/// period than its own: exactly those calls set it (an admitted call in the newest entry's
-/// period does not), and the key outlives its newest entry by the window plus 1 s after every
-/// call, admitted or rejected. 80 calls 37 ms apart (the script's clock injected) on a 1 s
-/// window, with a limit of 10 (most are rejected) and of 1,000 (all admitted, and the expiry
-/// set about once a period); Redis's own clock barely moves, so an expiry set at call time t
-/// lasts, in the calls' time, until t plus the TTL.
 /// A ban key holds the ban's end and lives a second past it, the slack the data keys keep for
 /// replicas' clocks: a replica whose clock is behind still finds the ban until its own clock
 /// reaches the end, and one past the end is not banned though the key is still there.
@@ -1065,6 +1056,15 @@ fn a_ban_key_outlasts_its_ban_by_the_clock_slack() {
     assert_eq!(call("11100", "p4")[2], "5");
 }
 
+/// A log's expiry, on the common paths (one request of one descriptor; one of two on logs of
+/// their own), is set when its newest entry is the first of its period (a quarter window), to
+/// the window plus a period plus 1 s, and by a call that finds the newest entry in an earlier
+/// period than its own: exactly those calls set it (an admitted call in the newest entry's
+/// period does not), and the key outlives its newest entry by the window plus 1 s after every
+/// call, admitted or rejected. 80 calls 37 ms apart (the script's clock injected) on a 1 s
+/// window, with a limit of 10 (most are rejected) and of 1,000 (all admitted, and the expiry
+/// set about once a period); Redis's own clock barely moves, so an expiry set at call time t
+/// lasts, in the calls' time, until t plus the TTL.
 #[test]
 fn a_logs_expiry_is_set_once_a_period_and_outlasts_its_newest_entry() {
     let (redis, library) = redis_with_library();
