@@ -24,10 +24,16 @@
 -- KEYS, per descriptor of each request in order: its data key, then its ban key if it has a
 -- ban (a descriptor with ban_ms 0 takes one key, with a ban two):
 --   data, sliding_log: a sorted set, score = time in ms, one member per request that
---               recorded, "<cum>:<weight>:<prefix>:<i>", where weight is the request's hits
---               and cum (20 digits, zero-padded) the running total of hits up to and
---               including this entry; the hits in a window are last cum - (cum - weight of
---               the window's first entry), whatever the number of entries
+--               recorded, "<cum>:<weight>:<time>" (the score again, as the same digits), or
+--               "<cum>:<weight>:<prefix>:<i>" for a tentative request (mode 0, below), whose
+--               caller may remove it again by that name; weight is the request's hits and
+--               cum (20 digits, zero-padded) the running total of hits up to and including
+--               this entry; the hits in a window are last cum - (cum - weight of the
+--               window's first entry), whatever the number of entries. (The time in the
+--               member spares the newest and first entries' reads `WITHSCORES`: Redis 7.0
+--               prints a score with printf "%.17g", about 3,800 instructions, and the script
+--               turns the text back into a number. cum alone names an entry: totals grow
+--               along a log, so no two entries of a log share one.)
 --   data, sliding_counter: a hash, field "<bucket_ms>:<bucket>" = hits
 --   ban:        a string holding the ban's end (ms since the epoch), with a TTL
 -- ARGV:
@@ -37,7 +43,10 @@
 --            "" reads Redis TIME instead (one clock for all replicas). (One per call, not
 --            per request: each argument costs Redis about 1,000 instructions to read.)
 --   then per request:
---   prefix   member prefix, unique per request, so members are unique even within one ms
+--   prefix   member prefix, unique per request: it names a tentative request's entries (see
+--            data), for their removal; unused, and may be empty, in the other modes (an
+--            argument the same in every request costs Redis and the caller less: no string
+--            made for it per request)
 --   shape    4 n + mode (5 for the common request, one descriptor, final): n, the number of
 --            descriptors (>= 1), and mode in one argument, for the reason above, where mode is
 --            1 = final: admit iff every enforcing descriptor fits and, if there are quota
@@ -251,14 +260,14 @@ local function check_request(r, a, k)
   end
   local mode = shape and shape % 4
   local n = shape and (shape - mode) / 4
-  if (ARGV[a] or '') == '' then
-    problem = 'member prefix is missing'
-  elseif not shape then
+  if not shape then
     problem = 'shape (4 x descriptor count + mode) must be a whole number'
   elseif mode > 2 then
     problem = 'mode must be 0, 1 or 2'
   elseif n < 1 then
     problem = 'descriptor count must be at least 1'
+  elseif mode == 0 and (ARGV[a] or '') == '' then
+    problem = 'member prefix is missing (a tentative request names its entries by it)'
   else
     a = a + 2
     for i = 1, n do
@@ -301,6 +310,16 @@ local function score(t)
   return ms(t)
 end
 
+-- The member of the entry descriptor i of the request being decided records: running total
+-- cum, hits, at time t (layout in the header). (At most one printf, for the padded total; the
+-- rest joined from text: each directive of a format is a printf of its own.)
+local function member_of(cum, hits, t, i)
+  if mode == 0 then
+    return padded_cum(cum) .. ':' .. ms(hits) .. ':' .. prefix .. ':' .. ms(i)
+  end
+  return padded_cum(cum) .. ':' .. ms(hits) .. ':' .. score(t)
+end
+
 -- Per descriptor position i, the decision state of the request being decided: made once and
 -- reset for each request (requests are decided one after the other), so deciding a request
 -- allocates little but its reply. Fields: rule, hits, key (data), ban (key or false),
@@ -324,7 +343,7 @@ local function begin_request(a)
     shape = whole(text)
   end
   prefix, mode = ARGV[a], shape and shape % 4
-  return mode and mode <= 2 and prefix and prefix ~= ''
+  return mode and mode <= 2 and (mode ~= 0 or (prefix ~= nil and prefix ~= ''))
 end
 
 -- Reads the request from ARGV[a] and KEYS[k + 1] on (checked by `check_request`) into `states`.
@@ -405,6 +424,30 @@ local function member_cum(member)
   return cum and cum + 0
 end
 
+-- cum, weight and time of a member that holds its time ("<cum>:<weight>:<time>"), or nil for
+-- another (a tentative request's, or one written by an earlier version). (One capture per
+-- field, `%d+` rather than 20 `%d`s: each item of a pattern costs the matcher a step of its
+-- own. Exactly three fields of digits, the first of 20: no other layout has that.)
+local TIMED = '^(%d+):(%d+):(%d+)$'
+local function timed_member(member)
+  local cum, weight, time = string.match(member, TIMED)
+  if cum == nil or #cum ~= 20 then
+    return nil
+  end
+  return cum + 0, weight + 0, time + 0
+end
+
+-- cum, weight and time of the entry `member` of `log`, of this format: from the member where
+-- it holds the time, else with the time read from its score.
+local function log_entry(log, member)
+  local cum, weight, time = timed_member(member)
+  if cum == nil then
+    cum, weight = parse_member(member)
+    time = call('ZSCORE', log, member) + 0
+  end
+  return cum, weight, time
+end
+
 -- Rewrites a log that holds members of the previous format: every entry keeps its time, an
 -- old member weighs 1, and running totals are recomputed in time order.
 local function migrate(log)
@@ -416,7 +459,7 @@ local function migrate(log)
     weight = weight or 1
     cum = cum + weight
     args[#args + 1] = all[e + 1]
-    args[#args + 1] = format('%020d', cum) .. ':' .. ms(weight) .. ':m:' .. ms((e + 1) / 2)
+    args[#args + 1] = format('%020d', cum) .. ':' .. ms(weight) .. ':' .. all[e + 1]
     if #args >= 2000 then
       call('ZADD', log, unpack(args))
       args = {}
@@ -545,18 +588,23 @@ end
 -- === sliding_log, continued ===
 
 -- The log's newest entry: its cum and time (0, 0 when empty). Migrates an old log first.
+local NEWEST = '^(%d+):%d+:(%d+)$'
 local function last_entry(log)
-  local last = call('ZRANGE', log, '-1', '-1', 'WITHSCORES')
-  if last[1] == nil then
+  local last = call('ZRANGE', log, '-1', '-1')[1]
+  if last == nil then
     return 0, 0
   end
-  local cum = member_cum(last[1])
-  if cum == nil then
-    migrate(log)
-    last = call('ZRANGE', log, '-1', '-1', 'WITHSCORES')
-    cum = member_cum(last[1])
+  -- (`timed_member` without the weight: each number read from text is a strtod.)
+  local cum, time = string.match(last, NEWEST)
+  if cum ~= nil and #cum == 20 then
+    return cum + 0, time + 0
   end
-  return cum, last[2] + 0
+  if member_cum(last) == nil then
+    migrate(log)
+    last = call('ZRANGE', log, '-1', '-1')[1]
+  end
+  local total, _, at = log_entry(log, last)
+  return total, at
 end
 
 -- The reset of a sliding_log window of `limit` and `length` ms for a descriptor that must fit
@@ -630,13 +678,13 @@ local function count_and_fit(d)
         -- range to read).
         local first
         if bound == st.trimmed then
-          first = call('ZRANGE', d.key, '0', '0', 'WITHSCORES')
+          first = call('ZRANGE', d.key, '0', '0')[1]
         else
-          first = call('ZRANGEBYSCORE', d.key, '(' .. ms(bound), '+inf', 'WITHSCORES', 'LIMIT', '0', '1')
+          first = call('ZRANGEBYSCORE', d.key, '(' .. ms(bound), '+inf', 'LIMIT', '0', '1')[1]
         end
-        if first[1] ~= nil then
-          local cum, weight = parse_member(first[1])
-          d[3 * w - 1], d[3 * w] = cum - weight, first[2] + 0
+        if first ~= nil then
+          local cum, weight, time = log_entry(d.key, first)
+          d[3 * w - 1], d[3 * w] = cum - weight, time
         end
       end
       d[3 * w - 2] = d[3 * w - 1] and (st.head_cum - d[3 * w - 1]) or 0
@@ -683,9 +731,7 @@ local function record(d, i)
   if rule.buckets == 0 then
     d.cum = st.head_cum + d.hits
     local stamp = max(now, st.head_time)
-    -- (At most one printf, for the padded total; the rest joined from text: each directive
-    -- of a format is a printf of its own.)
-    call('ZADD', d.key, score(stamp), padded_cum(d.cum) .. ':' .. ms(d.hits) .. ':' .. prefix .. ':' .. ms(i))
+    call('ZADD', d.key, score(stamp), member_of(d.cum, d.hits, stamp, i))
     if not st.new_before then
       st.new_before, st.new_time = st.head_cum, stamp
     end
@@ -838,11 +884,11 @@ local function trim_and_count(key, length)
       return 1, head_time, 0, head_time, 1
     else
       call('ZREMRANGEBYSCORE', key, '-inf', ms(bound))
-      local first = call('ZRANGE', key, '0', '0', 'WITHSCORES')
-      if first[1] ~= nil then
-        local cum, weight = parse_member(first[1])
+      local first = call('ZRANGE', key, '0', '0')[1]
+      if first ~= nil then
+        local cum, weight, time = log_entry(key, first)
         local before = cum - weight
-        return head_cum, head_time, before, first[2] + 0, head_cum - before
+        return head_cum, head_time, before, time, head_cum - before
       end
     end
   end
@@ -947,7 +993,7 @@ local function decide_logs(a, k, n)
       local hits = s_hits[i]
       local cum = s_head[i] + hits
       newest = max(now, head_time)
-      call('ZADD', key, score(newest), padded_cum(cum) .. ':' .. ms(hits) .. ':' .. prefix .. ':' .. ms(i))
+      call('ZADD', key, score(newest), member_of(cum, hits, newest, i))
       if not s_before[i] then
         s_before[i], s_time[i] = s_head[i], newest
       end
@@ -1016,7 +1062,13 @@ local function decide_single(a, k)
   if records and (mode ~= 2 or debit) then
     cum = head_cum + hits
     newest = max(now, head_time)
-    call('ZADD', key, score(newest), padded_cum(cum) .. ':' .. ms(hits) .. ':' .. prefix .. ':1')
+    -- (`member_of`, in line.)
+    local stamp = score(newest)
+    if mode == 0 then
+      call('ZADD', key, stamp, padded_cum(cum) .. ':' .. ms(hits) .. ':' .. prefix .. ':1')
+    else
+      call('ZADD', key, stamp, padded_cum(cum) .. ':' .. ms(hits) .. ':' .. stamp)
+    end
     if not before then
       before, time = head_cum, newest
     end

@@ -577,7 +577,8 @@ fn malformed_script_arguments_get_an_error_reply() {
         request("1.5", "5", "1", ok),
         request("-1", "5", "1", ok),
         request("1e3", "5", "1", ok),
-        vec!["1", "k", "1", "1", "", "5", "1", ok],
+        // A tentative request (mode 0) names its entries by its prefix.
+        vec!["1", "k", "1", "1", "", "4", "1", ok],
         // Mode 3, no descriptor, a shape that is no number.
         request("1", "7", "1", ok),
         request("1", "1", "1", ok),
@@ -643,8 +644,8 @@ fn malformed_script_arguments_get_an_error_reply() {
     );
     assert_eq!(
         cli(&["ZRANGE", "t:log", "0", "-1"]),
-        "00000000000000000001:1:p:1",
-        "one weighted entry: running total, weight, call prefix, position"
+        "00000000000000000001:1:1000",
+        "one weighted entry: running total, weight, time"
     );
     // sliding_counter with 10 buckets of 100 ms: the hit sits in bucket 10 (1,000..1,100), which
     // stops counting at 1,100 + 1,000.
@@ -991,8 +992,9 @@ fn calls_across_the_dropped_numbers_count_every_hit() {
             );
         }
     }
-    // Members start with the running total, 20 digits zero-padded, below the totals the library
-    // keeps made (1,000) and above: the first entry's weight is 1, the last's total 1,441,200.
+    // Members are the running total, 20 digits zero-padded, below the totals the library keeps
+    // made (1,000) and above, the weight and the time: the first entry's weight is 1, the
+    // last's total 1,441,200.
     let members = cli(&[
         "ZRANGE".into(),
         "rl:{many-numbers}:log".into(),
@@ -1001,16 +1003,9 @@ fn calls_across_the_dropped_numbers_count_every_hit() {
     ]);
     let members: Vec<&str> = members.lines().collect();
     assert_eq!(members.len(), 2 * requests, "one entry per request");
-    assert!(
-        members[0].starts_with("00000000000000000001:1:p0-0:"),
-        "{}",
-        members[0]
-    );
+    assert_eq!(members[0], "00000000000000000001:1:1000000");
     let last = members[members.len() - 1];
-    assert!(
-        last.starts_with(&format!("{total:020}:1200:p1-1199:")),
-        "{last}"
-    );
+    assert_eq!(last, format!("{total:020}:1200:1010000"));
 }
 
 /// A ban key holds the ban's end and lives a second past it, the slack the data keys keep for
@@ -1389,6 +1384,14 @@ fn budget_item(
     }
 }
 
+/// Writes entries into a log as another writer left them: (score, member) each.
+fn seed_log(redis: &common::redis::RedisProcess, log: &str, entries: &[(u64, String)]) {
+    for (at, member) in entries {
+        let reply = redis.cmd(&format!("ZADD {log} {at} {member}"));
+        assert!(reply.starts_with(":1"), "{reply}");
+    }
+}
+
 /// A log written by the previous version (one member `<time>:<prefix>:<i>:<j>` per hit) keeps
 /// counting: the first call rewrites it as weighted entries, weight 1 each, times kept.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -1396,14 +1399,16 @@ async fn old_format_logs_are_migrated_on_first_touch() {
     let redis = shared_standalone();
     let key = slidegate::store::StoreKey::new(&unique_domain("old"), "");
     let log = key.log();
-    for (at, member) in [
-        (T0 - 9_000, "1:1"),
-        (T0 - 5_000, "1:2"),
-        (T0 - 5_000, "1:3"),
-    ] {
-        let reply = redis.cmd(&format!("ZADD {log} {at} {at}:oldcall:{member}"));
-        assert!(reply.starts_with(":1"), "{reply}");
-    }
+    let old = |at: u64, member: &str| (at, format!("{at}:oldcall:{member}"));
+    seed_log(
+        &redis,
+        &log,
+        &[
+            old(T0 - 9_000, "1:1"),
+            old(T0 - 5_000, "1:2"),
+            old(T0 - 5_000, "1:3"),
+        ],
+    );
     let store = connect(redis.url(), TEST_TIMEOUT).await;
     let outcome = store
         .check(&[budget_item(&key, 2, 10)], T0)
@@ -1416,14 +1421,14 @@ async fn old_format_logs_are_migrated_on_first_touch() {
         .filter(|l| !l.starts_with('*') && !l.starts_with('$'))
         .collect();
     assert_eq!(members.len(), 4, "{members:?}");
-    let totals: Vec<&str> = members.iter().map(|m| &m[..20]).collect();
+    // Running total, weight and time, as every final request's entry is now written.
     assert_eq!(
-        totals,
+        members,
         [
-            "00000000000000000001",
-            "00000000000000000002",
-            "00000000000000000003",
-            "00000000000000000005"
+            format!("00000000000000000001:1:{}", T0 - 9_000),
+            format!("00000000000000000002:1:{}", T0 - 5_000),
+            format!("00000000000000000003:1:{}", T0 - 5_000),
+            format!("00000000000000000005:2:{T0}"),
         ]
     );
     // The oldest hit still leaves when it did: 9 s ago in a 1 h window.
@@ -1432,6 +1437,54 @@ async fn old_format_logs_are_migrated_on_first_touch() {
         .await
         .expect("check");
     assert_eq!(check.items[0].windows[0].reset_ms, 3_600_000 - 9_000);
+}
+
+/// Entries whose member holds no time (a tentative request's, named by its prefix for its
+/// removal, or one an earlier version wrote) are read by their score: the count, the reset
+/// from the window's first entry, and a new entry stamped no earlier than the newest one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn entries_without_their_time_in_the_member_are_read_by_their_score() {
+    let redis = shared_standalone();
+    let key = slidegate::store::StoreKey::new(&unique_domain("untimed"), "");
+    let log = key.log();
+    // Totals 2 and 5 (weights 2 and 3); the newest half a second ahead of the caller's clock.
+    seed_log(
+        &redis,
+        &log,
+        &[
+            (
+                T0 - 9_000,
+                "00000000000000000002:2:0123456789abcdef-7:1".into(),
+            ),
+            (
+                T0 + 500,
+                "00000000000000000005:3:0123456789abcdef-8:2".into(),
+            ),
+        ],
+    );
+    let store = connect(redis.url(), TEST_TIMEOUT).await;
+    let outcome = store
+        .check(&[budget_item(&key, 1, 10)], T0)
+        .await
+        .expect("decided");
+    let window = &outcome.items[0].windows[0];
+    assert_eq!(window.count, 6, "5 hits before + 1");
+    assert_eq!(
+        window.reset_ms,
+        3_600_000 - 9_000,
+        "until the first entry, 9 s old, leaves the 1 h window"
+    );
+    let newest = redis.cmd(&format!("ZRANGE {log} -1 -1 WITHSCORES"));
+    let newest: Vec<&str> = newest
+        .lines()
+        .filter(|l| !l.starts_with('*') && !l.starts_with('$'))
+        .collect();
+    let stamp = (T0 + 500).to_string();
+    assert_eq!(
+        newest,
+        [format!("00000000000000000006:1:{stamp}"), stamp.clone()],
+        "stamped at the newest entry's time, not the caller's earlier one"
+    );
 }
 
 /// Memory per call, not per hit: 10,000 debits of 5,000 tokens are 10,000 log entries (the

@@ -589,7 +589,12 @@ impl RedisStore {
         let int = |n: u64| Value::Integer(i64::try_from(n).unwrap_or(i64::MAX));
         let mut keys = Vec::with_capacity(group.len() * 2);
         let mut args: Vec<Value> = Vec::with_capacity(2 + group.len() * 2);
-        args.push(Value::String(call.prefix.as_str().into()));
+        // The prefix names a tentative request's entries, for their removal (`undo`); the
+        // script leaves it out of the others' entries, so they send none: no string made.
+        args.push(match mode {
+            Mode::Tentative => Value::String(self.prefix(call).into()),
+            Mode::Final | Mode::Rejected => Value::String(Str::from_static("")),
+        });
         // The request's shape: its descriptor count and mode in one argument.
         args.push(int(4 * group.len() as u64 + mode.code()));
         for &i in group {
@@ -619,6 +624,16 @@ impl RedisStore {
         }
     }
 
+    /// The member prefix of a request's tentative log entries: unique to this process (its
+    /// instance) and request.
+    fn prefix(&self, call: &Call) -> String {
+        let mut prefix = String::with_capacity(self.instance.len() + 21);
+        prefix.push_str(&self.instance);
+        prefix.push('-');
+        push_decimal(&mut prefix, call.number);
+        prefix
+    }
+
     /// With `rejected`, the request is already rejected elsewhere (`Store::check_rejected`).
     async fn decide(
         &self,
@@ -628,12 +643,8 @@ impl RedisStore {
         rejected: bool,
     ) -> Result<CheckOutcome, StoreError> {
         let number = self.calls.fetch_add(1, Ordering::Relaxed);
-        let mut prefix = String::with_capacity(self.instance.len() + 21);
-        prefix.push_str(&self.instance);
-        prefix.push('-');
-        push_decimal(&mut prefix, number);
         let call = Call {
-            prefix,
+            number,
             // Requests take the pool's clients in turn, as `Pool::next` would hand them out
             // (the low 32 bits: a `usize` on every target).
             lane: usize::try_from(number & u64::from(u32::MAX)).unwrap_or(0),
@@ -751,7 +762,7 @@ impl RedisStore {
         call: &Call,
         outcomes: &mut [ItemOutcome],
     ) {
-        let prefix = &call.prefix;
+        let prefix = self.prefix(call);
         let mut removals = Vec::new();
         for (group, now_ms, entries) in groups {
             for (position, (&i, &cum)) in group.iter().zip(entries).enumerate() {
@@ -766,8 +777,8 @@ impl RedisStore {
                 let client = batch::client_of(&self.sender.pool.load(), call.lane).clone();
                 match item.algorithm {
                     Algorithm::SlidingLog => {
-                        // The member as the script wrote it: "<cum>:<weight>:<prefix>:<i>", i
-                        // 1-based per call.
+                        // The member as the script wrote it for a tentative request:
+                        // "<cum>:<weight>:<prefix>:<i>", i 1-based per call.
                         let member = format!("{cum:020}:{}:{prefix}:{}", item.hits, position + 1);
                         removals.push(Box::pin(async move {
                             client
@@ -869,10 +880,11 @@ impl RedisStore {
     }
 }
 
-/// What the calls of one request share: the prefix that names its log entries (unique to
-/// this process and request) and the client that carries them ([`Request::lane`]).
+/// What the calls of one request share: its number in this process, which names its
+/// tentative log entries ([`RedisStore::prefix`]), and the client that carries them
+/// ([`Request::lane`]).
 struct Call {
-    prefix: String,
+    number: u64,
     lane: usize,
 }
 
