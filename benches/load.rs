@@ -561,12 +561,11 @@ fn script_ceiling(redis: &redis_proc::RedisProcess, script: &str, name: &str, pe
     for _ in 0..per_call {
         args.push("rl:{bench:user=u__rand_int__}:log".to_string());
     }
-    // The number of requests and the call's time, then per request: prefix (empty, as slidegate
-    // sends it for a final request), shape (4 n + mode: one descriptor, final); hits, rule
-    // (role:ban_ms:buckets:debit:limit:window_ms).
+    // The number of requests and the call's time, then per request: shape (4 n + mode: one
+    // descriptor, final); hits, rule (role:ban_ms:buckets:debit:limit:window_ms).
     args.extend([per_call.to_string(), "1767225600000".to_string()]);
     for _ in 0..per_call {
-        args.extend(["", "5", "1", "0:0:0:0:1000000:60000"].map(String::from));
+        args.extend(["5", "1", "0:0:0:0:1000000:60000"].map(String::from));
     }
     let out = Command::new("redis-benchmark")
         .args(["-p", &redis.port.to_string(), "-c", "16"])
@@ -606,14 +605,12 @@ fn memory_usage(redis: &redis_proc::RedisProcess) {
     println!(
         "\nRedis memory (MEMORY USAGE, redis-server 7, default zset-max-listpack-entries 128):"
     );
-    // One call of one request: KEYS the log or the counters; ARGV request count, now, prefix
-    // (empty, as slidegate sends it for a final request), shape (5: one descriptor, final), then
-    // hits and the rule (role:ban_ms:buckets:debit:limit:window_ms).
+    // One call of one request: KEYS the log or the counters; ARGV request count, now, shape
+    // (5: one descriptor, final), then hits and the rule
+    // (role:ban_ms:buckets:debit:limit:window_ms).
     let line = |base: &str, now: u64, hits: u64, buckets: &str| {
         let key = if buckets == "0" { "log" } else { "cnt" };
-        format!(
-            "FCALL {function} 1 {base}:{key} 1 {now} \"\" 5 {hits} 0:0:{buckets}:0:100000:3600000\n"
-        )
+        format!("FCALL {function} 1 {base}:{key} 1 {now} 5 {hits} 0:0:{buckets}:0:100000:3600000\n")
     };
     let run = |lines: String| {
         use std::io::Write;

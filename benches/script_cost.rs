@@ -220,13 +220,12 @@ fn call_args(case: &Case, head: &[String], spread: bool, c: usize, tag: &str) ->
             args.push(format!("rl:{{bench:{tag}:user=u{user}:d{d}}}:log"));
         }
     }
-    // The number of requests and the call's time, then per request: prefix (empty, as slidegate
-    // sends it for a final request), shape (4 n + mode, final: 1); hits, rule
-    // (role:ban_ms:buckets:debit:limit:window_ms).
+    // The number of requests and the call's time, then per request: shape (4 n + mode, final:
+    // 1); hits, rule (role:ban_ms:buckets:debit:limit:window_ms).
     let now = 1_767_225_600_000u64 + c as u64;
     args.extend([case.per_call.to_string(), now.to_string()]);
     for _ in 0..case.per_call {
-        args.extend([String::new(), (4 * case.descriptors + 1).to_string()]);
+        args.push((4 * case.descriptors + 1).to_string());
         for _ in 0..case.descriptors {
             args.extend([
                 "1".into(),

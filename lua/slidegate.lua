@@ -42,11 +42,7 @@
 --            (digits only: the text is the score of the entries recorded at that time);
 --            "" reads Redis TIME instead (one clock for all replicas). (One per call, not
 --            per request: each argument costs Redis about 1,000 instructions to read.)
---   then per request:
---   prefix   member prefix, unique per request: it names a tentative request's entries (see
---            data), for their removal; unused, and may be empty, in the other modes (an
---            argument the same in every request costs Redis and the caller less: no string
---            made for it per request)
+--   then per request: its shape, two per descriptor, and the prefix of a tentative request:
 --   shape    4 n + mode (5 for the common request, one descriptor, final): n, the number of
 --            descriptors (>= 1), and mode in one argument, for the reason above, where mode is
 --            1 = final: admit iff every enforcing descriptor fits and, if there are quota
@@ -56,12 +52,15 @@
 --                removes the entries again if the request is rejected
 --            2 = rejected (another descriptor of the request is known to be over, so the
 --                caller did not send it): record nothing but debits, set bans, report
---   then per descriptor two: hits, and its rule as one text, whole numbers joined by ":",
+--   per descriptor two: hits, and its rule as one text, whole numbers joined by ":",
 --   "role:ban_ms:buckets:debit:limit:window_ms[:limit:window_ms...]": role 0 enforce,
 --   1 shadow, 2 quota; ban_ms 0 for no ban; buckets 0 for sliding_log, else sliding_counter
 --   with that many buckets per window; debit 1 for usage already spent (see below); then one
 --   limit and window_ms pair per window, at least one. (One text per rule: a call's requests
 --   mostly share their rules, and each distinct text is read once per call.)
+--   prefix   a tentative request's only (mode 0): unique per request, it names the request's
+--            entries (see data) for their removal. (Last, and for that mode alone: the other
+--            requests, nearly all of them, spare an argument.)
 -- Reply: one flat array: now (the call's time), then per request in order either its length L
 --   then L integers, per descriptor: flags, then ban_remaining_ms if banned (flag 8), then cum if
 --     it recorded (flag 4: of the log entry it recorded; 0 for sliding_counter), then unless
@@ -254,9 +253,9 @@ local function check_request(r, a, k)
   -- Numbers and rules read before are looked up here rather than through `whole` and
   -- `read_rule` (false: read before, and not valid): this runs for every request of every
   -- call, and a Lua function call costs several lookups.
-  local shape = read[ARGV[a + 1]]
+  local shape = read[ARGV[a]]
   if shape == nil then
-    shape = whole(ARGV[a + 1])
+    shape = whole(ARGV[a])
   end
   local mode = shape and shape % 4
   local n = shape and (shape - mode) / 4
@@ -266,10 +265,10 @@ local function check_request(r, a, k)
     problem = 'mode must be 0, 1 or 2'
   elseif n < 1 then
     problem = 'descriptor count must be at least 1'
-  elseif mode == 0 and (ARGV[a] or '') == '' then
-    problem = 'member prefix is missing (a tentative request names its entries by it)'
+  elseif mode == 0 and (ARGV[a + 1 + 2 * n] or '') == '' then
+    problem = 'member prefix is missing (a tentative request ends with it: it names its entries)'
   else
-    a = a + 2
+    a = a + 1
     for i = 1, n do
       local text, hits = ARGV[a + 1], read[ARGV[a]]
       local rule = rules[text]
@@ -286,6 +285,9 @@ local function check_request(r, a, k)
       end
       k = k + (rule.ban_ms > 0 and 2 or 1)
       a = a + 2
+    end
+    if mode == 0 then
+      a = a + 1
     end
     if problem == nil and KEYS[k] == nil then
       problem = 'expected at least ' .. k .. ' keys, got ' .. #KEYS
@@ -333,17 +335,24 @@ end
 -- and [3w] (its time).
 local states = {}
 
--- Sets the member prefix and mode of the request whose arguments start at ARGV[a], and answers
--- whether they are valid (the general path checks them in `check_request` first, with
--- reasons; the common paths leave a request with bad ones to it).
+-- Sets the mode and member prefix of the request whose arguments start at ARGV[a], and
+-- answers where the next request's start, or nil when they are not valid (the general path
+-- checks them in `check_request` first, with reasons; the common paths leave a request with
+-- bad ones to it).
 local function begin_request(a)
-  local text = ARGV[a + 1]
+  local text = ARGV[a]
   local shape = read[text]
   if shape == nil then
     shape = whole(text)
   end
-  prefix, mode = ARGV[a], shape and shape % 4
-  return mode and mode <= 2 and (mode ~= 0 or (prefix ~= nil and prefix ~= ''))
+  mode = shape and shape % 4
+  if mode == 0 then
+    local after = a + 1 + shape / 2
+    prefix = ARGV[after]
+    return prefix ~= nil and prefix ~= '' and after + 1 or nil
+  end
+  prefix = nil
+  return mode and mode <= 2 and a + 1 + (shape - mode) / 2 or nil
 end
 
 -- Reads the request from ARGV[a] and KEYS[k + 1] on (checked by `check_request`) into `states`.
@@ -352,10 +361,10 @@ end
 -- deployment's hot path each table write is a measurable share of the call).
 local function bind(a, k)
   begin_request(a)
-  local shape = read[ARGV[a + 1]]
+  local shape = read[ARGV[a]]
   n = (shape - shape % 4) / 4
   local text
-  a = a + 2
+  a = a + 1
   for i = 1, n do
     local d = states[i]
     if d == nil then
@@ -923,11 +932,11 @@ local s_rule, s_hits, s_size, s_key, s_head, s_head_time = {}, {}, {}, {}, {}, {
 local s_before, s_time, s_count, s_fits, s_records, s_cum = {}, {}, {}, {}, {}, {}
 
 -- Reads the n descriptors of the request whose arguments start at ARGV[a] and keys after
--- KEYS[k] into the `s_` arrays, and its time, prefix and mode: whether the request is of the
--- kind `decide_logs` decides, with valid arguments.
+-- KEYS[k] into the `s_` arrays, and its prefix and mode: where the next request's arguments
+-- start if the request is of the kind `decide_logs` decides, with valid arguments, else nil.
 local function read_logs(a, k, n)
   for i = 1, n do
-    local text = ARGV[a + 1 + 2 * i]
+    local text = ARGV[a + 2 * i]
     local rule = rules[text] or read_rule(text)
     local key = KEYS[k + i]
     if not (rule and rule.one_log and key) then
@@ -938,7 +947,7 @@ local function read_logs(a, k, n)
         return false
       end
     end
-    text = ARGV[a + 2 * i]
+    text = ARGV[a + 2 * i - 1]
     local hits = read[text]
     if hits == nil then
       hits = whole(text)
@@ -960,10 +969,11 @@ end
 -- `cargo bench --bench script_cost`). Writes as `decide` does; answers nil, having written
 -- nothing, for another kind or bad arguments (`decide` tells why).
 local function decide_logs(a, k, n)
-  if not read_logs(a, k, n) then
+  local after = read_logs(a, k, n)
+  if not after then
     return nil
   end
-  next_a, next_k = a + 2 + 2 * n, k + n
+  next_a, next_k = after, k + n
   -- 1. Per descriptor: the newest entry, the trim, the window's first entry (the log was just
   --    trimmed to this window, so it is the log's first), the count, and whether it fits.
   -- 2. Whether the request is admitted (as `decide`).
@@ -1030,21 +1040,22 @@ end
 -- for the same request (`cargo bench --bench script_cost`). Writes as `decide` does; answers
 -- nil, having written nothing, for another kind or bad arguments (`decide` tells why).
 local function decide_single(a, k)
-  local text = ARGV[a + 3]
+  local text = ARGV[a + 2]
   local rule = rules[text] or read_rule(text)
   local key = KEYS[k + 1]
   if not (rule and rule.one_log and key) then
     return nil
   end
-  text = ARGV[a + 2]
+  text = ARGV[a + 1]
   local hits = read[text]
   if hits == nil then
     hits = whole(text)
   end
-  if not (hits and begin_request(a)) then
+  local after = hits and begin_request(a)
+  if not after then
     return nil
   end
-  next_a, next_k = a + 4, k + 1
+  next_a, next_k = after, k + 1
   local limit, length = rule[1], rule[2]
   local debit = rule.debit
   local size = (debit and hits == 0) and 1 or hits
@@ -1111,7 +1122,7 @@ local function decide_from(first, last)
     current, current_a = r, a
     -- The common kinds by paths of their own (nil: not of their kind, or bad arguments), the
     -- others by `decide`.
-    local shape, e, problem = read[ARGV[a + 1]], nil, nil
+    local shape, e, problem = read[ARGV[a]], nil, nil
     local n = shape and (shape - shape % 4) / 4
     if n == 1 then
       e = decide_single(a, k)

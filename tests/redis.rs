@@ -558,18 +558,18 @@ fn malformed_script_arguments_get_an_error_reply() {
     assert_eq!(loaded, &*library.function, "FUNCTION LOAD: {loaded}");
     let function: &str = &library.function;
     // One key per descriptor (its log or counters), two with a ban. Arguments: the number of
-    // requests, the call's time, then per request: prefix, shape (4 x descriptor count + mode),
-    // and per descriptor: hits and the rule
-    // "role:ban_ms:buckets:debit:limit:window_ms[:limit:window_ms...]".
+    // requests, the call's time, then per request: shape (4 x descriptor count + mode), per
+    // descriptor hits and the rule "role:ban_ms:buckets:debit:limit:window_ms[:limit:window_ms...]",
+    // and a tentative request's prefix.
     let ok = "0:0:0:0:10:1000";
     let request =
         |now: &'static str, shape: &'static str, hits: &'static str, rule: &'static str| {
-            vec!["1", "k", "1", now, "p", shape, hits, rule]
+            vec!["1", "k", "1", now, shape, hits, rule]
         };
     let cases: Vec<Vec<&str>> = vec![
         vec!["0"],
         vec!["1", "k", "0"],
-        vec!["1", "k", "2", "1", "p", "5", "1", ok],
+        vec!["1", "k", "2", "1", "5", "1", ok],
         request("x", "5", "1", ok),
         // The call's time: digits only (its text becomes entries' scores as it came).
         request(" 5", "5", "1", ok),
@@ -577,8 +577,9 @@ fn malformed_script_arguments_get_an_error_reply() {
         request("1.5", "5", "1", ok),
         request("-1", "5", "1", ok),
         request("1e3", "5", "1", ok),
-        // A tentative request (mode 0) names its entries by its prefix.
-        vec!["1", "k", "1", "1", "", "4", "1", ok],
+        // A tentative request (mode 0) ends with the prefix that names its entries.
+        vec!["1", "k", "1", "1", "4", "1", ok],
+        vec!["1", "k", "1", "1", "4", "1", ok, ""],
         // Mode 3, no descriptor, a shape that is no number.
         request("1", "7", "1", ok),
         request("1", "1", "1", ok),
@@ -595,8 +596,8 @@ fn malformed_script_arguments_get_an_error_reply() {
         request("1", "5", "1", "0:0:0:0:10:1000:5"),
         // A ban takes a second key.
         request("1", "5", "1", "0:500:0:0:10:1000"),
-        vec!["2", "k", "k2", "1", "1", "p", "5", "1", ok],
-        vec!["1", "k", "1", "1", "p", "5", "1", ok, "extra"],
+        vec!["2", "k", "k2", "1", "1", "5", "1", ok],
+        vec!["1", "k", "1", "1", "5", "1", ok, "extra"],
     ];
     for args in cases {
         let mut full = vec!["FCALL", function];
@@ -616,9 +617,9 @@ fn malformed_script_arguments_get_an_error_reply() {
     let mut full = vec![
         "FCALL", function, "3", "b1:log", "b2:log", "b3:log", "3", "1000",
     ];
-    full.extend_from_slice(&["p", "5", "1", ok]);
-    full.extend_from_slice(&["p", "5", "1", "0:0:0:0:10"]);
-    full.extend_from_slice(&["p", "5", "1", ok]);
+    full.extend_from_slice(&["5", "1", ok]);
+    full.extend_from_slice(&["5", "1", "0:0:0:0:10"]);
+    full.extend_from_slice(&["5", "1", ok]);
     let reply = cli(&full);
     let lines: Vec<&str> = reply.lines().collect();
     assert_eq!(lines[..6], ["1000", "4", "5", "1", "1", "1000"], "{reply}");
@@ -635,7 +636,7 @@ fn malformed_script_arguments_get_an_error_reply() {
     // its length, flags (1 fits, 4 recorded), the entry it recorded, count, reset.
     let call = |key: &str, rule: &str| {
         let mut full = vec!["FCALL", function, "1", key];
-        full.extend_from_slice(&["1", "1000", "p", "5", "1", rule]);
+        full.extend_from_slice(&["1", "1000", "5", "1", rule]);
         cli(&full).lines().map(str::to_string).collect::<Vec<_>>()
     };
     assert_eq!(
@@ -661,13 +662,13 @@ fn malformed_script_arguments_get_an_error_reply() {
     // another type and fails alone (-1 and what Redis said), the second and third share a log
     // with a limit of 1, so the third finds the second's entry and is rejected.
     assert_eq!(cli(&["SET", "w:log", "not a log"]), "OK");
-    let request = |prefix: &'static str| [prefix, "5", "1", "0:0:0:0:1:1000"];
+    let request = ["5", "1", "0:0:0:0:1:1000"];
     let mut full = vec![
         "FCALL", function, "3", "w:log", "v:log", "v:log", "3", "2000",
     ];
-    full.extend_from_slice(&request("a"));
-    full.extend_from_slice(&request("b"));
-    full.extend_from_slice(&request("c"));
+    for _ in 0..3 {
+        full.extend_from_slice(&request);
+    }
     let reply = cli(&full);
     let lines: Vec<&str> = reply.lines().collect();
     assert_eq!((lines[0], lines[1]), ("2000", "-1"), "{reply}");
@@ -941,12 +942,7 @@ fn a_call_with_more_rules_than_the_library_keeps_decides_each_request() {
     args.extend([requests.to_string(), "1000".to_string()]);
     for r in 0..requests {
         // Every request its own rule: limit 10 + r in a 1 s window.
-        args.extend([
-            format!("p{r}"),
-            "5".into(),
-            "1".into(),
-            format!("0:0:0:0:{}:1000", 10 + r),
-        ]);
+        args.extend(["5".into(), "1".into(), format!("0:0:0:0:{}:1000", 10 + r)]);
     }
     let reply = cli(&args);
     for (r, answer) in one_descriptor_answers(&reply, requests).iter().enumerate() {
@@ -975,7 +971,6 @@ fn calls_across_the_dropped_numbers_count_every_hit() {
         args.extend([requests.to_string(), now.to_string()]);
         for r in 0..requests as u64 {
             args.extend([
-                format!("p{call}-{r}"),
                 "5".into(),
                 (1 + r).to_string(),
                 "0:0:0:0:100000000:100000000".into(),
@@ -1017,7 +1012,7 @@ fn a_ban_key_outlasts_its_ban_by_the_clock_slack() {
     let cli = |args: &[&str]| node_cli(redis.port, args);
     // role:ban_ms:buckets:debit:limit:window_ms: 1 a second, a ban of 800 ms. One request of
     // one descriptor in final mode (shape 5), one hit; keys: the log, the ban.
-    let call = |now: &str, prefix: &str| {
+    let call = |now: &str| {
         cli(&[
             "FCALL",
             &library.function,
@@ -1026,16 +1021,15 @@ fn a_ban_key_outlasts_its_ban_by_the_clock_slack() {
             "b:ban",
             "1",
             now,
-            prefix,
             "5",
             "1",
             "0:800:0:0:1:1000",
         ])
     };
     // Per request: its length, then flags (1 fits, 2 set the ban, 4 recorded, 8 banned).
-    assert_eq!(call("10000", "p1")[2], "5", "admitted and recorded");
+    assert_eq!(call("10000")[2], "5", "admitted and recorded");
     assert_eq!(
-        call("10010", "p2")[2..4],
+        call("10010")[2..4],
         ["10", "800"],
         "over: the ban is set, 800 ms left"
     );
@@ -1046,9 +1040,9 @@ fn a_ban_key_outlasts_its_ban_by_the_clock_slack() {
         "the ban (800 ms) and the slack (1 s): {left} ms left"
     );
     // Inside the ban by the caller's clock: banned, 310 ms left.
-    assert_eq!(call("10500", "p3")[2..4], ["8", "310"]);
+    assert_eq!(call("10500")[2..4], ["8", "310"]);
     // Past the ban's end and the window: admitted, the key notwithstanding.
-    assert_eq!(call("11100", "p4")[2], "5");
+    assert_eq!(call("11100")[2], "5");
 }
 
 /// A log's expiry, on the common paths (one request of one descriptor; one of two on logs of
@@ -1082,10 +1076,10 @@ fn a_logs_expiry_is_set_once_a_period_and_outlasts_its_newest_entry() {
         let period = |t: u64| t / 250;
         for call in 0..80u64 {
             let now = 10_000 + 37 * call;
-            let (now_text, prefix) = (now.to_string(), format!("p{call}"));
+            let now_text = now.to_string();
             let mut args = vec!["FCALL", &library.function, &n];
             args.extend(&keys);
-            args.extend(["1", &now_text, &prefix, &shape]);
+            args.extend(["1", &now_text, &shape]);
             for _ in &keys {
                 args.extend(["1", rule]);
             }
@@ -1219,13 +1213,17 @@ async fn the_common_request_paths_answer_as_the_general_one() {
             for r in 0..requests {
                 // Mostly one descriptor, from one of the first rules (the common kinds).
                 let n = if next(2) == 0 { 1 } else { 1 + next(3) };
-                args.extend([format!("p{step}-{r}"), (4 * n + mode).to_string()].map(Value::from));
+                args.push(Value::from((4 * n + mode).to_string()));
                 for _ in 0..n {
                     let kinds = if next(4) == 0 { 9 } else { 7 };
                     let rule = RULES[usize::try_from(next(kinds)).unwrap()];
                     let log = next(3);
                     args.extend([Value::from(next(4).to_string()), Value::from(rule)]);
                     descriptors.push((log, rule.starts_with("0:800:")));
+                }
+                // A tentative request (mode 0) ends with the prefix that names its entries.
+                if mode == 0 {
+                    args.push(Value::from(format!("p{step}-{r}")));
                 }
                 several += u64::from(n > 1);
             }
@@ -1401,7 +1399,7 @@ async fn old_format_logs_are_migrated_on_first_touch() {
     let log = key.log();
     let old = |at: u64, member: &str| (at, format!("{at}:oldcall:{member}"));
     seed_log(
-        &redis,
+        redis,
         &log,
         &[
             old(T0 - 9_000, "1:1"),
@@ -1449,7 +1447,7 @@ async fn entries_without_their_time_in_the_member_are_read_by_their_score() {
     let log = key.log();
     // Totals 2 and 5 (weights 2 and 3); the newest half a second ahead of the caller's clock.
     seed_log(
-        &redis,
+        redis,
         &log,
         &[
             (
@@ -1951,13 +1949,8 @@ fn a_spread_call_decides_one_masters_slots_and_refuses_others() {
     ];
     args.extend(keys.iter().cloned());
     args.extend(["3".to_string(), "1000".to_string()]);
-    for r in 0..3 {
-        args.extend([
-            format!("p{r}"),
-            "5".into(),
-            "1".into(),
-            "0:0:0:0:5:60000".into(),
-        ]);
+    for _ in 0..3 {
+        args.extend(["5".into(), "1".into(), "0:0:0:0:5:60000".into()]);
     }
     let args: Vec<&str> = args.iter().map(String::as_str).collect();
     let reply = node_cli(here, &args);

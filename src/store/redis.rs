@@ -589,12 +589,6 @@ impl RedisStore {
         let int = |n: u64| Value::Integer(i64::try_from(n).unwrap_or(i64::MAX));
         let mut keys = Vec::with_capacity(group.len() * 2);
         let mut args: Vec<Value> = Vec::with_capacity(2 + group.len() * 2);
-        // The prefix names a tentative request's entries, for their removal (`undo`); the
-        // script leaves it out of the others' entries, so they send none: no string made.
-        args.push(match mode {
-            Mode::Tentative => Value::String(self.prefix(call).into()),
-            Mode::Final | Mode::Rejected => Value::String(Str::from_static("")),
-        });
         // The request's shape: its descriptor count and mode in one argument.
         args.push(int(4 * group.len() as u64 + mode.code()));
         for &i in group {
@@ -609,6 +603,11 @@ impl RedisStore {
             }
             args.push(int(item.hits));
             args.push(Value::String(rule_arg(item, ban_ms)));
+        }
+        // The prefix names a tentative request's entries, for their removal (`undo`); the
+        // script writes the others' without it, so they send none.
+        if mode == Mode::Tentative {
+            args.push(Value::String(self.prefix(call).into()));
         }
         let now_ms = match self.clock {
             ClockSource::Server => Some(now_ms),

@@ -51,10 +51,10 @@ pub(super) struct Request {
 }
 
 impl Request {
-    /// How many descriptors it carries: its arguments are its prefix and shape, then two per
-    /// descriptor (`RedisStore::script_input`).
+    /// How many descriptors it carries: its arguments are its shape, two per descriptor, and a
+    /// tentative request's prefix (`RedisStore::script_input`).
     fn descriptors(&self) -> usize {
-        self.args.len().saturating_sub(2) / 2
+        self.args.len().saturating_sub(1) / 2
     }
 }
 
