@@ -25,8 +25,9 @@
 -- ban (a descriptor with ban_ms 0 takes one key, with a ban two):
 --   data, sliding_log: a sorted set, score = time in ms, one member per request that
 --               recorded, "<cum>:<weight>:<time>" (the score again, as the same digits), or
---               "<cum>:<weight>:<prefix>:<i>" for a tentative request (mode 0, below), whose
---               caller may remove it again by that name; weight is the request's hits and
+--               "<cum>:<weight>:<time>:<prefix>:<i>" for a tentative request (mode 0, below),
+--               whose caller may remove it again by that name (entries an earlier version
+--               wrote may hold no time: their score is read); weight is the request's hits and
 --               cum (20 digits, zero-padded) the running total of hits up to and including
 --               this entry; the hits in a window are last cum - (cum - weight of the
 --               window's first entry), whatever the number of entries. (The time in the
@@ -63,7 +64,8 @@
 --            requests, nearly all of them, spare an argument.)
 -- Reply: one flat array: now (the call's time), then per request in order either its length L
 --   then L integers, per descriptor: flags, then ban_remaining_ms if banned (flag 8), then cum if
---     it recorded (flag 4: of the log entry it recorded; 0 for sliding_counter), then unless
+--     it recorded (flag 4: of the log entry it recorded; 0 for sliding_counter) and, in a
+--     tentative request (mode 0), that entry's time (0 for sliding_counter), then unless
 --     banned one pair per window of its rule: count, reset_ms
 --     flags: 1 fits, 2 this request set the ban, 4 recorded, 8 banned (nothing follows but
 --     ban_remaining_ms). An admitted request with one descriptor of one window is
@@ -317,7 +319,7 @@ end
 -- rest joined from text: each directive of a format is a printf of its own.)
 local function member_of(cum, hits, t, i)
   if mode == 0 then
-    return padded_cum(cum) .. ':' .. ms(hits) .. ':' .. prefix .. ':' .. ms(i)
+    return padded_cum(cum) .. ':' .. ms(hits) .. ':' .. score(t) .. ':' .. prefix .. ':' .. ms(i)
   end
   return padded_cum(cum) .. ':' .. ms(hits) .. ':' .. score(t)
 end
@@ -433,14 +435,15 @@ local function member_cum(member)
   return cum and cum + 0
 end
 
--- cum, weight and time of a member that holds its time ("<cum>:<weight>:<time>"), or nil for
--- another (a tentative request's, or one written by an earlier version). (One capture per
--- field, `%d+` rather than 20 `%d`s: each item of a pattern costs the matcher a step of its
--- own. Exactly three fields of digits, the first of 20: no other layout has that.)
-local TIMED = '^(%d+):(%d+):(%d+)$'
+-- cum, weight and time of a member that holds its time ("<cum>:<weight>:<time>", then a
+-- tentative request's ":<prefix>:<i>"), or nil for another (one an earlier version wrote).
+-- (One capture per field, `%d+` rather than 20 `%d`s: each item of a pattern costs the matcher
+-- a step of its own. Three fields of digits, the first of 20, then the end or ":": no earlier
+-- layout has that, its third field being a prefix of hex digits and "-".)
+local TIMED = '^(%d+):(%d+):(%d+)()'
 local function timed_member(member)
-  local cum, weight, time = string.match(member, TIMED)
-  if cum == nil or #cum ~= 20 then
+  local cum, weight, time, after = string.match(member, TIMED)
+  if cum == nil or #cum ~= 20 or (after <= #member and string.byte(member, after) ~= 58) then
     return nil
   end
   return cum + 0, weight + 0, time + 0
@@ -597,15 +600,15 @@ end
 -- === sliding_log, continued ===
 
 -- The log's newest entry: its cum and time (0, 0 when empty). Migrates an old log first.
-local NEWEST = '^(%d+):%d+:(%d+)$'
+local NEWEST = '^(%d+):%d+:(%d+)()'
 local function last_entry(log)
   local last = call('ZRANGE', log, '-1', '-1')[1]
   if last == nil then
     return 0, 0
   end
   -- (`timed_member` without the weight: each number read from text is a strtod.)
-  local cum, time = string.match(last, NEWEST)
-  if cum ~= nil and #cum == 20 then
+  local cum, time, after = string.match(last, NEWEST)
+  if cum ~= nil and #cum == 20 and (after > #last or string.byte(last, after) == 58) then
     return cum + 0, time + 0
   end
   if member_cum(last) == nil then
@@ -741,6 +744,7 @@ local function record(d, i)
     d.cum = st.head_cum + d.hits
     local stamp = max(now, st.head_time)
     call('ZADD', d.key, score(stamp), member_of(d.cum, d.hits, stamp, i))
+    d.stamp = stamp
     if not st.new_before then
       st.new_before, st.new_time = st.head_cum, stamp
     end
@@ -774,6 +778,11 @@ local function report(d, reply, r)
   if d.records then
     reply[r + 1] = d.cum
     r = r + 1
+    if mode == 0 then
+      -- The entry's time, which names it with cum (a sliding_counter records no entry).
+      reply[r + 1] = rule.buckets == 0 and d.stamp or 0
+      r = r + 1
+    end
   end
   local added = d.st.recorded
   if rule.buckets > 0 and added > 0 then
@@ -927,9 +936,9 @@ end
 -- array slot is cheaper to reach than a named field): its rule, hits, what it must fit, its
 -- key, the log's newest entry (running total and time), the window's first entry before the
 -- request (the running total before it, or false, and its time), the count, whether it fits,
--- whether it records, and the running total of the entry it recorded.
+-- whether it records, and the running total and time of the entry it recorded.
 local s_rule, s_hits, s_size, s_key, s_head, s_head_time = {}, {}, {}, {}, {}, {}
-local s_before, s_time, s_count, s_fits, s_records, s_cum = {}, {}, {}, {}, {}, {}
+local s_before, s_time, s_count, s_fits, s_records, s_cum, s_stamp = {}, {}, {}, {}, {}, {}, {}
 
 -- Reads the n descriptors of the request whose arguments start at ARGV[a] and keys after
 -- KEYS[k] into the `s_` arrays, and its prefix and mode: where the next request's arguments
@@ -1007,7 +1016,7 @@ local function decide_logs(a, k, n)
       if not s_before[i] then
         s_before[i], s_time[i] = s_head[i], newest
       end
-      s_count[i], s_cum[i] = s_count[i] + hits, cum
+      s_count[i], s_cum[i], s_stamp[i] = s_count[i] + hits, cum, newest
     else
       s_records[i] = false
     end
@@ -1025,6 +1034,10 @@ local function decide_logs(a, k, n)
     if s_records[i] then
       reply[r + 1], reply[r + 2] = (fits and 5 or 4), s_cum[i]
       r = r + 2
+      if mode == 0 then
+        reply[r + 1] = s_stamp[i]
+        r = r + 1
+      end
     else
       reply[r + 1] = fits and 1 or 0
       r = r + 1
@@ -1076,7 +1089,7 @@ local function decide_single(a, k)
     -- (`member_of`, in line.)
     local stamp = score(newest)
     if mode == 0 then
-      call('ZADD', key, stamp, padded_cum(cum) .. ':' .. ms(hits) .. ':' .. prefix .. ':1')
+      call('ZADD', key, stamp, padded_cum(cum) .. ':' .. ms(hits) .. ':' .. stamp .. ':' .. prefix .. ':1')
     else
       call('ZADD', key, stamp, padded_cum(cum) .. ':' .. ms(hits) .. ':' .. stamp)
     end
@@ -1096,6 +1109,10 @@ local function decide_single(a, k)
   local reset = window_reset(key, limit, length, fits, count, size, before, time)
   local r = o
   if flags >= 4 then
+    if mode == 0 then
+      out[r + 2], out[r + 3], out[r + 4], out[r + 5], out[r + 6] = flags, cum, newest, count, reset
+      return r + 6
+    end
     out[r + 2], out[r + 3], out[r + 4], out[r + 5] = flags, cum, count, reset
     return r + 5
   end

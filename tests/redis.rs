@@ -1003,6 +1003,56 @@ fn calls_across_the_dropped_numbers_count_every_hit() {
     assert_eq!(last, format!("{total:020}:1200:1010000"));
 }
 
+/// A tentative request's entry (a request over several cluster masters) holds its time too,
+/// `<cum>:<weight>:<time>:<prefix>:<i>`, and the reply gives that time after the running total,
+/// so that the caller can name the entry to remove it; reading such entries back, as the newest
+/// and as the window's first, takes no read of their score.
+#[test]
+fn a_tentative_entry_holds_its_time_and_is_read_without_its_score() {
+    let (redis, library) = redis_with_library();
+    let cli = |args: &[&str]| node_cli(redis.port, args);
+    // One descriptor, tentative (shape 4: mode 0), one hit, 5 a second, then the prefix.
+    let call = |now: &str, prefix: &str| {
+        cli(&[
+            "FCALL",
+            &library.function,
+            "1",
+            "t:log",
+            "1",
+            now,
+            "4",
+            "1",
+            "0:0:0:0:5:1000",
+            prefix,
+        ])
+    };
+    // The call's time, the request's length, then flags (fits, recorded), cum, time, count,
+    // reset.
+    assert_eq!(
+        call("10000", "p-1"),
+        ["10000", "5", "5", "1", "10000", "1", "1000"]
+    );
+    assert_eq!(
+        call("10010", "p-2"),
+        ["10010", "5", "5", "2", "10010", "2", "990"]
+    );
+    let scores_read = calls_of(&redis, "zscore");
+    // The third finds a log of two: its newest entry and, after the trim, its first are read.
+    assert_eq!(
+        call("10020", "p-3"),
+        ["10020", "5", "5", "3", "10020", "3", "980"]
+    );
+    assert_eq!(calls_of(&redis, "zscore"), scores_read, "no score read");
+    assert_eq!(
+        cli(&["ZRANGE", "t:log", "0", "-1"]),
+        [
+            "00000000000000000001:1:10000:p-1:1",
+            "00000000000000000002:1:10010:p-2:1",
+            "00000000000000000003:1:10020:p-3:1"
+        ]
+    );
+}
+
 /// A ban key holds the ban's end and lives a second past it, the slack the data keys keep for
 /// replicas' clocks: a replica whose clock is behind still finds the ban until its own clock
 /// reaches the end, and one past the end is not banned though the key is still there.
@@ -1437,8 +1487,8 @@ async fn old_format_logs_are_migrated_on_first_touch() {
     assert_eq!(check.items[0].windows[0].reset_ms, 3_600_000 - 9_000);
 }
 
-/// Entries whose member holds no time (a tentative request's, named by its prefix for its
-/// removal, or one an earlier version wrote) are read by their score: the count, the reset
+/// Entries whose member holds no time (an earlier version wrote a tentative request's as
+/// `<cum>:<weight>:<prefix>:<i>`) are read by their score: the count, the reset
 /// from the window's first entry, and a new entry stamped no earlier than the newest one.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn entries_without_their_time_in_the_member_are_read_by_their_score() {

@@ -570,7 +570,7 @@ impl RedisStore {
             // its master refused it: the client routes it alone.
             None => self.sender.call_one(request).await,
         };
-        parse_reply(&answer?, items, &group.items)
+        parse_reply(&answer?, items, &group.items, mode == Mode::Tentative)
     }
 
     /// The script's `KEYS` and `ARGV` for the items of `group`, as one request of a call
@@ -673,7 +673,7 @@ impl RedisStore {
             (groups, replies, mode)
         };
         let mut outcomes = vec![ItemOutcome::default(); items.len()];
-        let mut recorded_groups: Vec<(&[usize], u64, Vec<u64>)> = Vec::new();
+        let mut recorded_groups: Vec<(&[usize], u64, Vec<Entry>)> = Vec::new();
         let mut first_error = None;
         for (group, reply) in groups.iter().zip(replies) {
             match reply {
@@ -757,14 +757,14 @@ impl RedisStore {
     async fn undo(
         &self,
         items: &[CheckItem<'_>],
-        groups: &[(&[usize], u64, Vec<u64>)],
+        groups: &[(&[usize], u64, Vec<Entry>)],
         call: &Call,
         outcomes: &mut [ItemOutcome],
     ) {
         let prefix = self.prefix(call);
         let mut removals = Vec::new();
         for (group, now_ms, entries) in groups {
-            for (position, (&i, &cum)) in group.iter().zip(entries).enumerate() {
+            for (position, (&i, &Entry { cum, at_ms })) in group.iter().zip(entries).enumerate() {
                 let item = &items[i];
                 if !outcomes[i].recorded || item.debit {
                     continue;
@@ -777,8 +777,9 @@ impl RedisStore {
                 match item.algorithm {
                     Algorithm::SlidingLog => {
                         // The member as the script wrote it for a tentative request:
-                        // "<cum>:<weight>:<prefix>:<i>", i 1-based per call.
-                        let member = format!("{cum:020}:{}:{prefix}:{}", item.hits, position + 1);
+                        // "<cum>:<weight>:<time>:<prefix>:<i>", i 1-based per call.
+                        let member =
+                            format!("{cum:020}:{}:{at_ms}:{prefix}:{}", item.hits, position + 1);
                         removals.push(Box::pin(async move {
                             client
                                 .zrem::<i64, _, _>(item.key.log(), member)
@@ -898,8 +899,16 @@ struct Group {
 struct GroupReply {
     now_ms: u64,
     items: Vec<ItemOutcome>,
-    /// Per item, the running total of the log entry it recorded (0: none), which names it.
-    entries: Vec<u64>,
+    /// Per item, the log entry it recorded (zeros: none).
+    entries: Vec<Entry>,
+}
+
+/// A log entry a request recorded: its running total and, in a tentative request, its time,
+/// which with the request's prefix name it, for its removal ([`RedisStore::undo`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+struct Entry {
+    cum: u64,
+    at_ms: u64,
 }
 
 impl GroupReply {
@@ -994,6 +1003,7 @@ fn parse_reply(
     reply: &[i64],
     items: &[CheckItem<'_>],
     group: &[usize],
+    tentative: bool,
 ) -> Result<GroupReply, StoreError> {
     let bad = |what: &str| StoreError::Protocol(format!("script reply {what}"));
     let mut values = reply.iter().copied();
@@ -1016,7 +1026,18 @@ fn parse_reply(
         if has(BANNED) == (ban_remaining_ms == 0) {
             return Err(bad("has a ban flag and time that disagree"));
         }
-        entries.push(if has(RECORDED) { next("entry")? } else { 0 });
+        // A tentative request's entry is named by its time too.
+        entries.push(match (has(RECORDED), tentative) {
+            (true, true) => Entry {
+                cum: next("entry")?,
+                at_ms: next("entry's time")?,
+            },
+            (true, false) => Entry {
+                cum: next("entry")?,
+                at_ms: 0,
+            },
+            (false, _) => Entry::default(),
+        });
         // A banned item reports no windows; the others one pair per window of their rule.
         let m = if has(BANNED) {
             0
@@ -1160,20 +1181,27 @@ mod tests {
         }];
         // now, flags (fits, recorded), entry, count, reset.
         let good = [1_000, 5, 7, 1, 999];
-        let reply = parse_reply(&good, &items, &[0]).expect("well-formed");
+        let reply = parse_reply(&good, &items, &[0], false).expect("well-formed");
         assert!(reply.recorded() && reply.items[0].fits && reply.items[0].recorded);
         assert_eq!(reply.items[0].windows[0].count, 1);
         assert_eq!(reply.items[0].windows[0].reset_ms, 999);
-        assert_eq!(reply.entries, [7]);
+        assert_eq!(reply.entries, [Entry { cum: 7, at_ms: 0 }]);
+        // Tentative: the entry's time follows its running total.
+        let tentative =
+            parse_reply(&[1_000, 5, 7, 990, 1, 999], &items, &[0], true).expect("well-formed");
+        assert_eq!(tentative.entries, [Entry { cum: 7, at_ms: 990 }]);
+        assert_eq!(tentative.items[0].windows[0].reset_ms, 999);
+        assert!(parse_reply(&good, &items, &[0], true).is_err(), "no time");
         // Rejected: no entry, so the count follows the flags.
-        let rejected = parse_reply(&[1_000, 0, 5, 400], &items, &[0]).expect("well-formed");
+        let rejected = parse_reply(&[1_000, 0, 5, 400], &items, &[0], false).expect("well-formed");
         assert!(!rejected.recorded() && !rejected.items[0].fits);
         assert_eq!(
             (rejected.items[0].windows[0].count, rejected.entries[0]),
-            (5, 0)
+            (5, Entry::default())
         );
         // Banned by this request: the ban's time, and no windows.
-        let banned = parse_reply(&[1_000, 2 | 8, 900_000], &items, &[0]).expect("well-formed");
+        let banned =
+            parse_reply(&[1_000, 2 | 8, 900_000], &items, &[0], false).expect("well-formed");
         assert!(banned.items[0].ban_set && banned.items[0].windows.is_empty());
         assert_eq!(banned.items[0].ban_remaining_ms, 900_000);
         for wrong in [
@@ -1185,7 +1213,7 @@ mod tests {
         ] {
             assert!(
                 matches!(
-                    parse_reply(wrong, &items, &[0]),
+                    parse_reply(wrong, &items, &[0], false),
                     Err(StoreError::Protocol(_))
                 ),
                 "{wrong:?}"
