@@ -435,29 +435,31 @@ local function member_cum(member)
   return cum and cum + 0
 end
 
--- cum, weight and time of a member that holds its time ("<cum>:<weight>:<time>", then a
--- tentative request's ":<prefix>:<i>"), or nil for another (one an earlier version wrote).
--- (One capture per field, `%d+` rather than 20 `%d`s: each item of a pattern costs the matcher
--- a step of its own. Three fields of digits, the first of 20, then the end or ":": no earlier
--- layout has that, its third field being a prefix of hex digits and "-".)
+-- The texts of cum, weight and time of a member that holds its time ("<cum>:<weight>:<time>",
+-- then a tentative request's ":<prefix>:<i>"), or nil for another (one an earlier version
+-- wrote). Texts, not numbers: each number read from text is a strtod, and the newest entry's
+-- weight is not needed. (One capture per field, `%d+` rather than 20 `%d`s: each item of a
+-- pattern costs the matcher a step of its own. Three fields of digits, the first of 20, then
+-- the end or ":": no earlier layout has that, its third field being a prefix of hex digits
+-- and "-".)
 local TIMED = '^(%d+):(%d+):(%d+)()'
-local function timed_member(member)
+local function timed_texts(member)
   local cum, weight, time, after = string.match(member, TIMED)
   if cum == nil or #cum ~= 20 or (after <= #member and string.byte(member, after) ~= 58) then
     return nil
   end
-  return cum + 0, weight + 0, time + 0
+  return cum, weight, time
 end
 
 -- cum, weight and time of the entry `member` of `log`, of this format: from the member where
 -- it holds the time, else with the time read from its score.
 local function log_entry(log, member)
-  local cum, weight, time = timed_member(member)
-  if cum == nil then
-    cum, weight = parse_member(member)
-    time = call('ZSCORE', log, member) + 0
+  local cum, weight, time = timed_texts(member)
+  if cum ~= nil then
+    return cum + 0, weight + 0, time + 0
   end
-  return cum, weight, time
+  cum, weight = parse_member(member)
+  return cum, weight, call('ZSCORE', log, member) + 0
 end
 
 -- Rewrites a log that holds members of the previous format: every entry keeps its time, an
@@ -600,14 +602,14 @@ end
 -- === sliding_log, continued ===
 
 -- The log's newest entry: its cum and time (0, 0 when empty). Migrates an old log first.
-local NEWEST = '^(%d+):%d+:(%d+)()'
 local function last_entry(log)
   local last = call('ZRANGE', log, '-1', '-1')[1]
   if last == nil then
     return 0, 0
   end
-  -- (`timed_member` without the weight: each number read from text is a strtod.)
-  local cum, time, after = string.match(last, NEWEST)
+  -- (`timed_texts` in line, for the newest entry of every log a call reads: the function
+  -- call cost 1% of a decision with entries, `cargo bench --bench script_cost`.)
+  local cum, _, time, after = string.match(last, TIMED)
   if cum ~= nil and #cum == 20 and (after > #last or string.byte(last, after) == 58) then
     return cum + 0, time + 0
   end
