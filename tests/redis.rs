@@ -1535,6 +1535,145 @@ async fn entries_without_their_time_in_the_member_are_read_by_their_score() {
     );
 }
 
+/// The script of `e21026b`, the last one before an entry's time went into its member and a final
+/// request stopped sending its member prefix: a fixture for the rolling upgrade, kept verbatim.
+const PREVIOUS_SCRIPT: &str = include_str!("fixtures/slidegate-e21026b.lua");
+
+/// One version of the script, called the way that version takes its arguments.
+#[derive(Clone, Copy, PartialEq, Debug)]
+enum Version {
+    /// `PREVIOUS_SCRIPT`: per request the member prefix, the shape, then the descriptors.
+    Previous,
+    /// `lua/slidegate.lua`: the shape, the descriptors, then the prefix of a tentative request.
+    Current,
+}
+
+/// A rolling upgrade: replicas of the previous version and of this one, side by side on one
+/// Redis, write the same logs. Each version runs its own library (named after its hash) and reads
+/// the other's entries: the previous one reads a member's total and weight and takes the time from
+/// the score, this one reads a member without its time by its score. One sequence of requests on a
+/// log of 5 a second (weights 1 to 3, some a tentative request's, some stamped by a clock 250 ms
+/// behind) goes to three logs: one written by this version alone, one by the previous alone, one
+/// by the two in turn. Every answer (fits, recorded, running total, count, reset) and every entry
+/// (total, weight, time) is the same in all three.
+#[test]
+fn two_versions_side_by_side_count_one_log_exactly() {
+    let (redis, current) = redis_with_library();
+    let previous = slidegate::store::redis::Library::from_source(PREVIOUS_SCRIPT);
+    assert_ne!(previous.function, current.function, "two libraries");
+    assert_eq!(
+        node_cli(redis.port, &["FUNCTION", "LOAD", &previous.code]),
+        [previous.function.to_string()]
+    );
+    let rule = "0:0:0:0:5:1000";
+    // One request of one descriptor: the reply's integers after the call's time and the
+    // request's length, without the entry's time that this version adds for a tentative one.
+    let decide = |version: Version, log: &str, now: u64, hits: u64, tentative: bool, n: usize| {
+        let shape = if tentative { "4" } else { "5" };
+        let prefix = format!("upgrade-{n}");
+        let (now, hits) = (now.to_string(), hits.to_string());
+        let mut args = vec!["FCALL", "", "1", log, "1", &now];
+        match version {
+            Version::Previous => {
+                args[1] = &*previous.function;
+                args.extend([prefix.as_str(), shape, hits.as_str(), rule]);
+            }
+            Version::Current => {
+                args[1] = &*current.function;
+                args.extend([shape, hits.as_str(), rule]);
+                if tentative {
+                    args.push(prefix.as_str());
+                }
+            }
+        }
+        let reply = node_cli(redis.port, &args);
+        assert!(reply.len() > 2, "{version:?}: {reply:?}");
+        assert_eq!(reply[0], now, "{version:?}: {reply:?}");
+        let mut answer: Vec<i64> = reply[2..]
+            .iter()
+            .map(|v| {
+                v.parse()
+                    .unwrap_or_else(|_| panic!("{version:?}: {reply:?}"))
+            })
+            .collect();
+        assert_eq!(answer.len().to_string(), reply[1], "{version:?}: {reply:?}");
+        let recorded = answer[0] & 4 != 0;
+        if version == Version::Current && tentative && recorded {
+            // The call's time, or the newest entry's where the caller's clock is behind it.
+            let at = answer.remove(2);
+            let now: i64 = now.parse().unwrap_or_default();
+            assert!(
+                (now..=now + 250).contains(&at),
+                "the entry's time {at} at {now}"
+            );
+        }
+        answer
+    };
+    let logs = ["up:{current}:log", "up:{previous}:log", "up:{mixed}:log"];
+    let (mut now, mut admitted, mut rejected, mut side_by_side) = (100_000u64, 0, 0, 0);
+    for n in 0..90 {
+        // Mostly forward by 83 ms; every seventh request from a clock 250 ms behind.
+        now = if n % 7 == 6 { now - 250 } else { now + 83 };
+        let hits = 1 + n as u64 % 3;
+        let tentative = n % 5 == 4;
+        let mixed = if n % 2 == 0 {
+            Version::Previous
+        } else {
+            Version::Current
+        };
+        let answers: Vec<Vec<i64>> = [Version::Current, Version::Previous, mixed]
+            .into_iter()
+            .zip(logs)
+            .map(|(version, log)| decide(version, log, now, hits, tentative, n))
+            .collect();
+        assert_eq!(
+            answers[0], answers[1],
+            "request {n}: one version or the other"
+        );
+        assert_eq!(answers[0], answers[2], "request {n}: the two in turn");
+        let members = node_cli(redis.port, &["ZRANGE", logs[2], "0", "-1"]);
+        let timed = |m: &&String| {
+            m.split(':')
+                .nth(2)
+                .is_some_and(|t| t.parse::<u64>().is_ok())
+        };
+        if members.iter().any(|m| timed(&m)) && members.iter().any(|m| !timed(&m)) {
+            side_by_side += 1;
+        }
+        if answers[0][0] & 1 == 1 {
+            admitted += 1;
+        } else {
+            rejected += 1;
+        }
+    }
+    assert!(
+        admitted > 10 && rejected > 10,
+        "{admitted} admitted, {rejected} rejected"
+    );
+    // The entries: total, weight and time, whoever wrote them.
+    let entries = |log: &str| -> Vec<(String, String, String)> {
+        let all = node_cli(redis.port, &["ZRANGE", log, "0", "-1", "WITHSCORES"]);
+        all.chunks(2)
+            .map(|pair| {
+                let mut fields = pair[0].split(':');
+                let cum = fields.next().unwrap_or_default().to_string();
+                let weight = fields.next().unwrap_or_default().to_string();
+                (cum, weight, pair[1].clone())
+            })
+            .collect()
+    };
+    let written = entries(logs[0]);
+    assert!(!written.is_empty());
+    assert_eq!(entries(logs[1]), written);
+    assert_eq!(entries(logs[2]), written);
+    // The mixed log really held both layouts side by side: this version's `<cum>:<weight>:<time>`
+    // and the previous one's `<cum>:<weight>:<prefix>:<i>`.
+    assert!(
+        side_by_side > 10,
+        "both layouts in the mixed log after {side_by_side} requests"
+    );
+}
+
 /// Memory per call, not per hit: 10,000 debits of 5,000 tokens are 10,000 log entries (the
 /// previous format would have held 50,000,000 members).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
