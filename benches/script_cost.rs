@@ -347,8 +347,8 @@ fn measure(case: &Case, form: Form, library: &Library, dir: &Path) -> u64 {
         "run",
     );
     let next: Vec<&str> = next.iter().map(String::as_str).collect();
-    let reply = cli(&next);
-    let values: Vec<&str> = reply.lines().collect();
+    let values = redis_proc::fcall_lines(port, &next);
+    let reply = values.join(" ");
     // The call's time, then per request: its length, then per descriptor flags 5 (fits,
     // recorded), entry, and a count and a reset per window.
     let windows = 1 + case.more_windows.matches(':').count() / 2;

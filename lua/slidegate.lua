@@ -62,7 +62,8 @@
 --   prefix   a tentative request's only (mode 0): unique per request, it names the request's
 --            entries (see data) for their removal. (Last, and for that mode alone: the other
 --            requests, nearly all of them, spare an argument.)
--- Reply: one flat array: now (the call's time), then per request in order either its length L
+-- Reply: one flat array, packed by Redis's cmsgpack into one MessagePack array sent as one
+--   bulk string: now (the call's time), then per request in order either its length L
 --   then L integers, per descriptor: flags, then ban_remaining_ms if banned (flag 8), then cum if
 --     it recorded (flag 4: of the log entry it recorded; 0 for sliding_counter) and, in a
 --     tentative request (mode 0), that entry's time (0 for sliding_counter), then unless
@@ -76,7 +77,11 @@
 --     stays, as with any script; or when its arguments are bad (below).
 --   (One array for the call, not one per request: Redis turns every table of a reply into
 --   RESP field by field, looking for `err`, `ok` and the like in each, about 6,000
---   instructions per request when each had its own.)
+--   instructions per request when each had its own. Packed, not as a RESP array: the caller's
+--   client parses a RESP array value by value into frames and values it then frees, about a
+--   tenth of slidegate's own work per decision, where it reads the packed integers in place;
+--   cmsgpack's packing costs Redis about what its RESP array did, `cargo bench --bench
+--   script_cost`.)
 --   count    hits in the window after this call
 --   reset_ms fitting descriptor: until the oldest counted hit leaves the window (0 if empty);
 --            otherwise: until this request's hits would fit (0 if this window has room, the
@@ -817,9 +822,11 @@ local function admits(enforced_fit, quota_seen, quota_fit)
 end
 
 -- The call's reply, flat (layout in the header), kept from call to call rather than made per
--- call (it would grow step by step): o is the index of the last value written, and a nil
--- after it ends the reply. A call whose reply grew past OUT_KEPT values leaves a fresh table to
--- the next.
+-- call (it would grow step by step): o is the index of the last value written. A call writes
+-- its values from the first on, one after the other, so what is past o is what a longer call
+-- (or a request that failed halfway) left, up to the first nil; the call clears it before
+-- packing, as cmsgpack packs a table as an array only when nothing follows its last value. A
+-- call whose reply grew past OUT_KEPT values leaves a fresh table to the next.
 local OUT_KEPT = 4096
 local out, o = {}, 0
 -- The number of the request being decided and where its arguments start, and where the next
@@ -1241,8 +1248,12 @@ local function decide_call(keys, args, spread)
   if checked and (ARGV[next_a] ~= nil or #KEYS ~= next_k) then
     return fail('the call\'s ' .. #KEYS .. ' keys and ' .. #ARGV .. ' arguments are not what its requests take (' .. next_k .. ' and ' .. (next_a - 1) .. ')')
   end
-  out[o + 1] = nil
-  return out
+  local j = o + 1
+  while out[j] ~= nil do
+    out[j] = nil
+    j = j + 1
+  end
+  return cmsgpack.pack(out)
 end
 
 -- The same for requests whose keys sit in several hash slots of one Redis Cluster master:

@@ -15,7 +15,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use common::redis::{
-    RedisCluster, RedisProcess, command, make_certs, shared_cluster, shared_standalone, wait_until,
+    RedisCluster, RedisProcess, command, fcall_lines, make_certs, shared_cluster,
+    shared_standalone, wait_until,
 };
 use common::*;
 use conformance::{Backend, StoreFuture};
@@ -545,14 +546,7 @@ async fn two_processes_exact_on_cluster() {
 #[test]
 fn malformed_script_arguments_get_an_error_reply() {
     let redis = shared_standalone();
-    let cli = |args: &[&str]| {
-        let out = std::process::Command::new("redis-cli")
-            .args(["-p", &redis.port.to_string()])
-            .args(args)
-            .output()
-            .expect("run redis-cli");
-        String::from_utf8_lossy(&out.stdout).trim().to_string()
-    };
+    let cli = |args: &[&str]| node_cli(redis.port, args).join("\n").trim().to_string();
     let library = slidegate::store::redis::Library::new();
     let loaded = cli(&["FUNCTION", "LOAD", "REPLACE", &library.code]);
     assert_eq!(loaded, &*library.function, "FUNCTION LOAD: {loaded}");
@@ -1307,9 +1301,7 @@ async fn the_common_request_paths_answer_as_the_general_one() {
                 answers.push(library.call(&client, keys, args.clone()).await.unwrap());
             }
             assert_eq!(answers[0], answers[1], "case {case}, step {step}: {args:?}");
-            let Value::Array(flat) = &answers[0] else {
-                panic!("not a list of replies: {:?}", answers[0]);
-            };
+            let flat = &unpacked(&answers[0]);
             // The call's time, then per request its length and its values.
             let mut rest = &flat[1..];
             while let [Value::Integer(length), tail @ ..] = rest {
@@ -1830,7 +1822,25 @@ async fn a_full_redis_refuses_the_script_and_the_policy_answers() {
     denies.stop().await;
 }
 
-/// `redis-cli` against one node, whole reply lines.
+/// The values of the script's packed reply (a bulk string), as fred values.
+fn unpacked(reply: &fred::types::Value) -> Vec<fred::types::Value> {
+    use slidegate::store::redis::packed::{self, Item};
+    let Some(bytes) = reply.as_bytes() else {
+        panic!("not a packed reply: {reply:?}");
+    };
+    let mut items = packed::array(bytes).unwrap_or_else(|e| panic!("{e}: {reply:?}"));
+    let mut values = Vec::new();
+    while let Some(item) = items.next_item() {
+        values.push(match item.unwrap_or_else(|e| panic!("{e}: {reply:?}")) {
+            Item::Int(n) => fred::types::Value::Integer(n),
+            Item::Text(text) => {
+                fred::types::Value::from(String::from_utf8_lossy(text).into_owned())
+            }
+        });
+    }
+    values
+}
+
 /// A standalone Redis of the test's own with the script's library loaded.
 fn redis_with_library() -> (RedisProcess, slidegate::store::redis::Library) {
     let redis = RedisProcess::start(&[]);
@@ -1842,7 +1852,15 @@ fn redis_with_library() -> (RedisProcess, slidegate::store::redis::Library) {
     (redis, library)
 }
 
+/// `redis-cli` against one node, whole reply lines; a script call's packed reply one value a
+/// line, as `redis-cli` printed the script's RESP array ([`fcall_lines`]).
 fn node_cli(port: u16, args: &[&str]) -> Vec<String> {
+    if args
+        .first()
+        .is_some_and(|a| a.eq_ignore_ascii_case("FCALL"))
+    {
+        return fcall_lines(port, args);
+    }
     let out = std::process::Command::new("redis-cli")
         .args(["-p", &port.to_string()])
         .args(args)

@@ -31,6 +31,7 @@ use futures_util::future::join_all;
 mod batch;
 mod library;
 mod nodes;
+pub mod packed;
 use batch::{Batcher, Request, Sender, Slots, not_served};
 pub use library::Library;
 use nodes::Nodes;

@@ -132,6 +132,95 @@ pub fn command(port: u16, line: &str) -> std::io::Result<String> {
     Ok(String::from_utf8_lossy(&buf[..n]).into_owned())
 }
 
+/// A reply read off the wire, for [`fcall_lines`].
+enum Resp {
+    Simple(String),
+    Error(String),
+    Int(i64),
+    Bulk(Option<Vec<u8>>),
+    Array(Vec<Resp>),
+}
+
+fn read_resp(reader: &mut impl std::io::BufRead) -> std::io::Result<Resp> {
+    let mut line = String::new();
+    reader.read_line(&mut line)?;
+    let line = line.trim_end_matches(['\r', '\n']);
+    let bad = || std::io::Error::other(format!("not a RESP reply: {line:?}"));
+    let (kind, rest) = line.split_at_checked(1).ok_or_else(bad)?;
+    let number = || rest.parse::<i64>().map_err(|_| bad());
+    Ok(match kind {
+        "+" => Resp::Simple(rest.to_string()),
+        "-" => Resp::Error(rest.to_string()),
+        ":" => Resp::Int(number()?),
+        "$" => match usize::try_from(number()?) {
+            Ok(len) => {
+                let mut bytes = vec![0u8; len + 2];
+                reader.read_exact(&mut bytes)?;
+                bytes.truncate(len);
+                Resp::Bulk(Some(bytes))
+            }
+            Err(_) => Resp::Bulk(None),
+        },
+        "*" => {
+            let n = number()?;
+            let mut all = Vec::new();
+            for _ in 0..n {
+                all.push(read_resp(reader)?);
+            }
+            Resp::Array(all)
+        }
+        _ => return Err(bad()),
+    })
+}
+
+/// One command with these arguments, its reply as the lines `redis-cli` prints without a
+/// terminal (an error as its text, an array one value a line), except that a reply of
+/// slidegate's script (one packed MessagePack array, as a bulk string) is read and printed one
+/// value a line as well, the way its RESP array was.
+pub fn fcall_lines(port: u16, args: &[&str]) -> Vec<String> {
+    let mut request = format!("*{}\r\n", args.len()).into_bytes();
+    for arg in args {
+        request.extend(format!("${}\r\n", arg.len()).as_bytes());
+        request.extend(arg.as_bytes());
+        request.extend(b"\r\n");
+    }
+    let stream = TcpStream::connect(("127.0.0.1", port)).expect("connect to redis");
+    stream
+        .set_read_timeout(Some(Duration::from_secs(30)))
+        .expect("read timeout");
+    (&stream).write_all(&request).expect("send to redis");
+    let reply = read_resp(&mut std::io::BufReader::new(&stream)).expect("read a reply");
+    let mut lines = Vec::new();
+    print_resp(reply, &mut lines);
+    lines
+}
+
+fn print_resp(reply: Resp, lines: &mut Vec<String>) {
+    use slidegate::store::redis::packed::{self, Item};
+    match reply {
+        Resp::Simple(text) | Resp::Error(text) => lines.push(text),
+        Resp::Int(n) => lines.push(n.to_string()),
+        Resp::Bulk(None) => lines.push(String::new()),
+        Resp::Bulk(Some(bytes)) => match packed::array(&bytes) {
+            Ok(mut items) => {
+                while let Some(item) = items.next_item() {
+                    match item.expect("a packed value") {
+                        Item::Int(n) => lines.push(n.to_string()),
+                        Item::Text(text) => lines.push(String::from_utf8_lossy(text).into_owned()),
+                    }
+                }
+                items.finish().expect("nothing after the packed array");
+            }
+            Err(_) => lines.push(String::from_utf8_lossy(&bytes).into_owned()),
+        },
+        Resp::Array(all) => {
+            for value in all {
+                print_resp(value, lines);
+            }
+        }
+    }
+}
+
 /// Waits until `check` holds, or panics at the deadline.
 pub fn wait_until(what: &str, deadline: Duration, mut check: impl FnMut() -> bool) {
     let end = Instant::now() + deadline;

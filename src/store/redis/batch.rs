@@ -21,6 +21,7 @@ use futures_util::future::join_all;
 use tokio::sync::oneshot;
 use tokio::time::Instant;
 
+use super::packed::{self, Item, Items};
 use super::{Library, call_failed};
 use crate::store::StoreError;
 
@@ -348,31 +349,46 @@ pub(super) fn not_served(answer: &Result<impl Sized, StoreError>) -> bool {
     matches!(answer, Err(StoreError::Unavailable { source: Some(source), .. }) if source.is::<NotServed>())
 }
 
-/// Splits the script's reply (one flat array: the call's time, then per request its length and
-/// its integers, or `-1` and what failed) into the requests' answers, each the call's time and
-/// the request's integers. A reply of the wrong shape fails every request of the call.
+/// Splits the script's reply (one flat array, packed: the call's time, then per request its
+/// length and its integers, or `-1` and what failed; see [`super::packed`]) into the requests'
+/// answers, each the call's time and the request's integers. A reply of the wrong shape fails
+/// every request of the call.
 fn split(reply: Value, count: usize) -> Vec<Answer> {
-    split_flat(reply, count).unwrap_or_else(|e| vec![Err(e); count])
+    split_flat(&reply, count).unwrap_or_else(|e| vec![Err(e); count])
 }
 
-fn split_flat(reply: Value, count: usize) -> Result<Vec<Answer>, StoreError> {
+fn split_flat(reply: &Value, count: usize) -> Result<Vec<Answer>, StoreError> {
     let bad = |what: &str| StoreError::Protocol(format!("script reply {what}"));
-    let Value::Array(values) = reply else {
-        return Err(bad("is not an array"));
+    // fred hands a bulk string over as bytes unless it is valid UTF-8, which a packed array's
+    // first byte (0x90 to 0x9f, 0xdc or 0xdd) all but rules out; text is read the same.
+    let bytes: &[u8] = match reply {
+        Value::Bytes(bytes) => bytes,
+        Value::String(text) => text.as_bytes(),
+        _ => return Err(bad("is not the script's packed array")),
     };
-    let mut values = values.into_iter();
-    let now = match values.next() {
-        Some(Value::Integer(now)) if now >= 0 => now,
+    let mut values = packed::array(bytes).map_err(|e| bad(&e.to_string()))?;
+    fn next<'a>(values: &mut Items<'a>) -> Result<Option<Item<'a>>, StoreError> {
+        values
+            .next_item()
+            .transpose()
+            .map_err(|e| StoreError::Protocol(format!("script reply {e}")))
+    }
+    let now = match next(&mut values)? {
+        Some(Item::Int(now)) if now >= 0 => now,
         _ => return Err(bad("does not start with the call's time")),
     };
     let mut answers = Vec::with_capacity(count);
     while answers.len() < count {
-        let length = match values.next() {
-            Some(Value::Integer(-1)) => {
-                answers.push(Err(failed(values.next())));
+        let length = match next(&mut values)? {
+            Some(Item::Int(-1)) => {
+                let message = match next(&mut values)? {
+                    Some(Item::Text(text)) => String::from_utf8_lossy(text).into_owned(),
+                    _ => String::new(),
+                };
+                answers.push(Err(failed(&message)));
                 continue;
             }
-            Some(Value::Integer(length)) => {
+            Some(Item::Int(length)) => {
                 usize::try_from(length).map_err(|_| bad("holds a negative length"))?
             }
             _ => return Err(bad("does not answer every request of the call")),
@@ -381,32 +397,28 @@ fn split_flat(reply: Value, count: usize) -> Result<Vec<Answer>, StoreError> {
         let mut integers = Vec::with_capacity(1 + length.min(values.len()));
         integers.push(now);
         for _ in 0..length {
-            match values.next() {
-                Some(Value::Integer(n)) => integers.push(n),
-                Some(_) => return Err(bad("holds a value that is not an integer")),
+            match next(&mut values)? {
+                Some(Item::Int(n)) => integers.push(n),
+                Some(Item::Text(_)) => return Err(bad("holds a value that is not an integer")),
                 None => return Err(bad("ends inside a request's part")),
             }
         }
         answers.push(Ok(integers));
     }
-    if values.next().is_some() {
+    if !values.is_empty() {
         return Err(bad("is longer than its requests"));
     }
+    values.finish().map_err(|e| bad(&e.to_string()))?;
     Ok(answers)
 }
 
 /// What a request that failed inside the script says: Redis's error (a key of another type, a
 /// slot its master does not serve) or the script's own (code `SLIDEGATE`).
-fn failed(message: Option<Value>) -> StoreError {
-    let message = message
-        .as_ref()
-        .and_then(Value::as_str)
-        .map(|m| m.to_string())
-        .unwrap_or_default();
+fn failed(message: &str) -> StoreError {
     if message.contains(NOT_SERVED) {
-        return not_served_error(&message);
+        return not_served_error(message);
     }
-    super::request_failed(&message)
+    super::request_failed(message)
 }
 
 /// Requests waiting for a call, and how many calls are out.
@@ -568,8 +580,13 @@ impl Drop for CallOut {
 mod tests {
     use super::*;
 
+    /// The script's reply of these integers, packed as Redis's cmsgpack packs it.
     fn ints(values: &[i64]) -> Value {
-        Value::Array(values.iter().map(|&n| Value::Integer(n)).collect())
+        packed_reply(&values.iter().map(|&n| Item::Int(n)).collect::<Vec<_>>())
+    }
+
+    fn packed_reply(items: &[Item<'_>]) -> Value {
+        Value::Bytes(packed::tests::pack(items).into())
     }
 
     /// The client's future for one command is about 7 KB, and so is `Library::load`'s: were
@@ -701,17 +718,17 @@ mod tests {
     fn a_reply_splits_into_one_answer_per_request() {
         let mut flat = vec![1_000, 9, 1, 1, 0, 0, 1, 1, 1, 1, 1_000];
         flat.extend([4, 5, 3, 3, 999]);
-        let mut reply: Vec<Value> = flat.iter().map(|&n| Value::Integer(n)).collect();
+        let mut reply: Vec<Item<'_>> = flat.iter().map(|&n| Item::Int(n)).collect();
         reply.splice(
             11..11,
             [
-                Value::Integer(-1),
-                Value::String("WRONGTYPE Operation against a key".into()),
-                Value::Integer(-1),
-                Value::String("SLIDEGATE request 3: mode must be 0, 1 or 2".into()),
+                Item::Int(-1),
+                Item::Text(b"WRONGTYPE Operation against a key"),
+                Item::Int(-1),
+                Item::Text(b"SLIDEGATE request 3: mode must be 0, 1 or 2"),
             ],
         );
-        let answers = split(Value::Array(reply), 4);
+        let answers = split(packed_reply(&reply), 4);
         assert_eq!(answers.len(), 4);
         assert_eq!(
             answers[0].as_ref().ok(),
@@ -731,8 +748,15 @@ mod tests {
     fn replies_of_the_wrong_shape_fail_every_request_of_the_call() {
         let protocol = |a: &Answer| matches!(a, Err(StoreError::Protocol(_)));
         for reply in [
-            // Not an array.
+            // Not the packed array: a RESP array or integer, a packed map, bytes after it.
+            Value::Array(vec![
+                Value::Integer(9),
+                Value::Integer(1),
+                Value::Integer(7),
+            ]),
             Value::Integer(1),
+            Value::Bytes(vec![0x81, 0x09, 0x01].into()),
+            Value::Bytes(vec![0x93, 0x09, 0x01, 0x07, 0x00].into()),
             // No time, or a negative one.
             ints(&[]),
             ints(&[-5, 1, 7, 1, 7]),
@@ -745,12 +769,12 @@ mod tests {
             // More than the requests.
             ints(&[9, 1, 7, 1, 7, 1, 7]),
             // A value that is not an integer.
-            Value::Array(vec![
-                Value::Integer(9),
-                Value::Integer(1),
-                Value::String("x".into()),
-                Value::Integer(1),
-                Value::Integer(7),
+            packed_reply(&[
+                Item::Int(9),
+                Item::Int(1),
+                Item::Text(b"x"),
+                Item::Int(1),
+                Item::Int(7),
             ]),
         ] {
             let answers = split(reply.clone(), 2);
