@@ -768,6 +768,14 @@ mod tests {
             ints(&[9, -2, 7]),
             // More than the requests.
             ints(&[9, 1, 7, 1, 7, 1, 7]),
+            // A header and a request's length that claim billions of values, over a few bytes:
+            // refused without allocating for them.
+            Value::Bytes(
+                vec![
+                    0xdd, 0xff, 0xff, 0xff, 0xff, 0x09, 0xce, 0xff, 0xff, 0xff, 0xff, 0x01,
+                ]
+                .into(),
+            ),
             // A value that is not an integer.
             packed_reply(&[
                 Item::Int(9),

@@ -56,11 +56,14 @@ pub fn array(bytes: &[u8]) -> Result<Items<'_>, Malformed> {
 }
 
 impl<'a> Items<'a> {
-    /// Values not yet read.
+    /// Values not yet read, as many as the header said but no more than bytes are left (every
+    /// value takes one at least): a bound on what reading them can allocate, whatever the
+    /// header claims.
     pub fn len(&self) -> usize {
-        self.left
+        self.left.min(self.rest.len())
     }
 
+    /// Whether every value the header announced has been read.
     pub fn is_empty(&self) -> bool {
         self.left == 0
     }
