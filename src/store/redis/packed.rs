@@ -202,6 +202,31 @@ pub(crate) mod tests {
         Ok(all)
     }
 
+    proptest::proptest! {
+        /// Whatever the bytes, reading them ends in values or an error, never a panic, and
+        /// reads no value the bytes do not hold.
+        #[test]
+        fn any_bytes_are_read_or_refused(bytes in proptest::collection::vec(proptest::num::u8::ANY, 0..64)) {
+            if let Ok(mut items) = array(&bytes) {
+                proptest::prop_assert!(items.len() < bytes.len());
+                let mut read = 0;
+                while let Some(item) = items.next_item() {
+                    read += usize::from(item.is_ok());
+                }
+                proptest::prop_assert!(read <= bytes.len());
+                let _ = items.finish();
+            }
+        }
+
+        /// What cmsgpack's forms pack, read gives back.
+        #[test]
+        fn packed_integers_read_back(values in proptest::collection::vec(proptest::num::i64::ANY, 0..40)) {
+            let items: Vec<Item<'_>> = values.iter().map(|&n| Item::Int(n)).collect();
+            let bytes = pack(&items);
+            proptest::prop_assert_eq!(read_all(&bytes), Ok(items));
+        }
+    }
+
     /// Bytes Redis 7.0's cmsgpack wrote for `{1000, 4, 5, 1, 1, 1000, 4, 5, 2, 2, 1000}` (two
     /// requests' replies of the script, read off `redis-cli FCALL ... | xxd`).
     #[test]
