@@ -1828,17 +1828,16 @@ fn unpacked(reply: &fred::types::Value) -> Vec<fred::types::Value> {
     let Some(bytes) = reply.as_bytes() else {
         panic!("not a packed reply: {reply:?}");
     };
-    let mut items = packed::array(bytes).unwrap_or_else(|e| panic!("{e}: {reply:?}"));
-    let mut values = Vec::new();
-    while let Some(item) = items.next_item() {
-        values.push(match item.unwrap_or_else(|e| panic!("{e}: {reply:?}")) {
+    let items = packed::read_all(bytes).unwrap_or_else(|e| panic!("{e}: {reply:?}"));
+    items
+        .into_iter()
+        .map(|item| match item {
             Item::Int(n) => fred::types::Value::Integer(n),
             Item::Text(text) => {
                 fred::types::Value::from(String::from_utf8_lossy(text).into_owned())
             }
-        });
-    }
-    values
+        })
+        .collect()
 }
 
 /// A standalone Redis of the test's own with the script's library loaded.

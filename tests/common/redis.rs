@@ -201,15 +201,14 @@ fn print_resp(reply: Resp, lines: &mut Vec<String>) {
         Resp::Simple(text) | Resp::Error(text) => lines.push(text),
         Resp::Int(n) => lines.push(n.to_string()),
         Resp::Bulk(None) => lines.push(String::new()),
+        // A bulk string that is no packed array (not of the script) as its text.
         Resp::Bulk(Some(bytes)) => match packed::array(&bytes) {
-            Ok(mut items) => {
-                while let Some(item) = items.next_item() {
-                    match item.expect("a packed value") {
-                        Item::Int(n) => lines.push(n.to_string()),
-                        Item::Text(text) => lines.push(String::from_utf8_lossy(text).into_owned()),
-                    }
-                }
-                items.finish().expect("nothing after the packed array");
+            Ok(_) => {
+                let items = packed::read_all(&bytes).expect("a packed reply");
+                lines.extend(items.into_iter().map(|item| match item {
+                    Item::Int(n) => n.to_string(),
+                    Item::Text(text) => String::from_utf8_lossy(text).into_owned(),
+                }));
             }
             Err(_) => lines.push(String::from_utf8_lossy(&bytes).into_owned()),
         },

@@ -369,7 +369,7 @@ fn split_flat(reply: &Value, count: usize) -> Result<Vec<Answer>, StoreError> {
     let mut values = packed::array(bytes).map_err(|e| bad(&e.to_string()))?;
     fn next<'a>(values: &mut Items<'a>) -> Result<Option<Item<'a>>, StoreError> {
         values
-            .next_item()
+            .next()
             .transpose()
             .map_err(|e| StoreError::Protocol(format!("script reply {e}")))
     }

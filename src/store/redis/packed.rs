@@ -68,19 +68,6 @@ impl<'a> Items<'a> {
         self.left == 0
     }
 
-    /// The next value; `None` once the array's values are read. An error ends the reading.
-    pub fn next_item(&mut self) -> Option<Result<Item<'a>, Malformed>> {
-        if self.left == 0 {
-            return None;
-        }
-        self.left -= 1;
-        let item = self.read();
-        if item.is_err() {
-            self.left = 0;
-        }
-        Some(item)
-    }
-
     /// Whether the array ended where the bytes did.
     pub fn finish(&self) -> Result<(), Malformed> {
         if self.left == 0 && self.rest.is_empty() {
@@ -142,6 +129,33 @@ impl<'a> Items<'a> {
     }
 }
 
+/// The values of the array, one after the other; `None` once they are read. An error ends the
+/// reading.
+impl<'a> Iterator for Items<'a> {
+    type Item = Result<Item<'a>, Malformed>;
+
+    fn next(&mut self) -> Option<Self::Item> {
+        if self.left == 0 {
+            return None;
+        }
+        self.left -= 1;
+        let item = self.read();
+        if item.is_err() {
+            self.left = 0;
+        }
+        Some(item)
+    }
+}
+
+/// A whole packed array at once: its values, with nothing after them. (The store reads a reply
+/// through [`Items`] instead, without collecting it.)
+pub fn read_all(bytes: &[u8]) -> Result<Vec<Item<'_>>, Malformed> {
+    let mut items = array(bytes)?;
+    let all = items.by_ref().collect::<Result<Vec<_>, _>>()?;
+    items.finish()?;
+    Ok(all)
+}
+
 fn take<const N: usize>(bytes: &[u8]) -> Result<([u8; N], &[u8]), Malformed> {
     let (head, rest) = bytes.split_first_chunk::<N>().ok_or(Malformed::Truncated)?;
     Ok((*head, rest))
@@ -192,16 +206,6 @@ pub(crate) mod tests {
         out
     }
 
-    fn read_all(bytes: &[u8]) -> Result<Vec<Item<'_>>, Malformed> {
-        let mut items = array(bytes)?;
-        let mut all = Vec::new();
-        while let Some(item) = items.next_item() {
-            all.push(item?);
-        }
-        items.finish()?;
-        Ok(all)
-    }
-
     proptest::proptest! {
         /// Whatever the bytes, reading them ends in values or an error, never a panic, and
         /// reads no value the bytes do not hold.
@@ -210,7 +214,7 @@ pub(crate) mod tests {
             if let Ok(mut items) = array(&bytes) {
                 proptest::prop_assert!(items.len() < bytes.len());
                 let mut read = 0;
-                while let Some(item) = items.next_item() {
+                for item in items.by_ref() {
                     read += usize::from(item.is_ok());
                 }
                 proptest::prop_assert!(read <= bytes.len());
