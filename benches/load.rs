@@ -21,6 +21,7 @@
 //!     SLIDEGATE_BENCH_WARM_SECS=65 cargo bench --bench load   # measured after 65 s of the load
 //!     SLIDEGATE_BENCH_USERS=1000000 SLIDEGATE_BENCH_WARM_SECS=65 cargo bench --bench load  # more users
 //!     SLIDEGATE_BENCH_CALLS_PER_VISIT=2 cargo bench --bench load   # two calls in a row per user
+//!     SLIDEGATE_BENCH_REDIS_CONFIG="zset-max-listpack-entries 16" cargo bench --bench load  # Redis settings
 //!
 //! A scenario under load starts from empty stores: in 5 s each of the 100,000 users is called
 //! about twice, so its log holds a few entries, where a deployment serving them for a minute
@@ -602,8 +603,11 @@ fn memory_usage(redis: &redis_proc::RedisProcess) {
     let library = slidegate::store::redis::Library::new();
     let function = redis_cli(redis.port, &["FUNCTION", "LOAD", "REPLACE", &library.code]);
     let now = 1_767_225_600_000u64;
+    // `CONFIG GET` answers the name, then the value.
+    let listpack = redis_cli(redis.port, &["CONFIG", "GET", "zset-max-listpack-entries"]);
     println!(
-        "\nRedis memory (MEMORY USAGE, redis-server 7, default zset-max-listpack-entries 128):"
+        "\nRedis memory (MEMORY USAGE, redis-server 7, zset-max-listpack-entries {}):",
+        listpack.lines().nth(1).unwrap_or("unknown")
     );
     // One call of one request: KEYS the log or the counters; ARGV request count, now, shape
     // (5: one descriptor, final), then hits and the rule
@@ -628,7 +632,7 @@ fn memory_usage(redis: &redis_proc::RedisProcess) {
         let text = String::from_utf8_lossy(&out.stdout).to_string();
         assert!(!text.contains("SLIDEGATE"), "{text}");
     };
-    for entries in [10u64, 100, 128, 129, 1000, 10_000] {
+    for entries in [10u64, 16, 17, 100, 128, 129, 1000, 10_000] {
         let base = format!("rl:{{bench:m{entries}}}");
         // One entry per call, whatever its hits: `entries` calls of 5 hits each.
         run((0..entries).map(|n| line(&base, now + n, 5, "0")).collect());
@@ -822,13 +826,34 @@ impl Stores {
     fn start() -> Stores {
         let standalone = redis_proc::RedisProcess::start(&[]);
         let cluster = redis_proc::RedisCluster::start();
-        let cluster_ports = cluster.nodes.iter().map(|n| n.port).collect();
+        let cluster_ports: Vec<u16> = cluster.nodes.iter().map(|n| n.port).collect();
+        for (name, value) in redis_config() {
+            for port in std::iter::once(standalone.port).chain(cluster_ports.iter().copied()) {
+                let answer = redis_cli(port, &["CONFIG", "SET", &name, &value]);
+                assert_eq!(answer, "OK", "CONFIG SET {name} {value} on {port}");
+            }
+        }
         Stores {
             standalone,
             cluster,
             cluster_ports,
         }
     }
+}
+
+/// `SLIDEGATE_BENCH_REDIS_CONFIG`: Redis settings for every Redis of the run, as name and value
+/// pairs ("zset-max-listpack-entries 16"), set with `CONFIG SET` once the servers are up.
+fn redis_config() -> Vec<(String, String)> {
+    let text = std::env::var("SLIDEGATE_BENCH_REDIS_CONFIG").unwrap_or_default();
+    let words: Vec<&str> = text.split_whitespace().collect();
+    assert!(
+        words.len().is_multiple_of(2),
+        "SLIDEGATE_BENCH_REDIS_CONFIG takes name and value pairs, got {text:?}"
+    );
+    words
+        .chunks(2)
+        .map(|pair| (pair[0].to_owned(), pair[1].to_owned()))
+        .collect()
 }
 
 /// Where the load generator runs. Under load, on a worker per core. With one call in flight,
@@ -1017,7 +1042,7 @@ fn main() {
     let config_path: PathBuf = scratch.join("bench.yaml");
     std::fs::write(&config_path, config()).expect("write config");
     println!(
-        "slidegate load benchmark: {} connections x {} streams ({} in flight), {} s per scenario, loopback gRPC, slidegate as its own process{}{}",
+        "slidegate load benchmark: {} connections x {} streams ({} in flight), {} s per scenario, loopback gRPC, slidegate as its own process{}{}{}",
         load.connections,
         load.streams,
         load.connections * load.streams,
@@ -1027,6 +1052,10 @@ fn main() {
             String::new()
         } else {
             format!(", extra flags: {}", extra.join(" "))
+        },
+        match std::env::var("SLIDEGATE_BENCH_REDIS_CONFIG") {
+            Ok(text) if !text.trim().is_empty() => format!(", Redis set to: {}", text.trim()),
+            _ => String::new(),
         }
     );
     println!(

@@ -4,6 +4,7 @@
 //!     cargo bench --bench script_cost
 //!     SLIDEGATE_COST_KEEP=/tmp/cost cargo bench --bench script_cost -- 32   # keep the profiles
 //!     SLIDEGATE_COST_SCRIPT=/tmp/other.lua cargo bench --bench script_cost   # another version
+//!     SLIDEGATE_COST_REDIS_CONFIG="zset-max-listpack-entries 16" cargo bench --bench script_cost
 //!
 //! For each case it starts `redis-server` under `valgrind --tool=callgrind` with
 //! instrumentation off, loads the script (as a function, and as the script slidegate falls back
@@ -296,6 +297,21 @@ fn measure(case: &Case, form: Form, library: &Library, dir: &Path) -> u64 {
         let all: Vec<&str> = all.iter().map(String::as_str).collect();
         callgrind::run("redis-cli", &all).trim().to_string()
     };
+    // SLIDEGATE_COST_REDIS_CONFIG: Redis settings as name and value pairs, for what a setting
+    // changes in the script's cost.
+    let settings = std::env::var("SLIDEGATE_COST_REDIS_CONFIG").unwrap_or_default();
+    let words: Vec<&str> = settings.split_whitespace().collect();
+    assert!(
+        words.len().is_multiple_of(2),
+        "SLIDEGATE_COST_REDIS_CONFIG takes name and value pairs, got {settings:?}"
+    );
+    for pair in words.chunks(2) {
+        assert_eq!(
+            cli(&["CONFIG", "SET", pair[0], pair[1]]),
+            "OK",
+            "CONFIG SET {pair:?}"
+        );
+    }
     let head: Vec<String> = match form {
         Form::Function | Form::Spread => {
             let name = cli(&["FUNCTION", "LOAD", "REPLACE", &library.code]);
