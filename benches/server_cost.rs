@@ -11,7 +11,8 @@
 //! instrumentation off (the embedded store, or a standalone `redis-server` of its own, native),
 //! opens 8 HTTP/2 connections and sends warm-up calls, then turns instrumentation on for a
 //! fixed stream of calls (32 in flight, the same requests every run, each with the headers Envoy
-//! sends) and prints slidegate's instructions per decision over all its threads, and
+//! sends; or, in the cases of one call in flight, 1,000 calls one after another on one
+//! connection) and prints slidegate's instructions per decision over all its threads, and
 //! the inclusive share of a few layers (hyper's streams, the `ShouldRateLimit` call inside
 //! them and its store's part, h2's connections, the Redis client, memcpy). The server runs
 //! about 50 times slower under valgrind, and one thread at a time, so more calls wait in its
@@ -45,45 +46,94 @@ use std::time::Duration;
 use slidegate::proto::rate_limit_service_client::RateLimitServiceClient;
 use workload::{Shape, config, envoy_headers, request, request_number};
 
-const CONNECTIONS: u64 = 8;
-const STREAMS_PER_CONNECTION: u64 = 4;
-const WARM_UP_CALLS_PER_STREAM: u64 = 20;
-const MEASURED_CALLS_PER_STREAM: u64 = 100;
+/// How the calls come: connections, streams on each, and calls per stream.
+#[derive(Clone, Copy)]
+struct Load {
+    connections: u64,
+    streams_per_connection: u64,
+    warm_up_calls_per_stream: u64,
+    measured_calls_per_stream: u64,
+}
 
-/// One measured case: the store and what each request sends.
+impl Load {
+    fn streams(self) -> u64 {
+        self.connections * self.streams_per_connection
+    }
+
+    fn measured_calls(self) -> u64 {
+        self.streams() * self.measured_calls_per_stream
+    }
+}
+
+/// 32 in flight over 8 connections: each socket read finds several calls, and a script call
+/// carries several decisions.
+const MANY: Load = Load {
+    connections: 8,
+    streams_per_connection: 4,
+    warm_up_calls_per_stream: 20,
+    measured_calls_per_stream: 100,
+};
+
+/// One call in flight: every call reads its own socket, makes its own script call and writes
+/// its own answer, nothing shared with another.
+const LONE: Load = Load {
+    connections: 1,
+    streams_per_connection: 1,
+    warm_up_calls_per_stream: 200,
+    measured_calls_per_stream: 1000,
+};
+
+/// One measured case: the store, what each request sends, and how many come at once.
 struct Case {
     name: &'static str,
     redis: bool,
     shape: Shape,
+    load: Load,
 }
 
-const CASES: [Case; 4] = [
+const CASES: [Case; 6] = [
     Case {
         name: "embedded, 100k users",
         redis: false,
         shape: Shape::Users,
+        load: MANY,
     },
     Case {
         name: "standalone, 100k users",
         redis: true,
         shape: Shape::Users,
+        load: MANY,
     },
     Case {
         name: "standalone, three descriptors",
         redis: true,
         shape: Shape::ThreeSlots,
+        load: MANY,
     },
     Case {
         name: "embedded, hot key under attack",
         redis: false,
         shape: Shape::Attack,
+        load: MANY,
+    },
+    Case {
+        name: "embedded, one call in flight",
+        redis: false,
+        shape: Shape::Users,
+        load: LONE,
+    },
+    Case {
+        name: "standalone, one call in flight",
+        redis: true,
+        shape: Shape::Users,
+        load: LONE,
     },
 ];
 
-/// `calls_per_stream` calls on each of the streams, 32 in flight; every call must be decided.
-async fn drive(grpc: u16, shape: Shape, first: u64, calls_per_stream: u64) {
+/// `calls_per_stream` calls on each of `load`'s streams; every call must be decided.
+async fn drive(grpc: u16, shape: Shape, load: Load, first: u64, calls_per_stream: u64) {
     let mut clients = Vec::new();
-    for _ in 0..CONNECTIONS {
+    for _ in 0..load.connections {
         let channel = tonic::transport::Endpoint::from_shared(format!("http://127.0.0.1:{grpc}"))
             .expect("uri")
             .tcp_nodelay(true)
@@ -95,11 +145,11 @@ async fn drive(grpc: u16, shape: Shape, first: u64, calls_per_stream: u64) {
     }
     let mut tasks = Vec::new();
     // Every call a user of its own (`request_number`).
-    let streams = CONNECTIONS * STREAMS_PER_CONNECTION;
-    for c in 0..CONNECTIONS {
-        for s in 0..STREAMS_PER_CONNECTION {
+    let streams = load.streams();
+    for c in 0..load.connections {
+        for s in 0..load.streams_per_connection {
             let mut client = clients[c as usize].clone();
-            let stream = c * STREAMS_PER_CONNECTION + s;
+            let stream = c * load.streams_per_connection + s;
             tasks.push(tokio::spawn(async move {
                 for i in first..first + calls_per_stream {
                     let mut call =
@@ -156,22 +206,29 @@ fn measure(case: &Case, binary: &Path, config: &Path, dir: &Path) -> (u64, Strin
         .enable_all()
         .build()
         .expect("runtime");
-    runtime.block_on(drive(grpc, case.shape, 0, WARM_UP_CALLS_PER_STREAM));
+    let load = case.load;
+    runtime.block_on(drive(
+        grpc,
+        case.shape,
+        load,
+        0,
+        load.warm_up_calls_per_stream,
+    ));
     let pid = server.id().to_string();
     callgrind::run("callgrind_control", &["-i", "on", &pid]);
     runtime.block_on(drive(
         grpc,
         case.shape,
-        WARM_UP_CALLS_PER_STREAM,
-        MEASURED_CALLS_PER_STREAM,
+        load,
+        load.warm_up_calls_per_stream,
+        load.measured_calls_per_stream,
     ));
     callgrind::run("callgrind_control", &["-i", "off", &pid]);
     // SIGTERM lets callgrind write its file as the server exits.
     callgrind::run("kill", &["-TERM", &pid]);
     let _ = server.wait();
     let (annotated, total) = callgrind::annotate(&out_file, &["--inclusive=yes"]);
-    let calls = CONNECTIONS * STREAMS_PER_CONNECTION * MEASURED_CALLS_PER_STREAM;
-    (total / calls, top_lines(&annotated))
+    (total / load.measured_calls(), top_lines(&annotated))
 }
 
 /// Where the instructions go: the inclusive share of a few layers, each the first entry of
@@ -237,9 +294,11 @@ fn main() {
     let config_path = dir.join("bench.yaml");
     std::fs::write(&config_path, config()).expect("write config");
     println!(
-        "slidegate instructions per decision (callgrind, all threads, {} measured calls, {} in flight over {CONNECTIONS} connections)\n",
-        CONNECTIONS * STREAMS_PER_CONNECTION * MEASURED_CALLS_PER_STREAM,
-        CONNECTIONS * STREAMS_PER_CONNECTION,
+        "slidegate instructions per decision (callgrind, all threads; {} measured calls, {} in flight over {} connections, unless the case says one call in flight: {} calls)\n",
+        MANY.measured_calls(),
+        MANY.streams(),
+        MANY.connections,
+        LONE.measured_calls(),
     );
     for case in CASES.iter().filter(|c| c.name.contains(only.as_str())) {
         let (per_decision, top) = measure(case, &binary, &config_path, &dir);
