@@ -585,13 +585,10 @@ impl RedisStore {
         mode: Mode,
     ) -> Request {
         let (group, slots) = (&group.items, group.slots);
-        // Numbers go as integers: the client writes them straight into the command, with no
-        // string made per argument.
-        let int = |n: u64| Value::Integer(i64::try_from(n).unwrap_or(i64::MAX));
         let mut keys = Vec::with_capacity(group.len() * 2);
         let mut args: Vec<Value> = Vec::with_capacity(2 + group.len() * 2);
         // The request's shape: its descriptor count and mode in one argument.
-        args.push(int(4 * group.len() as u64 + mode.code()));
+        args.push(batch::number(4 * group.len() as u64 + mode.code()));
         for &i in group {
             let item = &items[i];
             let ban_ms = item.ban_ms.unwrap_or(0);
@@ -602,7 +599,7 @@ impl RedisStore {
             if ban_ms > 0 {
                 keys.push(Key::from(item.key.ban()));
             }
-            args.push(int(item.hits));
+            args.push(batch::number(item.hits));
             args.push(Value::String(rule_arg(item, ban_ms)));
         }
         // The prefix names a tentative request's entries, for their removal (`undo`); the
