@@ -9,7 +9,8 @@
 //! decision's cost reads against what any call costs on this machine in the same run. Then
 //! the ceiling: calls per second
 //! of the script alone on one Redis core (`redis-benchmark` running `FCALL` with the
-//! arguments slidegate sends), and Redis memory per log entry.
+//! arguments slidegate sends, and calls to logs that hold entries), and Redis memory per log
+//! entry.
 //!
 //!     cargo bench --bench load
 //!     SLIDEGATE_BENCH_SECS=10 SLIDEGATE_BENCH_CONNECTIONS=16 SLIDEGATE_BENCH_STREAMS=16 cargo bench --bench load
@@ -599,6 +600,79 @@ fn redis_cli(port: u16, args: &[&str]) -> String {
     String::from_utf8_lossy(&out.stdout).trim().to_string()
 }
 
+/// Sends `commands` to the Redis at `port` through `redis-cli` with `flags` (inline commands, or
+/// RESP with `--pipe`); no reply may be the script's error.
+fn feed(port: u16, flags: &[&str], commands: String) {
+    use std::io::Write;
+    let mut child = Command::new("redis-cli")
+        .args(["-p", &port.to_string()])
+        .args(flags)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .expect("redis-cli");
+    // Written from another thread: the replies fill the output pipe while commands go in.
+    let mut stdin = child.stdin.take().expect("stdin");
+    let writer = std::thread::spawn(move || stdin.write_all(commands.as_bytes()));
+    let out = child.wait_with_output().expect("redis-cli");
+    writer.join().expect("writer").expect("commands");
+    let text = String::from_utf8_lossy(&out.stdout).to_string();
+    assert!(!text.contains("SLIDEGATE"), "{text}");
+    assert!(
+        !flags.contains(&"--pipe") || text.contains("errors: 0"),
+        "{text}"
+    );
+}
+
+/// The script alone on one Redis core on logs that hold entries: 3,200 logs (users), each call
+/// 32 of them, first filled to 50 entries each, then measured while they grow from 50 to 100
+/// (every entry within the hour-long window, so none leaves). Redis CPU per decision is the
+/// figure; Redis keeps such logs as listpacks up to `zset-max-listpack-entries` entries, which
+/// `SLIDEGATE_BENCH_REDIS_CONFIG` sets.
+fn script_on_logs_with_entries(redis: &redis_proc::RedisProcess) {
+    const LOGS: u64 = 3_200;
+    const PER_CALL: u64 = 32;
+    // Calls that add 50 entries to every log.
+    const CALLS: u64 = LOGS * 50 / PER_CALL;
+    let library = slidegate::store::redis::Library::new();
+    let function = redis_cli(redis.port, &["FUNCTION", "LOAD", "REPLACE", &library.code]);
+    let commands = |first: u64| -> String {
+        let mut out = String::new();
+        for call in first..first + CALLS {
+            let users: Vec<u64> = (0..PER_CALL)
+                .map(|i| (call * PER_CALL + i) % LOGS)
+                .collect();
+            let mut words = vec!["FCALL".to_string(), function.clone(), PER_CALL.to_string()];
+            words.extend(users.iter().map(|u| format!("rl:{{bench:user={u}}}:log")));
+            // The request count and the call's time (a ms later each call), then per request:
+            // shape (one descriptor, final), hits, rule (a million an hour).
+            words.extend([PER_CALL.to_string(), (1_767_225_600_000 + call).to_string()]);
+            for _ in 0..PER_CALL {
+                words.extend(["5", "1", "0:0:0:0:1000000:3600000"].map(String::from));
+            }
+            out.push_str(&format!("*{}\r\n", words.len()));
+            for word in &words {
+                out.push_str(&format!("${}\r\n{word}\r\n", word.len()));
+            }
+        }
+        out
+    };
+    feed(redis.port, &["--pipe"], commands(0));
+    let measured = commands(CALLS);
+    let (cpu0, _) = redis_usage(&[redis.port]);
+    let started = std::time::Instant::now();
+    feed(redis.port, &["--pipe"], measured);
+    let secs = started.elapsed().as_secs_f64();
+    let (cpu1, _) = redis_usage(&[redis.port]);
+    let decisions = (CALLS * PER_CALL) as f64;
+    let encoding = redis_cli(redis.port, &["OBJECT", "ENCODING", "rl:{bench:user=7}:log"]);
+    println!(
+        "The script, {PER_CALL} requests per FCALL, on {LOGS} logs growing from 50 to 100 entries ({encoding}s), alone on one Redis core (redis-cli --pipe): {:.0} decisions/s, {:.1} us Redis CPU per decision",
+        decisions / secs,
+        (cpu1 - cpu0) / decisions * 1e6
+    );
+}
+
 fn memory_usage(redis: &redis_proc::RedisProcess) {
     let library = slidegate::store::redis::Library::new();
     let function = redis_cli(redis.port, &["FUNCTION", "LOAD", "REPLACE", &library.code]);
@@ -616,22 +690,7 @@ fn memory_usage(redis: &redis_proc::RedisProcess) {
         let key = if buckets == "0" { "log" } else { "cnt" };
         format!("FCALL {function} 1 {base}:{key} 1 {now} 5 {hits} 0:0:{buckets}:0:100000:3600000\n")
     };
-    let run = |lines: String| {
-        use std::io::Write;
-        let mut child = Command::new("redis-cli")
-            .args(["-p", &redis.port.to_string()])
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .spawn()
-            .expect("redis-cli");
-        // Written from another thread: the replies fill the output pipe while commands go in.
-        let mut stdin = child.stdin.take().expect("stdin");
-        let writer = std::thread::spawn(move || stdin.write_all(lines.as_bytes()));
-        let out = child.wait_with_output().expect("redis-cli");
-        writer.join().expect("writer").expect("commands");
-        let text = String::from_utf8_lossy(&out.stdout).to_string();
-        assert!(!text.contains("SLIDEGATE"), "{text}");
-    };
+    let run = |lines: String| feed(redis.port, &[], lines);
     for entries in [10u64, 16, 17, 100, 128, 129, 1000, 10_000] {
         let base = format!("rl:{{bench:m{entries}}}");
         // One entry per call, whatever its hits: `entries` calls of 5 hits each.
@@ -1092,6 +1151,8 @@ fn main() {
                 script_ceiling(standalone, &other, &name, per_call);
             }
         }
+        let _ = redis_cli(standalone.port, &["FLUSHALL"]);
+        script_on_logs_with_entries(standalone);
         memory_usage(standalone);
     }
     let _ = std::fs::remove_dir_all(&scratch);
