@@ -551,6 +551,55 @@ async fn drive(
     report
 }
 
+/// A bare Redis round trip, one in flight for `load.secs`: `PING` over one TCP connection from
+/// this process's one-thread runtime, as the lone calls are driven. Beside the gRPC floor it is
+/// the other half of what any server that asks Redis once per call must wait, in the same
+/// spells of the machine.
+async fn redis_round_trips(name: &str, port: u16, load: &Load) -> Report {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut stream = tokio::net::TcpStream::connect(("127.0.0.1", port))
+        .await
+        .expect("connect to the bench's Redis");
+    stream.set_nodelay(true).expect("TCP_NODELAY");
+    let mut reply = [0u8; 7];
+    let (redis_cpu0, commands0) = redis_usage(&[port]);
+    let load_cpu0 = cpu_s(std::process::id());
+    let started = Instant::now();
+    let deadline = started + Duration::from_secs(load.secs);
+    let (mut latencies, mut errors) = (Vec::with_capacity(100_000), 0);
+    while Instant::now() < deadline {
+        let t = Instant::now();
+        stream
+            .write_all(b"*1\r\n$4\r\nPING\r\n")
+            .await
+            .expect("PING");
+        stream.read_exact(&mut reply).await.expect("PONG");
+        if &reply != b"+PONG\r\n" {
+            errors += 1;
+        }
+        latencies.push(t.elapsed().as_micros() as u64);
+    }
+    let elapsed = started.elapsed();
+    let (redis_cpu1, commands1) = redis_usage(&[port]);
+    latencies.sort_unstable();
+    Report {
+        name: name.into(),
+        calls: latencies.len(),
+        errors,
+        admitted: 0,
+        limit: None,
+        elapsed,
+        latencies_us: latencies,
+        server_cpu_s: 0.0,
+        server_switches: 0,
+        load_cpu_s: cpu_s(std::process::id()) - load_cpu0,
+        redis_cpu_s: redis_cpu1 - redis_cpu0,
+        // The `INFO` calls that read the counters are left out of the count.
+        redis_commands: commands1.saturating_sub(commands0),
+        redis_keys: 0,
+    }
+}
+
 /// Calls per second of the script alone on one Redis core, and Redis CPU per decision: the
 /// arguments of one `user` descriptor as slidegate sends them, a fresh user per request,
 /// `per_call` requests in each call (as slidegate's batches carry them under load).
@@ -973,6 +1022,23 @@ fn run_scenario(
     let run = |name: &str, server: &Server, shape: Shape, load: &Load| {
         runtime.block_on(drive(name, server, &ports, load, shape, scenario.limit))
     };
+    if scenario.single && scenario.shape == Shape::NoRule {
+        // The lone call's floor, in turns with a bare Redis round trip.
+        let server = Server::start(config_path, &args);
+        in_turns(
+            load.secs,
+            &ports,
+            |slice| run(scenario.name, &server, scenario.shape, slice),
+            |slice| {
+                runtime.block_on(redis_round_trips(
+                    "floor: Redis round trip (PING), one in flight",
+                    standalone.port,
+                    slice,
+                ))
+            },
+        );
+        return;
+    }
     if let Some((other, other_shape)) = scenario.turns_with {
         let server = Server::start(config_path, &args);
         in_turns(
