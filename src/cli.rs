@@ -105,7 +105,7 @@ pub struct ServeArgs {
     /// Do not watch the config for changes (SIGHUP still reloads).
     #[arg(long, env = "SLIDEGATE_NO_WATCH", action = ArgAction::SetTrue, value_parser = BoolishValueParser::new())]
     pub no_watch: bool,
-    /// Quiet time after a config change before reloading.
+    /// Quiet time after a config change before reloading (at most four of them after the first change).
     #[arg(long, env = "SLIDEGATE_RELOAD_DEBOUNCE", default_value = "250ms", value_parser = duration_arg)]
     pub reload_debounce: Duration,
     /// Several files may define one domain; their descriptors are merged.

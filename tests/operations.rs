@@ -279,13 +279,26 @@ fn counter(s: &TestServer, name: &str) -> f64 {
     sample(&s.metrics.render().1, name).unwrap_or(0.0)
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn reload_in_place_by_rename_and_broken() {
-    let dir = temp_dir("reload");
+/// A directory holding `limits.yaml` with the rules named a1 and a2, served and watched.
+async fn watched_limits(
+    name: &str,
+) -> (
+    TempDir,
+    std::path::PathBuf,
+    TestServer,
+    slidegate::config::watch::ConfigWatch,
+) {
+    let dir = temp_dir(name);
     let file = dir.0.join("limits.yaml");
     std::fs::write(&file, limits("a1", "a2")).expect("write");
-    let (s, _watch) = watched(&dir.0).await;
+    let (s, watch) = watched(&dir.0).await;
     assert_eq!(names(&s).await, ("a1".into(), "a2".into()));
+    (dir, file, s, watch)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reload_in_place_by_rename_and_broken() {
+    let (dir, file, s, _watch) = watched_limits("reload").await;
 
     std::fs::write(&file, limits("b1", "b2")).expect("rewrite in place");
     wait_for_names(&s, ("b1", "b2")).await;
@@ -337,6 +350,44 @@ async fn reload_on_configmap_symlink_swap() {
     std::fs::rename(root.join("..data_tmp"), root.join("..data")).expect("swap");
     std::fs::remove_dir_all(root.join(&v1)).expect("remove old version");
     wait_for_names(&s, ("v2a", "v2b")).await;
+    s.stop().await;
+}
+
+/// A file beside the config that changes all the time (a log written into the same directory)
+/// does not hold a reload back: the change is applied while the other file keeps changing,
+/// a few debounces after it (the directory is never quiet for one).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reload_while_a_file_beside_the_config_keeps_changing() {
+    let (dir, file, s, _watch) = watched_limits("noisy").await;
+
+    // Appends a line every 5 ms, well inside the watcher's 20 ms debounce.
+    let stop = Arc::new(AtomicBool::new(false));
+    let noise = {
+        let (stop, log) = (stop.clone(), dir.0.join("noise.log"));
+        std::thread::spawn(move || {
+            use std::io::Write as _;
+            let mut f = std::fs::File::create(&log).expect("noise.log");
+            while !stop.load(Ordering::Relaxed) {
+                writeln!(f, "a line of noise").expect("append");
+                f.flush().expect("flush");
+                std::thread::sleep(Duration::from_millis(5));
+            }
+        })
+    };
+    let noise_len = || std::fs::metadata(dir.0.join("noise.log")).map_or(0, |m| m.len());
+    // Give the noise a head start, so that the change lands in the middle of it.
+    wait_until("the noise has begun", Duration::from_secs(5), || {
+        noise_len() > 100
+    });
+    std::fs::write(&file, limits("b1", "b2")).expect("rewrite in place");
+    let at_change = noise_len();
+    wait_for_names(&s, ("b1", "b2")).await;
+    assert!(
+        noise_len() > at_change && !noise.is_finished(),
+        "the noise went on while the change was waiting to be applied"
+    );
+    stop.store(true, Ordering::Relaxed);
+    noise.join().expect("noise thread");
     s.stop().await;
 }
 

@@ -115,10 +115,7 @@ pub fn spawn(
         let mut hangup = sighup();
         loop {
             tokio::select! {
-                Some(()) = rx.recv() => {
-                    // Debounce: wait until the directory has been quiet for `debounce`.
-                    while let Ok(Some(())) = tokio::time::timeout(debounce, rx.recv()).await {}
-                }
+                Some(()) = rx.recv() => settle(&mut rx, debounce).await,
                 _ = next_hangup(&mut hangup) => {
                     tracing::info!("SIGHUP: reloading config");
                 }
@@ -132,6 +129,25 @@ pub fn spawn(
         }
     });
     Ok(ConfigWatch { task })
+}
+
+/// How many `debounce`s a reload waits at most after the first change for the directory to
+/// be quiet.
+const SETTLE_AT_MOST: u32 = 4;
+
+/// Waits until the directory has been quiet for `debounce`, or `SETTLE_AT_MOST` of them have
+/// passed since the first change: a file beside the config that changes all the time (a log
+/// written there, say) would otherwise hold every reload back for as long as it does. The
+/// reload that follows finds the config as it was (the same fingerprint) unless it changed.
+async fn settle(changes: &mut mpsc::Receiver<()>, debounce: Duration) {
+    let give_up = tokio::time::Instant::now() + debounce * SETTLE_AT_MOST;
+    loop {
+        let quiet_until = (tokio::time::Instant::now() + debounce).min(give_up);
+        match tokio::time::timeout_at(quiet_until, changes.recv()).await {
+            Ok(Some(())) if tokio::time::Instant::now() < give_up => {}
+            _ => return,
+        }
+    }
 }
 
 /// Watches `dir` and, for the day it is replaced, its parent (events about `dir` itself only):
