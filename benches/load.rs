@@ -63,6 +63,9 @@ mod redis_proc;
 #[path = "common/workload.rs"]
 mod workload;
 
+#[path = "common/redis_settings.rs"]
+mod redis_settings;
+
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -935,7 +938,7 @@ impl Stores {
         let standalone = redis_proc::RedisProcess::start(&[]);
         let cluster = redis_proc::RedisCluster::start();
         let cluster_ports: Vec<u16> = cluster.nodes.iter().map(|n| n.port).collect();
-        for (name, value) in redis_config() {
+        for (name, value) in redis_settings::from_env("SLIDEGATE_BENCH_REDIS_CONFIG") {
             for port in std::iter::once(standalone.port).chain(cluster_ports.iter().copied()) {
                 let answer = redis_cli(port, &["CONFIG", "SET", &name, &value]);
                 assert_eq!(answer, "OK", "CONFIG SET {name} {value} on {port}");
@@ -947,21 +950,6 @@ impl Stores {
             cluster_ports,
         }
     }
-}
-
-/// `SLIDEGATE_BENCH_REDIS_CONFIG`: Redis settings for every Redis of the run, as name and value
-/// pairs ("zset-max-listpack-entries 16"), set with `CONFIG SET` once the servers are up.
-fn redis_config() -> Vec<(String, String)> {
-    let text = std::env::var("SLIDEGATE_BENCH_REDIS_CONFIG").unwrap_or_default();
-    let words: Vec<&str> = text.split_whitespace().collect();
-    assert!(
-        words.len().is_multiple_of(2),
-        "SLIDEGATE_BENCH_REDIS_CONFIG takes name and value pairs, got {text:?}"
-    );
-    words
-        .chunks(2)
-        .map(|pair| (pair[0].to_owned(), pair[1].to_owned()))
-        .collect()
 }
 
 /// Where the load generator runs. Under load, on a worker per core. With one call in flight,

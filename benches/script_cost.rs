@@ -27,6 +27,9 @@ mod redis_proc;
 #[path = "common/callgrind.rs"]
 mod callgrind;
 
+#[path = "common/redis_settings.rs"]
+mod redis_settings;
+
 use std::io::Write;
 use std::path::Path;
 use std::process::{Child, Command, Stdio};
@@ -299,17 +302,11 @@ fn measure(case: &Case, form: Form, library: &Library, dir: &Path) -> u64 {
     };
     // SLIDEGATE_COST_REDIS_CONFIG: Redis settings as name and value pairs, for what a setting
     // changes in the script's cost.
-    let settings = std::env::var("SLIDEGATE_COST_REDIS_CONFIG").unwrap_or_default();
-    let words: Vec<&str> = settings.split_whitespace().collect();
-    assert!(
-        words.len().is_multiple_of(2),
-        "SLIDEGATE_COST_REDIS_CONFIG takes name and value pairs, got {settings:?}"
-    );
-    for pair in words.chunks(2) {
+    for (name, value) in redis_settings::from_env("SLIDEGATE_COST_REDIS_CONFIG") {
         assert_eq!(
-            cli(&["CONFIG", "SET", pair[0], pair[1]]),
+            cli(&["CONFIG", "SET", &name, &value]),
             "OK",
-            "CONFIG SET {pair:?}"
+            "CONFIG SET {name} {value}"
         );
     }
     let head: Vec<String> = match form {
