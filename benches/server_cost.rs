@@ -234,7 +234,7 @@ fn measure(case: &Case, binary: &Path, config: &Path, dir: &Path) -> (u64, Strin
 /// Where the instructions go: the inclusive share of a few layers, each the first entry of
 /// `callgrind_annotate --inclusive=yes` whose name holds the pattern (layers nest: the store's
 /// part is inside the call, inside hyper's stream; each connection's streams and the connection
-/// are polled side by side by its task, `slidegate::streams::Served`). The compiler inlines the limiter into
+/// are polled side by side by its task, `slidegate::server::grpc::streams::Served`). The compiler inlines the limiter into
 /// the call, so it has no entry of its own.
 const LAYERS: [(&str, &str); 6] = [
     (

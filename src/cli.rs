@@ -15,7 +15,7 @@ use clap::{ArgAction, CommandFactory, FromArgMatches, Parser, Subcommand, ValueE
 
 use slidegate::config;
 use slidegate::limiter::RequestBounds;
-use slidegate::net::ConnectionLimits;
+use slidegate::server::net::ConnectionLimits;
 
 mod reference;
 mod serve;

@@ -1,19 +1,19 @@
 //! slidegate: an Envoy external rate-limit server with exact rolling windows.
 //!
-//! Layout:
-//! * [`config`]: the YAML format (reference-compatible plus extensions), loading, validation.
-//! * [`limiter`]: rules, matching, store keys and decisions; no transport, no Redis client.
-//! * [`store`]: the store contract (what a store is asked and answers), the embedded store, and
-//!   the Redis store, which decides inside one Lua script (`lua/slidegate.lua`).
-//! * [`metrics`]: Prometheus metrics, fed by the limiter's observer.
-//! * [`service`]: the gRPC `RateLimitService`, and the one place errors become gRPC statuses.
-//! * [`http`]: health, readiness and `POST /json`.
-//! * [`server`]: `run`, which serves everything on given listeners until shutdown.
-//! * [`cells`]: `--thread-per-core`, one single-threaded runtime per worker.
-//! * [`wire`]: protobuf messages to and from the limiter's types, for both transports.
-//! * [`net`]: accepting connections: a cap, idle timeouts, the HTTP port's serve loop.
-//! * [`tls`]: TLS as a client (Redis, xDS) and on the gRPC port (mTLS, certificate reload).
+//! Layers, top to bottom; a module imports only from the ones below it (`ARCHITECTURE.md`):
+//! * [`server`]: everything that serves a socket. `server::run` serves the gRPC port
+//!   ([`server::grpc`]: ShouldRateLimit, health, reflection, TLS) and the HTTP port
+//!   ([`server::http`]: health, readiness, metrics, `POST /json`) on listeners the caller binds.
 //! * [`xds`]: the xDS config client (Envoy Gateway): ADS, ACK/NACK, reconnects.
+//! * [`config`]: the YAML format (reference-compatible plus extensions), loading, validation,
+//!   hot reload.
+//! * [`metrics`]: Prometheus metrics, fed by the limiter's observer.
+//! * [`wire`]: protobuf messages to and from the limiter's types, for both ports.
+//! * [`limiter`]: rules, matching, store keys and decisions; no transport, no Redis client.
+//! * [`store`]: the store contract, the embedded store, and the Redis store, which decides inside
+//!   one Lua script (`lua/slidegate.lua`).
+//! * [`tls`]: TLS files, and TLS as a client (Redis, xDS).
+//! * [`cells`]: `--thread-per-core`, one single-threaded runtime per worker.
 //!
 //! The command line (flags, environment, assembly) is the binary's, in `src/cli.rs`.
 #![forbid(unsafe_code)]
@@ -21,15 +21,11 @@
 
 pub mod cells;
 pub mod config;
-pub mod http;
 pub mod limiter;
 pub mod metrics;
-pub mod net;
 pub mod proto;
 pub mod server;
-pub mod service;
 pub mod store;
-pub mod streams;
 pub mod tls;
 pub mod wire;
 pub mod xds;

@@ -11,11 +11,12 @@ use slidegate::limiter::{
     Clock, FailurePolicy, LimitHeaderNames, Limiter, LimiterOptions, RequestBounds, SystemClock,
 };
 use slidegate::metrics::{MetricNames, Metrics};
-use slidegate::net::ConnectionLimits;
+use slidegate::server::grpc::tls::{ServerTls, ServerTlsFiles};
+use slidegate::server::net::ConnectionLimits;
 use slidegate::server::{App, Listeners, ServerOptions};
 use slidegate::store::redis::redact;
 use slidegate::store::{ClockSource, MemoryStore, PerCell, RedisOptions, RedisStore, Store};
-use slidegate::tls::{ServerTls, ServerTlsFiles, TlsFiles};
+use slidegate::tls::TlsFiles;
 use slidegate::xds::{XdsOptions, XdsTls};
 
 use super::{ClockArg, FailureArg, LogFormat, MetricNamesArg, ServeArgs};
@@ -46,7 +47,7 @@ pub fn serve(args: ServeArgs, notes: Vec<String>) -> ExitCode {
     // tokio's defaults, its LIFO slot included: a task woken by the running one (a lone call's
     // Redis client, then its connection) runs next on the same worker without waking an idle
     // one. Under load a connection still writes its streams' answers together, as it runs them
-    // itself (`crate::streams`).
+    // itself (`slidegate::server::grpc::streams`).
     let mut builder = tokio::runtime::Builder::new_multi_thread();
     builder.enable_all();
     let cells = if args.thread_per_core {

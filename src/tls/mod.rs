@@ -1,6 +1,5 @@
-//! TLS: as a client (Redis, the xDS server) in [`client`], and on the gRPC port in [`server`],
-//! where the certificate files are re-read when they change (Kubernetes rotates a mounted
-//! secret by swapping its files) without touching established connections.
+//! TLS files and errors, and TLS as a client (Redis, the xDS server) in [`client`]. TLS on the
+//! gRPC port, with certificate reload, is the server's: `server::grpc::tls`.
 
 use std::path::Path;
 
@@ -8,10 +7,8 @@ use rustls::pki_types::pem::PemObject;
 use rustls::pki_types::{CertificateDer, PrivateKeyDer};
 
 pub mod client;
-pub mod server;
 
 pub use client::{TlsFiles, client_config};
-pub use server::{GrpcConn, ServerTls, ServerTlsFiles};
 
 /// Why TLS could not be set up.
 #[derive(Debug, thiserror::Error)]
@@ -29,7 +26,11 @@ pub enum TlsError {
 }
 
 impl TlsError {
-    fn file(what: &'static str, path: &Path, reason: impl std::fmt::Display) -> TlsError {
+    pub(crate) fn file(
+        what: &'static str,
+        path: &Path,
+        reason: impl std::fmt::Display,
+    ) -> TlsError {
         TlsError::File {
             what,
             path: path.display().to_string(),
@@ -39,7 +40,7 @@ impl TlsError {
 }
 
 /// Every PEM certificate in `path` (at least one).
-fn read_certs(path: &Path) -> Result<Vec<CertificateDer<'static>>, TlsError> {
+pub(crate) fn read_certs(path: &Path) -> Result<Vec<CertificateDer<'static>>, TlsError> {
     let certs = CertificateDer::pem_file_iter(path)
         .and_then(|certs| certs.collect::<Result<Vec<_>, _>>())
         .map_err(|e| TlsError::file("cannot read the certificates in", path, e))?;
@@ -50,6 +51,6 @@ fn read_certs(path: &Path) -> Result<Vec<CertificateDer<'static>>, TlsError> {
 }
 
 /// The PEM private key in `path`.
-fn read_key(path: &Path) -> Result<PrivateKeyDer<'static>, TlsError> {
+pub(crate) fn read_key(path: &Path) -> Result<PrivateKeyDer<'static>, TlsError> {
     PrivateKeyDer::from_pem_file(path).map_err(|e| TlsError::file("cannot read the key", path, e))
 }

@@ -10,7 +10,6 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use prost::Message;
-use slidegate::net::{ConnectionLimits, GuardedListener};
 use slidegate::proto::envoy::service::discovery::v3::aggregated_discovery_service_server::{
     AggregatedDiscoveryService, AggregatedDiscoveryServiceServer,
 };
@@ -18,7 +17,8 @@ use slidegate::proto::envoy::service::discovery::v3::{DiscoveryRequest, Discover
 use slidegate::proto::ratelimit::config::ratelimit::v3::{
     RateLimitConfig, RateLimitDescriptor, RateLimitPolicy, RateLimitUnit,
 };
-use slidegate::tls::{ServerTls, ServerTlsFiles};
+use slidegate::server::grpc::tls::{ServerTls, ServerTlsFiles};
+use slidegate::server::net::{ConnectionLimits, GuardedListener};
 use tokio::sync::{mpsc, watch};
 use tonic::{Request, Response, Status, Streaming};
 
@@ -163,7 +163,7 @@ impl XdsServer {
         let server_tls = tls
             .clone()
             .map(|files| Arc::new(ServerTls::load(files).expect("xDS server TLS")));
-        let incoming = slidegate::tls::server::incoming(
+        let incoming = slidegate::server::grpc::tls::incoming(
             GuardedListener::new(listener, ConnectionLimits::default()),
             server_tls,
             Duration::from_secs(5),

@@ -20,6 +20,8 @@ use crate::proto::{RateLimitRequest, RateLimitResponse};
 use crate::wire;
 
 pub mod direct;
+pub mod streams;
+pub mod tls;
 
 /// Serves `ShouldRateLimit` from a [`Limiter`].
 #[derive(Clone)]

@@ -18,17 +18,20 @@ use tonic_health::ServingStatus;
 use tonic_health::pb::health_server::HealthServer;
 use tonic_health::server::HealthReporter;
 
+pub mod grpc;
+pub mod http;
+pub mod net;
+
+use self::grpc::streams::{Served, StreamQueue};
+use self::grpc::tls::{self, GrpcConn, ServerTls, handshake};
+use self::grpc::{GrpcBody, GrpcService, RateLimitGrpc};
+use self::http::HttpState;
+use self::net::{ConnectionLimits, GuardedListener, GuardedStream};
 use crate::cells::Cells;
-use crate::http::{self, HttpState};
 use crate::limiter::Limiter;
 use crate::metrics::Metrics;
-use crate::net::{self, ConnectionLimits, GuardedListener, GuardedStream};
 use crate::proto::FILE_DESCRIPTOR_SET;
 use crate::proto::rate_limit_service_server::RateLimitServiceServer;
-use crate::service::{GrpcBody, GrpcService, RateLimitGrpc};
-use crate::streams::{Served, StreamQueue};
-use crate::tls::server::{GrpcConn, handshake};
-use crate::tls::{self, ServerTls};
 
 #[derive(Debug, thiserror::Error)]
 pub enum ServerError {
@@ -167,7 +170,7 @@ pub async fn run(
         .map(|tls| AbortOnDrop(tls.spawn_reloader(app.options.tls_reload_interval)));
     let grpc_listener = GuardedListener::new(listeners.grpc, limits);
     let connections = match app.options.cells.clone() {
-        None => Connections::Here(tls::server::incoming(
+        None => Connections::Here(tls::incoming(
             grpc_listener,
             listeners.grpc_tls,
             limits.header_timeout(),
@@ -294,7 +297,7 @@ struct InCells {
 }
 
 /// The HTTP/2 side of a gRPC connection: hyper's server, with keep-alive pings every
-/// `keep_alive`, its streams handed to `queue` (see [`crate::streams`]).
+/// `keep_alive`, its streams handed to `queue` (see [`grpc::streams`]).
 fn grpc_builder(
     keep_alive: Duration,
     queue: StreamQueue,

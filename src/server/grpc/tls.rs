@@ -22,8 +22,8 @@ use tokio::sync::mpsc;
 use tokio_rustls::TlsAcceptor;
 use tokio_rustls::server::TlsStream;
 
-use super::{TlsError, read_certs, read_key};
-use crate::net::{GuardedListener, GuardedStream};
+use crate::server::net::{GuardedListener, GuardedStream};
+use crate::tls::{TlsError, read_certs, read_key};
 
 /// The gRPC port's TLS files.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -152,7 +152,7 @@ fn build(files: &ServerTlsFiles) -> Result<(ServerConfig, Vec<u8>), TlsError> {
         .with_safe_default_protocol_versions()?;
     let builder = match &files.client_ca {
         Some(ca) => {
-            let roots = super::client::root_store(Some(ca))?;
+            let roots = crate::tls::client::root_store(Some(ca))?;
             let verifier = WebPkiClientVerifier::builder_with_provider(Arc::new(roots), provider)
                 .build()
                 .map_err(|e| TlsError::file("cannot use the client CA", ca, e))?;
