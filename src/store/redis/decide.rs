@@ -1,0 +1,310 @@
+//! Deciding a request: its items grouped by slot (or by master), one script call per group,
+//! tentative calls combined, and the entries of a rejected request spread over several
+//! masters removed again (`undo`), so a request is all-or-nothing and never over-admits.
+
+use super::encode::{parse_reply, unavailable};
+use super::*;
+
+impl RedisStore {
+    pub(super) async fn call_group(
+        &self,
+        items: &[CheckItem<'_>],
+        group: &Group,
+        now_ms: u64,
+        call: &Call,
+        mode: Mode,
+    ) -> Result<GroupReply, StoreError> {
+        let request = self.script_input(items, group, now_ms, call, mode);
+        let batcher = self.batcher.as_ref().or(group.master.as_ref());
+        let answer = match batcher {
+            Some(batcher) => batcher.submit(request, &self.sender).await,
+            // A cluster whose slots the client has not read yet, or a slot sent again after
+            // its master refused it: the client routes it alone.
+            None => self.sender.call_one(request).await,
+        };
+        parse_reply(&answer?, items, &group.items, mode == Mode::Tentative)
+    }
+    /// With `rejected`, the request is already rejected elsewhere (`Store::check_rejected`).
+    pub(super) async fn decide(
+        &self,
+        items: &[CheckItem<'_>],
+        groups: Vec<Group>,
+        now_ms: u64,
+        rejected: bool,
+    ) -> Result<CheckOutcome, StoreError> {
+        let number = self.calls.fetch_add(1, Ordering::Relaxed);
+        let call = Call {
+            number,
+            // Requests take the pool's clients in turn, as `Pool::next` would hand them out
+            // (the low 32 bits: a `usize` on every target).
+            lane: usize::try_from(number & u64::from(u32::MAX)).unwrap_or(0),
+        };
+        let mode = match (rejected, groups.len()) {
+            (true, _) => Mode::Rejected,
+            (false, 1) => Mode::Final,
+            (false, _) => Mode::Tentative,
+        };
+        // One group (standalone Redis, or one slot) is awaited as it is: collecting its large
+        // future into a list for `join_all` would copy it for nothing.
+        let replies = match groups.as_slice() {
+            [group] => vec![self.call_group(items, group, now_ms, &call, mode).await],
+            _ => {
+                join_all(
+                    groups
+                        .iter()
+                        .map(|g| self.call_group(items, g, now_ms, &call, mode)),
+                )
+                .await
+            }
+        };
+        let (groups, replies, mode) = if replies.iter().any(not_served) {
+            // Boxed: rare, and its future would otherwise enlarge every decision's.
+            Box::pin(self.per_slot(items, groups, replies, now_ms, &call, mode)).await
+        } else {
+            (groups, replies, mode)
+        };
+        let mut outcomes = vec![ItemOutcome::default(); items.len()];
+        let mut recorded_groups: Vec<(&[usize], u64, Vec<Entry>)> = Vec::new();
+        let mut first_error = None;
+        for (group, reply) in groups.iter().zip(replies) {
+            match reply {
+                Ok(reply) => {
+                    if reply.recorded() {
+                        recorded_groups.push((&group.items, reply.now_ms, reply.entries));
+                    }
+                    for (&i, outcome) in group.items.iter().zip(reply.items) {
+                        outcomes[i] = outcome;
+                    }
+                }
+                Err(e) => {
+                    first_error.get_or_insert(e);
+                }
+            }
+        }
+        let admitted = first_error.is_none()
+            && !rejected
+            && admits(items.iter().zip(&outcomes).map(|(i, o)| (i.role, o.fits)));
+        if mode == Mode::Tentative && !admitted && !recorded_groups.is_empty() {
+            // Boxed: rare, and its future would otherwise enlarge every decision's.
+            Box::pin(self.undo(items, &recorded_groups, &call, &mut outcomes)).await;
+        }
+        match first_error {
+            Some(e) => Err(e),
+            None => Ok(CheckOutcome {
+                admitted,
+                items: outcomes,
+            }),
+        }
+    }
+
+    /// The groups of several slots whose master refused one of their keys (it no longer serves
+    /// that slot), sent again as a call per slot, where the client follows the cluster's
+    /// redirections: tentatively, as the request now spans several calls, unless it was already
+    /// rejected. Such a group recorded nothing (see the end of `lua/slidegate.lua`); the other
+    /// groups' replies stand (they were tentative, as the request had several groups).
+    pub(super) async fn per_slot(
+        &self,
+        items: &[CheckItem<'_>],
+        groups: Vec<Group>,
+        replies: Vec<Result<GroupReply, StoreError>>,
+        now_ms: u64,
+        call: &Call,
+        mode: Mode,
+    ) -> (Vec<Group>, Vec<Result<GroupReply, StoreError>>, Mode) {
+        let mut kept = Vec::with_capacity(groups.len() + 2);
+        let mut again = Vec::new();
+        for (group, reply) in groups.into_iter().zip(replies) {
+            if group.slots == Slots::Several && not_served(&reply) {
+                again.extend(self.slot_groups(items, &group.items));
+            } else {
+                kept.push((group, reply));
+            }
+        }
+        tracing::debug!(
+            calls = again.len(),
+            "a master no longer serves every slot of a request: a call per slot"
+        );
+        self.sender.resent.fetch_add(1, Ordering::Relaxed);
+        let mode = if mode == Mode::Rejected {
+            mode
+        } else {
+            Mode::Tentative
+        };
+        let replies = join_all(
+            again
+                .iter()
+                .map(|g| self.call_group(items, g, now_ms, call, mode)),
+        )
+        .await;
+        kept.extend(again.into_iter().zip(replies));
+        let (groups, replies) = kept.into_iter().unzip();
+        (groups, replies, mode)
+    }
+
+    /// Removes the entries a rejected request recorded in the slots that admitted it (debits
+    /// stay: that usage happened). A removed log entry leaves the running totals of later
+    /// entries as they were, so windows that still hold an earlier entry count its hits until
+    /// that entry ages out: stricter for a while, never looser.
+    pub(super) async fn undo(
+        &self,
+        items: &[CheckItem<'_>],
+        groups: &[(&[usize], u64, Vec<Entry>)],
+        call: &Call,
+        outcomes: &mut [ItemOutcome],
+    ) {
+        let prefix = self.prefix(call);
+        let mut removals = Vec::new();
+        for (group, now_ms, entries) in groups {
+            for (position, (&i, &Entry { cum, at_ms })) in group.iter().zip(entries).enumerate() {
+                let item = &items[i];
+                if !outcomes[i].recorded || item.debit {
+                    continue;
+                }
+                outcomes[i].recorded = false;
+                for w in outcomes[i].windows.iter_mut() {
+                    w.count = w.count.saturating_sub(item.hits);
+                }
+                let client = batch::client_of(&self.sender.pool.load(), call.lane).clone();
+                match item.algorithm {
+                    Algorithm::SlidingLog => {
+                        // The member as the script wrote it for a tentative request:
+                        // "<cum>:<weight>:<time>:<prefix>:<i>", i 1-based per call.
+                        let member =
+                            format!("{cum:020}:{}:{at_ms}:{prefix}:{}", item.hits, position + 1);
+                        removals.push(Box::pin(async move {
+                            client
+                                .zrem::<i64, _, _>(item.key.log(), member)
+                                .await
+                                .map(|_| ())
+                        }) as UndoFuture<'_>);
+                    }
+                    Algorithm::SlidingCounter { buckets } => {
+                        // The script added the hits once to the current bucket of every
+                        // distinct bucket length.
+                        let hits = i64::try_from(item.hits).unwrap_or(i64::MAX);
+                        let mut sizes: Vec<u64> = item
+                            .windows
+                            .iter()
+                            .map(|w| w.bucket_span(buckets, *now_ms).0)
+                            .collect();
+                        sizes.sort_unstable();
+                        sizes.dedup();
+                        for size in sizes {
+                            let field = format!("{size}:{}", now_ms / size);
+                            let client = client.clone();
+                            removals.push(Box::pin(async move {
+                                client
+                                    .hincrby::<i64, _, _>(item.key.counters(), field, -hits)
+                                    .await
+                                    .map(|_| ())
+                            }));
+                        }
+                    }
+                }
+            }
+        }
+        for result in join_all(removals).await {
+            if let Err(e) = result {
+                // The members stay until they age out: stricter, never looser.
+                tracing::warn!(error = %unavailable(&e), "could not remove hits of a rejected cross-slot request");
+            }
+        }
+    }
+
+    /// A single group on standalone Redis. On a cluster, one group per master that serves
+    /// the items' slots (a call of the spread function reaches them all: see *The script* in
+    /// the README), or, while the masters are not known or the script goes by `EVALSHA`, one
+    /// per slot.
+    pub(super) fn groups(&self, items: &[CheckItem<'_>]) -> Vec<Group> {
+        let Some(nodes) = &self.nodes else {
+            return vec![Group {
+                items: (0..items.len()).collect(),
+                slots: Slots::Standalone,
+                master: None,
+            }];
+        };
+        let mut groups = self.slot_groups(items, &(0..items.len()).collect::<Vec<_>>());
+        let pool = self.sender.pool.load();
+        for group in &mut groups {
+            if let Slots::One(slot) = group.slots {
+                group.master = nodes.batcher(slot, pool.next());
+            }
+        }
+        if groups.len() == 1 || !self.sender.library.spreads() {
+            return groups;
+        }
+        // Slots of one master in one group.
+        let mut merged: Vec<Group> = Vec::with_capacity(groups.len());
+        for group in groups {
+            let same = merged
+                .iter_mut()
+                .find(|m| match (&m.master, &group.master) {
+                    (Some(a), Some(b)) => Arc::ptr_eq(a, b),
+                    _ => false,
+                });
+            match same {
+                Some(m) => {
+                    m.items.extend(group.items);
+                    m.slots = Slots::Several;
+                }
+                None => merged.push(group),
+            }
+        }
+        merged
+    }
+
+    /// One group per hash slot of the items at `members`, each with no master chosen.
+    pub(super) fn slot_groups(&self, items: &[CheckItem<'_>], members: &[usize]) -> Vec<Group> {
+        let mut groups: Vec<Group> = Vec::new();
+        for &i in members {
+            let slot = Slots::One(fred::util::redis_keyslot(items[i].key.tag().as_bytes()));
+            match groups.iter_mut().find(|g| g.slots == slot) {
+                Some(group) => group.items.push(i),
+                None => groups.push(Group {
+                    items: vec![i],
+                    slots: slot,
+                    master: None,
+                }),
+            }
+        }
+        groups
+    }
+}
+
+/// What the calls of one request share: its number in this process, which names its
+/// tentative log entries ([`RedisStore::prefix`]), and the client that carries them
+/// ([`Request::lane`]).
+pub(super) struct Call {
+    pub(super) number: u64,
+    pub(super) lane: usize,
+}
+
+/// Items of a request that go in one script call.
+pub(super) struct Group {
+    pub(super) items: Vec<usize>,
+    pub(super) slots: Slots,
+    /// On a cluster, the batcher of the master that serves them, when known.
+    pub(super) master: Option<Arc<Batcher>>,
+}
+
+pub(super) struct GroupReply {
+    pub(super) now_ms: u64,
+    pub(super) items: Vec<ItemOutcome>,
+    /// Per item, the log entry it recorded (zeros: none).
+    pub(super) entries: Vec<Entry>,
+}
+
+/// A log entry a request recorded: its running total and, in a tentative request, its time,
+/// which with the request's prefix name it, for its removal ([`RedisStore::undo`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(super) struct Entry {
+    pub(super) cum: u64,
+    pub(super) at_ms: u64,
+}
+
+impl GroupReply {
+    /// Whether the call recorded anything (a descriptor's entry or hits) for its request.
+    pub(super) fn recorded(&self) -> bool {
+        self.items.iter().any(|o| o.recorded)
+    }
+}

@@ -1,0 +1,379 @@
+//! What a script call carries and answers: a request's `KEYS` and `ARGV` (the rule as one text,
+//! made once per rule), the reply read back into outcomes, and which errors are the script's own.
+//! The layout of both is the table at the top of `lua/slidegate.lua`.
+
+use super::*;
+
+/// The error code the script puts first in its error replies (Redis error replies start with a
+/// code, like `WRONGTYPE` or `NOSCRIPT`).
+pub(super) const SCRIPT_ERROR_CODE: &str = "SLIDEGATE";
+
+pub(super) fn unavailable(e: &Error) -> StoreError {
+    // fred's messages carry the error kind and the server's reply text, never the URL.
+    StoreError::Unavailable {
+        context: format!("{:?}: {}", e.kind(), e.details()),
+        source: Some(std::sync::Arc::new(e.clone())),
+    }
+}
+
+/// Whether an error text is the script's own (its error code first): the call or request was
+/// malformed, a protocol error, not the store being unavailable.
+pub(super) fn is_script_error(text: &str) -> bool {
+    text.split_whitespace().next() == Some(SCRIPT_ERROR_CODE)
+}
+
+/// A script call's failure: the script's own error reply is a protocol error; anything else is
+/// the store being unavailable.
+pub(super) fn call_failed(e: &Error) -> StoreError {
+    if is_script_error(e.details()) {
+        StoreError::Protocol(e.details().to_string())
+    } else {
+        unavailable(e)
+    }
+}
+
+/// One request of a call failed inside the script: what Redis said (a key of another type, say)
+/// or the script's own error.
+pub(super) fn request_failed(message: &str) -> StoreError {
+    if is_script_error(message) {
+        StoreError::Protocol(message.to_string())
+    } else {
+        StoreError::unavailable(format!("script: {message}"))
+    }
+}
+
+impl RedisStore {
+    /// The script's `KEYS` and `ARGV` for the items of `group`, as one request of a call
+    /// (layout in `lua/slidegate.lua`).
+    pub(super) fn script_input(
+        &self,
+        items: &[CheckItem<'_>],
+        group: &Group,
+        now_ms: u64,
+        call: &Call,
+        mode: Mode,
+    ) -> Request {
+        let (group, slots) = (&group.items, group.slots);
+        let mut keys = Vec::with_capacity(group.len() * 2);
+        let mut args: Vec<Value> = Vec::with_capacity(2 + group.len() * 2);
+        // The request's shape: its descriptor count and mode in one argument.
+        args.push(batch::number(4 * group.len() as u64 + mode.code()));
+        for &i in group {
+            let item = &items[i];
+            let ban_ms = item.ban_ms.unwrap_or(0);
+            keys.push(Key::from(match item.algorithm {
+                Algorithm::SlidingLog => item.key.log(),
+                Algorithm::SlidingCounter { .. } => item.key.counters(),
+            }));
+            if ban_ms > 0 {
+                keys.push(Key::from(item.key.ban()));
+            }
+            args.push(batch::number(item.hits));
+            args.push(Value::String(rule_arg(item, ban_ms)));
+        }
+        // The prefix names a tentative request's entries, for their removal (`undo`); the
+        // script writes the others' without it, so they send none.
+        if mode == Mode::Tentative {
+            args.push(Value::String(self.prefix(call).into()));
+        }
+        let now_ms = match self.clock {
+            ClockSource::Server => Some(now_ms),
+            ClockSource::Redis => None,
+        };
+        Request {
+            now_ms,
+            keys,
+            args,
+            slots,
+            lane: call.lane,
+            deadline: crate::store::caller_deadline(),
+        }
+    }
+
+    /// The member prefix of a request's tentative log entries: unique to this process (its
+    /// instance) and request.
+    pub(super) fn prefix(&self, call: &Call) -> String {
+        let mut prefix = String::with_capacity(self.instance.len() + 21);
+        prefix.push_str(&self.instance);
+        prefix.push('-');
+        push_decimal(&mut prefix, call.number);
+        prefix
+    }
+}
+
+/// A configured rule as the script reads it, per role and debit (the global quota mode and the
+/// domains that take debits make those differ from the rule's own), each made the first time it
+/// is sent and kept in the rule's memo.
+#[derive(Default)]
+pub(super) struct RuleTexts([std::sync::OnceLock<Str>; 6]);
+
+/// The item's rule as the script reads it, from its rule's memo when it has one: building the
+/// text was about 700 instructions and an allocation per descriptor per call (`cargo bench
+/// --bench server_cost`).
+pub(super) fn rule_arg(item: &CheckItem<'_>, ban_ms: u64) -> Str {
+    let make = || Str::from(rule_text(item, ban_ms));
+    match item
+        .memo
+        .and_then(|memo| memo.get_or_init(RuleTexts::default))
+    {
+        Some(texts) => {
+            let role = match item.role {
+                Role::Enforce => 0,
+                Role::Shadow => 1,
+                Role::Quota => 2,
+            };
+            texts.0[role * 2 + usize::from(item.debit)]
+                .get_or_init(make)
+                .clone()
+        }
+        None => make(),
+    }
+}
+
+/// An item's rule as the script reads it: `role:ban_ms:buckets:debit`, then `limit:window_ms`
+/// per window (layout in `lua/slidegate.lua`).
+pub(super) fn rule_text(item: &CheckItem<'_>, ban_ms: u64) -> String {
+    let role = match item.role {
+        Role::Enforce => 0,
+        Role::Shadow => 1,
+        Role::Quota => 2,
+    };
+    let buckets = match item.algorithm {
+        Algorithm::SlidingLog => 0,
+        Algorithm::SlidingCounter { buckets } => buckets,
+    };
+    let mut text = String::with_capacity(16 + item.windows.len() * 20);
+    push_decimal(&mut text, role);
+    for n in [ban_ms, u64::from(buckets), u64::from(item.debit)] {
+        text.push(':');
+        push_decimal(&mut text, n);
+    }
+    for w in item.windows.iter() {
+        text.push(':');
+        push_decimal(&mut text, u64::from(w.limit));
+        text.push(':');
+        push_decimal(&mut text, w.length_ms);
+    }
+    text
+}
+
+/// Appends `n` in decimal. The rule text and the member prefix are made for every call:
+/// `write!` would run the formatting machinery, several times the work, for each number.
+pub(super) fn push_decimal(text: &mut String, mut n: u64) {
+    let mut digits = [0u8; 20];
+    let mut at = digits.len();
+    loop {
+        at -= 1;
+        digits[at] = b'0' + u8::try_from(n % 10).unwrap_or(0);
+        n /= 10;
+        if n == 0 {
+            break;
+        }
+    }
+    for &d in &digits[at..] {
+        text.push(char::from(d));
+    }
+}
+
+/// The flags of a descriptor in the script's reply (layout in `lua/slidegate.lua`).
+pub(super) const FITS: u64 = 1;
+pub(super) const BAN_SET: u64 = 2;
+pub(super) const RECORDED: u64 = 4;
+pub(super) const BANNED: u64 = 8;
+
+/// Reads the script's reply (layout in `lua/slidegate.lua`); anything else is a protocol error.
+pub(super) fn parse_reply(
+    reply: &[i64],
+    items: &[CheckItem<'_>],
+    group: &[usize],
+    tentative: bool,
+) -> Result<GroupReply, StoreError> {
+    let bad = |what: &str| StoreError::Protocol(format!("script reply {what}"));
+    let mut values = reply.iter().copied();
+    let mut next = |what: &str| -> Result<u64, StoreError> {
+        let v = values
+            .next()
+            .ok_or_else(|| bad(&format!("ended before {what}")))?;
+        u64::try_from(v).map_err(|_| bad(&format!("has a negative {what}")))
+    };
+    let now_ms = next("now")?;
+    let mut outcomes = Vec::with_capacity(group.len());
+    let mut entries = Vec::with_capacity(group.len());
+    for &i in group {
+        let flags = next("flags")?;
+        if flags >= BANNED * 2 {
+            return Err(bad("has unknown flags"));
+        }
+        let has = |flag: u64| flags & flag != 0;
+        let ban_remaining_ms = if has(BANNED) { next("ban")? } else { 0 };
+        if has(BANNED) == (ban_remaining_ms == 0) {
+            return Err(bad("has a ban flag and time that disagree"));
+        }
+        // A tentative request's entry is named by its time too.
+        entries.push(match (has(RECORDED), tentative) {
+            (true, true) => Entry {
+                cum: next("entry")?,
+                at_ms: next("entry's time")?,
+            },
+            (true, false) => Entry {
+                cum: next("entry")?,
+                at_ms: 0,
+            },
+            (false, _) => Entry::default(),
+        });
+        // A banned item reports no windows; the others one pair per window of their rule.
+        let m = if has(BANNED) {
+            0
+        } else {
+            items[i].windows.len()
+        };
+        let mut windows = Vec::with_capacity(m);
+        for _ in 0..m {
+            windows.push(WindowOutcome {
+                count: next("count")?,
+                reset_ms: next("reset")?,
+            });
+        }
+        outcomes.push(ItemOutcome {
+            recorded: has(RECORDED),
+            ban_remaining_ms,
+            ban_set: has(BAN_SET),
+            fits: has(FITS),
+            windows,
+        });
+    }
+    if values.next().is_some() {
+        return Err(bad("is longer than expected"));
+    }
+    Ok(GroupReply {
+        now_ms,
+        items: outcomes,
+        entries,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn replies_that_do_not_match_the_request_are_protocol_errors() {
+        let key = crate::store::StoreKey::new("d:k=v", "");
+        let items = [CheckItem {
+            key,
+            windows: std::borrow::Cow::Owned(vec![crate::store::Window {
+                limit: 5,
+                length_ms: 1000,
+            }]),
+            algorithm: Algorithm::SlidingLog,
+            ban_ms: None,
+            hits: 1,
+            role: Role::Enforce,
+            debit: false,
+            memo: None,
+        }];
+        // now, flags (fits, recorded), entry, count, reset.
+        let good = [1_000, 5, 7, 1, 999];
+        let reply = parse_reply(&good, &items, &[0], false).expect("well-formed");
+        assert!(reply.recorded() && reply.items[0].fits && reply.items[0].recorded);
+        assert_eq!(reply.items[0].windows[0].count, 1);
+        assert_eq!(reply.items[0].windows[0].reset_ms, 999);
+        assert_eq!(reply.entries, [Entry { cum: 7, at_ms: 0 }]);
+        // Tentative: the entry's time follows its running total.
+        let tentative =
+            parse_reply(&[1_000, 5, 7, 990, 1, 999], &items, &[0], true).expect("well-formed");
+        assert_eq!(tentative.entries, [Entry { cum: 7, at_ms: 990 }]);
+        assert_eq!(tentative.items[0].windows[0].reset_ms, 999);
+        assert!(parse_reply(&good, &items, &[0], true).is_err(), "no time");
+        // Rejected: no entry, so the count follows the flags.
+        let rejected = parse_reply(&[1_000, 0, 5, 400], &items, &[0], false).expect("well-formed");
+        assert!(!rejected.recorded() && !rejected.items[0].fits);
+        assert_eq!(
+            (rejected.items[0].windows[0].count, rejected.entries[0]),
+            (5, Entry::default())
+        );
+        // Banned by this request: the ban's time, and no windows.
+        let banned =
+            parse_reply(&[1_000, 2 | 8, 900_000], &items, &[0], false).expect("well-formed");
+        assert!(banned.items[0].ban_set && banned.items[0].windows.is_empty());
+        assert_eq!(banned.items[0].ban_remaining_ms, 900_000);
+        for wrong in [
+            &good[..4],                // ends early
+            &[1_000, 5, 7, 1, 999, 0], // longer
+            &[1_000, 16, 7, 1, 999],   // unknown flag
+            &[1_000, 8, 0],            // banned for no time
+            &[1_000, 5, -7, 1, 999],   // negative
+        ] {
+            assert!(
+                matches!(
+                    parse_reply(wrong, &items, &[0], false),
+                    Err(StoreError::Protocol(_))
+                ),
+                "{wrong:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn numbers_in_the_rule_text_and_prefix_are_plain_decimal() {
+        for n in [0, 7, 10, 99, 1_000_000, u64::from(u32::MAX), u64::MAX] {
+            let mut text = String::from("x");
+            push_decimal(&mut text, n);
+            assert_eq!(text, format!("x{n}"));
+        }
+        let item = CheckItem {
+            key: crate::store::StoreKey::new("d:k=v", ""),
+            windows: std::borrow::Cow::Owned(vec![
+                crate::store::Window {
+                    limit: 5,
+                    length_ms: 1000,
+                },
+                crate::store::Window {
+                    limit: u32::MAX,
+                    length_ms: 86_400_000,
+                },
+            ]),
+            algorithm: Algorithm::SlidingCounter { buckets: 12 },
+            ban_ms: Some(900_000),
+            hits: 1,
+            role: Role::Quota,
+            debit: true,
+            memo: None,
+        };
+        assert_eq!(
+            rule_text(&item, 900_000),
+            "2:900000:12:1:5:1000:4294967295:86400000"
+        );
+    }
+
+    #[test]
+    fn a_rules_text_is_made_once_per_role_and_debit() {
+        let memo = crate::store::Memo::default();
+        let windows = [crate::store::Window {
+            limit: 5,
+            length_ms: 1000,
+        }];
+        let item = |role, debit, memo| CheckItem {
+            key: crate::store::StoreKey::new("d:k=v", ""),
+            windows: std::borrow::Cow::Borrowed(&windows[..]),
+            algorithm: Algorithm::SlidingLog,
+            ban_ms: Some(60_000),
+            hits: 1,
+            role,
+            debit,
+            memo,
+        };
+        for role in [Role::Enforce, Role::Shadow, Role::Quota] {
+            for debit in [false, true] {
+                let first = rule_arg(&item(role, debit, Some(&memo)), 60_000);
+                let again = rule_arg(&item(role, debit, Some(&memo)), 60_000);
+                let built = rule_arg(&item(role, debit, None), 60_000);
+                assert_eq!(first, built, "{role:?} {debit}");
+                assert_eq!(&*first, rule_text(&item(role, debit, None), 60_000));
+                // Kept: the same text, not a copy.
+                assert_eq!(first.as_ptr(), again.as_ptr(), "{role:?} {debit}");
+                assert_ne!(first.as_ptr(), built.as_ptr());
+            }
+        }
+    }
+}

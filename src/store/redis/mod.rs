@@ -1,0 +1,276 @@
+//! The Redis store: one Lua script (`lua/slidegate.lua`) per hash slot decides a request's
+//! descriptors atomically. Works on standalone Redis and on Redis Cluster.
+//!
+//! Where each part lives:
+//! * `connection.rs`: the client configuration from the URL and TLS files, the first probe, the
+//!   pool and its replacement when calls keep failing.
+//! * `library.rs`: the script as a Redis function library, loaded once on every primary
+//!   (`FUNCTION LOAD`) and called with `FCALL`; loaded again when a restart, `FUNCTION FLUSH` or a
+//!   new master lost it; by `EVALSHA` where `FUNCTION LOAD` is refused.
+//! * `encode.rs`: a request's `KEYS` and `ARGV`, and the reply read back (`packed.rs` reads the
+//!   MessagePack string the reply comes in).
+//! * `batch.rs`: requests that arrive while every call to a Redis is out go together in the next
+//!   call, each decided on its own; `nodes.rs` keeps one such batcher per cluster master, so a
+//!   master's call carries requests of all its slots.
+//! * `decide.rs`: a request grouped by master, one call per group; a request over several
+//!   masters is sent as tentative calls, concurrently, and if the combined answer is a rejection
+//!   the entries recorded are removed again. That can briefly make other requests see a fuller
+//!   log (never an emptier one): it can under-admit for a moment, never over-admit.
+//! * Every call is bounded by a deadline: a slow or dead Redis becomes a fast error.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use arc_swap::ArcSwap;
+use tokio::time::Instant;
+
+use fred::bytes_utils::Str;
+use fred::prelude::*;
+use futures_util::future::join_all;
+
+mod batch;
+mod connection;
+mod decide;
+mod encode;
+mod library;
+mod nodes;
+pub mod packed;
+
+use batch::{Batcher, Request, Sender, Slots, not_served};
+pub use connection::redact;
+use connection::{
+    HOPELESS_AFTER, HOPELESS_STREAK, Health, PoolRecipe, client_config, lock, probe, start_pool,
+};
+use decide::{Call, Entry, Group, GroupReply};
+use encode::{call_failed, request_failed};
+pub use library::Library;
+use nodes::Nodes;
+
+pub use crate::tls::TlsFiles;
+
+use super::{
+    Algorithm, CheckItem, CheckOutcome, ItemOutcome, Role, Store, StoreError, StoreFuture,
+    WindowOutcome, admits,
+};
+
+type UndoFuture<'a> =
+    std::pin::Pin<Box<dyn std::future::Future<Output = Result<(), Error>> + Send + 'a>>;
+
+/// The script, embedded in the binary.
+pub const SCRIPT: &str = include_str!("../../../lua/slidegate.lua");
+
+/// Where "now" comes from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ClockSource {
+    /// The server's clock, sent with each call (the default; replicas' clocks must agree).
+    Server,
+    /// Redis `TIME`, read inside the script: one clock per key for every replica.
+    Redis,
+}
+
+#[derive(Clone, Debug)]
+pub struct RedisOptions {
+    /// `redis://`, `rediss://` (TLS), `redis-cluster://h1:p1,h2:p2`, `rediss-cluster://…`,
+    /// user and password in the URL.
+    pub url: String,
+    pub pool_size: usize,
+    /// Deadline for one decision, all slots included.
+    pub timeout: Duration,
+    pub connect_timeout: Duration,
+    pub clock: ClockSource,
+    /// CA, client certificate and hostname policy for `rediss://`; empty: system CAs.
+    pub tls: TlsFiles,
+    /// Script calls out at once to a Redis (on a cluster, to each master):
+    /// [`RedisOptions::CALLS_OUT`], or 1 for each of several stores that share a Redis
+    /// (`--thread-per-core`).
+    pub calls_out: usize,
+}
+
+impl RedisOptions {
+    /// Script calls out at once from one store to a Redis, whatever the pool size. Redis runs
+    /// one at a time, so a second keeps it busy while a reply travels back; more only queue
+    /// inside Redis, where waiting counts against the store deadline (with four out, a Redis
+    /// short of CPU for a few ms failed whole calls at the deadline in the benchmark; with two,
+    /// none). The requests that arrive meanwhile wait here and go together in the next call.
+    pub const CALLS_OUT: usize = 2;
+}
+
+pub struct RedisStore {
+    /// The client pool (replaced whole when it stays broken, see [`RedisStore::note`]) and the
+    /// script: what sends a call, shared with the batcher's tasks.
+    sender: Sender,
+    recipe: Arc<PoolRecipe>,
+    health: Arc<Mutex<Health>>,
+    /// Whether the last noted call failed: lets a success skip the lock on the hot path.
+    failing: std::sync::atomic::AtomicBool,
+    cluster: bool,
+    clock: ClockSource,
+    /// Makes members unique across replicas: a random id per process plus a call counter.
+    instance: String,
+    calls: AtomicU64,
+    /// Standalone Redis: gathers requests that wait into one call (`batch.rs`).
+    batcher: Option<Arc<Batcher>>,
+    /// Redis Cluster: the same per master (`nodes.rs`).
+    nodes: Option<Nodes>,
+}
+
+/// The longest a decision waits for its turn to be sent (a caller's own deadline, Envoy's
+/// filter timeout sent as `grpc-timeout`, ends it sooner).
+const QUEUED_AT_MOST: Duration = Duration::from_secs(1);
+
+/// How a script call decides (a request's third argument in `lua/slidegate.lua`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Mode {
+    /// One slot of a request spread over several: record if this slot fits; the caller
+    /// combines the slots and removes the entries of a rejected request.
+    Tentative,
+    /// The whole request in one call: admit and record, or record nothing.
+    Final,
+    /// The request is already rejected (a descriptor known to be over): record nothing but
+    /// debits, set bans, report.
+    Rejected,
+}
+
+impl Mode {
+    /// The script's code for the mode (`lua/slidegate.lua`).
+    fn code(self) -> u64 {
+        match self {
+            Mode::Tentative => 0,
+            Mode::Final => 1,
+            Mode::Rejected => 2,
+        }
+    }
+}
+
+impl RedisStore {
+    /// Connects and loads the script. A Redis that is not reachable yet is connected to in the
+    /// background (calls answer by the failure policy and readiness is off until then); one that
+    /// refuses the credentials or the TLS set-up fails here.
+    pub async fn connect(options: RedisOptions) -> Result<RedisStore, StoreError> {
+        let mut config = client_config(&options)?;
+        let cluster = config.server.is_clustered();
+        let reachable = probe(&config, options.connect_timeout).await?;
+        // Not reachable yet (not started, a cluster still forming): the pool keeps trying, as it
+        // does after losing a connection, and calls answer by the failure policy meanwhile.
+        config.fail_fast = false;
+        let recipe = Arc::new(PoolRecipe {
+            config,
+            options: options.clone(),
+        });
+        let library = Library::new();
+        let pool = start_pool(&recipe, &library, reachable).await?;
+        Ok(RedisStore {
+            sender: Sender {
+                pool: Arc::new(ArcSwap::from_pointee(pool)),
+                library,
+                load_timeout: options.connect_timeout,
+                resent: Arc::default(),
+                timeout: options.timeout,
+            },
+            batcher: (!cluster).then(|| Batcher::new(options.calls_out, QUEUED_AT_MOST)),
+            nodes: cluster.then(|| Nodes::new(options.calls_out, QUEUED_AT_MOST)),
+            recipe,
+            health: Arc::new(Mutex::new(Health::default())),
+            failing: std::sync::atomic::AtomicBool::new(false),
+            cluster,
+            clock: options.clock,
+            instance: format!(
+                "{:016x}",
+                std::hash::BuildHasher::hash_one(
+                    &std::collections::hash_map::RandomState::new(),
+                    std::process::id()
+                )
+            ),
+            calls: AtomicU64::new(0),
+        })
+    }
+
+    /// A client of the pool, for tests and tools that look at the keys directly.
+    pub fn client(&self) -> Client {
+        self.sender.pool.load().next().clone()
+    }
+}
+
+impl RedisStore {
+    /// [`RedisStore::decide`] when its turn comes, and the health note of how it went.
+    /// `--redis-timeout` bounds each command from the moment it is handed to the client: the
+    /// client's own timeout, which also marks the command so that it is never sent after a
+    /// reconnection once its caller was told it failed (a timer of ours dropping the call would
+    /// leave it unmarked, and Redis would record hits for a call long answered with an error).
+    /// Under load, decisions wait for their turn inside slidegate, where waiting sends nothing,
+    /// up to [`QUEUED_AT_MOST`]: time spent behind other calls is not Redis being slow. The
+    /// batchers' queues are the wait (`batch.rs`), one per master on a cluster.
+    async fn checked(
+        &self,
+        items: &[CheckItem<'_>],
+        now_ms: u64,
+        rejected: bool,
+    ) -> Result<CheckOutcome, StoreError> {
+        let groups = self.groups(items);
+        let result = self.decide(items, groups, now_ms, rejected).await;
+        // A protocol error is an answer: the client works.
+        self.note(!matches!(
+            result,
+            Err(StoreError::Timeout(_) | StoreError::Unavailable { .. })
+        ));
+        result
+    }
+}
+
+impl Store for RedisStore {
+    fn check<'a>(&'a self, items: &'a [CheckItem<'a>], now_ms: u64) -> StoreFuture<'a> {
+        Box::pin(self.checked(items, now_ms, false))
+    }
+
+    fn check_rejected<'a>(&'a self, items: &'a [CheckItem<'a>], now_ms: u64) -> StoreFuture<'a> {
+        Box::pin(self.checked(items, now_ms, true))
+    }
+
+    fn name(&self) -> &'static str {
+        if self.cluster {
+            "redis-cluster"
+        } else {
+            "redis"
+        }
+    }
+
+    fn resent(&self) -> Option<u64> {
+        self.cluster
+            .then(|| self.sender.resent.load(Ordering::Relaxed))
+    }
+
+    fn alive(&self) -> bool {
+        let health = lock(&self.health);
+        let streak = health
+            .streak_since
+            .map_or(Duration::ZERO, |at| at.elapsed());
+        health.replaced_in_vain < HOPELESS_AFTER || streak < HOPELESS_STREAK
+    }
+
+    fn ready(&self) -> super::ReadyFuture<'_> {
+        Box::pin(async move {
+            let ping: Result<Result<String, Error>, _> = tokio::time::timeout(
+                self.sender.timeout.max(Duration::from_millis(200)),
+                self.sender.pool.load().next().ping(None),
+            )
+            .await;
+            matches!(ping, Ok(Ok(_)))
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn script_header_documents_keys_and_argv() {
+        assert!(SCRIPT.contains("-- KEYS"));
+        assert!(SCRIPT.contains("-- ARGV"));
+        assert!(
+            !SCRIPT.contains("..\"rl:"),
+            "the script never builds key names"
+        );
+    }
+}
