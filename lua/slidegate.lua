@@ -1,108 +1,80 @@
 #!lua name=slidegate_VERSION
--- slidegate: decide one batch of descriptors atomically, on sliding windows.
+-- slidegate: decides batches of rate-limit requests atomically, on sliding windows.
 --
--- A Redis 7 function library (FUNCTION LOAD, then FCALL): the functions below are made once,
--- when the library is loaded, where a script sent with EVALSHA makes each of them again on
--- every call. slidegate replaces "slidegate_VERSION" (the library's name here and the name of
--- the function it registers at the end) with "slidegate_" and the first 16 hex digits of this
--- file's SHA-1, so that two versions side by side (a rolling upgrade) each call their own.
--- Where FUNCTION LOAD is refused, slidegate runs this same file as a script (EVALSHA), with a
--- bare "#!lua" first line and the last line calling the function instead of registering it.
--- The function is registered without flags: it may write, so Redis refuses to start it when
--- used memory is over `maxmemory` (with `noeviction`) instead of letting it write past the
--- limit.
+-- A Redis 7 function library (FUNCTION LOAD, then FCALL). slidegate replaces "slidegate_VERSION"
+-- with "slidegate_" and the first 16 hex digits of this file's SHA-1, so two versions side by
+-- side (a rolling upgrade) each call their own. Where FUNCTION LOAD is refused, slidegate runs
+-- this same file as a script (EVALSHA), with a bare "#!lua" first line and the last line calling
+-- the function instead of registering it. Registered without flags, the functions may write, so
+-- Redis refuses them while over `maxmemory` (with `noeviction`) rather than let them write.
 --
--- Redis runs a function without interleaving other commands, so trimming, counting, deciding and
--- recording cannot race (three separate commands can: "100 per minute, 130 got through").
--- One call carries one or more requests (requests that reached the store at the same moment),
--- decided one after the other, each as it would be alone: a request's descriptors are admitted
--- all together or not at all. Batching saves Redis a command, a read and a write per request.
--- The script only touches keys passed in KEYS (or, by the `_spread` function at the end, in
--- ARGV); on Redis Cluster a call's keys share one hash tag, or with `_spread` sit in slots of one
--- master.
+-- Redis runs a function without interleaving other commands, so trimming, counting, deciding
+-- and recording cannot race. One call carries one or more requests, decided one after the
+-- other, each as it would be alone: a request's descriptors are admitted all together or not at
+-- all. The functions touch only keys passed in KEYS (or, by the `_spread` function at the end,
+-- in ARGV), and never build a key name. docs/redis.md has the same contract, for operators.
 --
--- KEYS, per descriptor of each request in order: its data key, then its ban key if it has a
--- ban (a descriptor with ban_ms 0 takes one key, with a ban two):
---   data, sliding_log: a sorted set, score = time in ms, one member per request that
---               recorded, "<cum>:<weight>:<time>" (the score again, as the same digits), or
---               "<cum>:<weight>:<time>:<prefix>:<i>" for a tentative request (mode 0, below),
---               whose caller may remove it again by that name (entries an earlier version
---               wrote may hold no time: their score is read); weight is the request's hits and
---               cum (20 digits, zero-padded) the running total of hits up to and including
---               this entry; the hits in a window are last cum - (cum - weight of the
---               window's first entry), whatever the number of entries. (The time in the
---               member spares the newest and first entries' reads `WITHSCORES`: Redis 7.0
---               prints a score with printf "%.17g", about 3,800 instructions, and the script
---               turns the text back into a number. cum alone names an entry: totals grow
---               along a log, so no two entries of a log share one.)
---   data, sliding_counter: a hash, field "<bucket_ms>:<bucket>" = hits
---   ban:        a string holding the ban's end (ms since the epoch), with a TTL
+-- KEYS, per descriptor of each request in order:
+--   key    when               type        content
+--   data   sliding_log        sorted set  score: time in ms; member: "<cum>:<weight>:<time>",
+--                                         or "<cum>:<weight>:<time>:<prefix>:<i>" when written
+--                                         by a tentative request
+--   data   sliding_counter    hash        field "<bucket_ms>:<bucket>" = hits
+--   ban    the rule has one   string      the ban's end, ms since the epoch (with a TTL)
+--   weight is the request's hits; cum (20 digits, zero-padded) is the log's running total of
+--   hits up to and including the entry, so the hits in a window are the newest cum minus the
+--   cum before the window's first entry, whatever the number of entries; no two entries of a
+--   log share a cum. <time> repeats the score, so an entry is read without its score.
+--
 -- ARGV:
---   ARGV[1]  the number of requests in this call (>= 1)
---   ARGV[2]  now, the time every request of the call is decided at, in ms since the epoch
---            (digits only: the text is the score of the entries recorded at that time);
---            "" reads Redis TIME instead (one clock for all replicas). (One per call, not
---            per request: each argument costs Redis about 1,000 instructions to read.)
---   then per request: its shape, two per descriptor, and the prefix of a tentative request:
---   shape    4 n + mode (5 for the common request, one descriptor, final): n, the number of
---            descriptors (>= 1), and mode in one argument, for the reason above, where mode is
---            1 = final: admit iff every enforcing descriptor fits and, if there are quota
---                descriptors, at least one of them fits; record only if admitted
---            0 = tentative (a request spread over several masters): record if every enforcing
---                descriptor of this call fits; the caller combines the calls' answers and
---                removes the entries again if the request is rejected
---            2 = rejected (another descriptor of the request is known to be over, so the
---                caller did not send it): record nothing but debits, set bans, report
---   per descriptor two: hits, and its rule as one text, whole numbers joined by ":",
---   "role:ban_ms:buckets:debit:limit:window_ms[:limit:window_ms...]": role 0 enforce,
---   1 shadow, 2 quota; ban_ms 0 for no ban; buckets 0 for sliding_log, else sliding_counter
---   with that many buckets per window; debit 1 for usage already spent (see below); then one
---   limit and window_ms pair per window, at least one. (One text per rule: a call's requests
---   mostly share their rules, and each distinct text is read once per call.)
---   prefix   a tentative request's only (mode 0): unique per request, it names the request's
---            entries (see data) for their removal. (Last, and for that mode alone: the other
---            requests, nearly all of them, spare an argument.)
--- Reply: one flat array, packed by Redis's cmsgpack into one MessagePack array sent as one
---   bulk string: now (the call's time), then per request in order either its length L
---   then L integers, per descriptor: flags, then ban_remaining_ms if banned (flag 8), then cum if
---     it recorded (flag 4: of the log entry it recorded; 0 for sliding_counter) and, in a
---     tentative request (mode 0), that entry's time (0 for sliding_counter), then unless
---     banned one pair per window of its rule: count, reset_ms
---     flags: 1 fits, 2 this request set the ban, 4 recorded, 8 banned (nothing follows but
---     ban_remaining_ms). An admitted request with one descriptor of one window is
---     4, 5, cum, count, reset_ms: the caller decodes every integer of every reply, so
---     what it can tell from the flags and its own rule is not sent.
---   or -1 then an error (a string) when a Redis command of that request failed (a key of
---     another type, say): that request alone failed, and what it wrote before the error
---     stays, as with any script; or when its arguments are bad (below).
---   (One array for the call, not one per request: Redis turns every table of a reply into
---   RESP field by field, looking for `err`, `ok` and the like in each, about 6,000
---   instructions per request when each had its own. Packed, not as a RESP array: the caller's
---   client parses a RESP array value by value into frames and values it then frees, about a
---   tenth of slidegate's own work per decision, where it reads the packed integers in place;
---   cmsgpack's packing costs Redis about what its RESP array did, `cargo bench --bench
---   script_cost`.)
---   count    hits in the window after this call
---   reset_ms fitting descriptor: until the oldest counted hit leaves the window (0 if empty);
---            otherwise: until this request's hits would fit (0 if this window has room, the
---            window's length if the hits exceed its limit)
--- sliding_log: an entry with time t is inside a window W at now iff t > now - W.
+--   position                     value
+--   1                            number of requests in the call, >= 1
+--   2                            now: ms since the epoch, digits only; "" reads Redis TIME
+--   per request: shape           4 * n + mode: n descriptors (>= 1) and the mode,
+--                                  1 final: admit iff every enforcing descriptor fits and, if
+--                                    there are quota descriptors, at least one of them fits;
+--                                    record only if admitted
+--                                  0 tentative (a request spread over several masters):
+--                                    record iff every enforcing descriptor of this call fits;
+--                                    the caller may remove the entries again
+--                                  2 rejected (already known to be over): record nothing but
+--                                    debits, set bans, report
+--   per descriptor: hits         0 checks without recording
+--   per descriptor: rule         "role:ban_ms:buckets:debit:limit:window_ms[:limit:window_ms...]"
+--                                  role 0 enforce, 1 shadow, 2 quota; ban_ms 0: no ban;
+--                                  buckets 0: sliding_log, else sliding_counter with that many
+--                                  buckets per window; debit 1: usage already spent
+--   tentative request: prefix    last; unique per request, names its entries for their removal
+--
+-- Reply: one flat array of integers (and error texts), packed by cmsgpack into one string:
+--   part            content
+--   the call        now, the time its requests were decided at
+--   per request     L, then L integers for its descriptors; or -1 and an error text when a Redis
+--                   command of that request failed (a key of another type, an entry slidegate
+--                   did not write) or its arguments are bad
+--   per descriptor  flags: 1 fits, 2 this request set the ban, 4 recorded, 8 banned;
+--                   if banned: ban_remaining_ms, and nothing more;
+--                   if recorded: cum of the entry (0 for sliding_counter), and in a tentative
+--                   request the entry's time (0 for sliding_counter);
+--                   per window of the rule: count, reset_ms
+--   count     hits in the window after this call
+--   reset_ms  fitting descriptor: until the oldest counted hit leaves the window (0 if empty);
+--             otherwise: until this request's hits would fit (0 if this window has room, the
+--             window's length if the hits exceed its limit)
+--   An admitted request with one descriptor of one window is 4, 5, cum, count, reset_ms.
+--
+-- Windows. sliding_log: an entry with time t is inside a window W at now iff t > now - W.
 -- sliding_counter: a window of length W has buckets of floor(W / buckets) ms; every bucket that
--- overlaps (now - W, now] counts in full, so the count is never below the log's. Windows with
--- the same bucket length share their buckets (a hit is added once).
--- debit: a call with hits records them even when they cross the limit, as long as every window
--- still had room for one more hit before it (usage that already happened is charged; once the
--- budget is spent nothing more is charged, so the total never exceeds the limit by more than
--- the call that crossed it). It fits (is answered OK) iff count + max(hits, 1) <= limit in every
--- window, so a check (hits 0) fails once the budget is spent.
--- Logs written by the previous format (one member "<time>:<prefix>:<i>:<j>" per hit) are
--- rewritten in this format, weight 1 each, the first time this script reads them.
--- Bad arguments never make a Lua runtime error. A request's own are checked before it writes
--- anything: bad, it fails (-1, then an error whose code is SLIDEGATE), and so does every request
--- after it (where they start can no longer be told), while those before it stand. A call whose
--- request count is bad, or whose keys or arguments outlast its requests, gets an error reply
--- of code SLIDEGATE for the whole call (in the second case only after deciding its requests:
--- only a caller that miscounts gets there).
+-- overlaps (now - W, now] counts in full, so the count is never below the log's; windows with
+-- the same bucket length share their buckets. Debit: a call records its hits even when they
+-- cross the limit, as long as every window had room for one more hit before it; it fits iff
+-- count + max(hits, 1) <= limit in every window, so a check fails once the budget is spent.
+--
+-- Errors. Bad arguments never make a Lua runtime error. A request's own are checked before it
+-- writes anything: bad, it fails (-1, then an error whose code is SLIDEGATE), and so does every
+-- request after it (where they start can no longer be told), while those before it stand. A
+-- call whose request count is bad, or whose keys or arguments outlast its requests, gets one
+-- error reply of code SLIDEGATE.
 
 -- The library functions used for every request as locals: a local is a register, a global a
 -- table lookup. Set by the first call: while a library loads, Redis lets its code reach
@@ -117,7 +89,7 @@ local function fail(message)
 end
 
 -- Whole numbers read so far, by their text (false: not a whole number). Turning text into a
--- number costs a strtod, thousands of instructions, and arguments repeat ("0", "1", the same
+-- number costs a strtod, and arguments repeat ("0", "1", the same
 -- limits and windows, the same ms): a table lookup is far cheaper. Kept from call to call up
 -- to about NUMBERS_KEPT of them (with `texts`), then dropped all at once when a call starts
 -- (never during one: `bind` finds here every number `check_request` read).
@@ -125,8 +97,7 @@ local NUMBERS_KEPT = 1000
 local read, numbers_kept = {}, 0
 -- The other way: the text of a whole number, for every number this script passes to
 -- redis.call. Redis 7.0 turns a Lua number argument into text with snprintf("%.17g"), a
--- floating-point printf of about 2,600 instructions (a tenth of a decision's cost when every
--- number went that way); a table lookup, or a "%d" once per distinct number, is far cheaper.
+-- floating-point printf; a table lookup, or a "%d" once per distinct number, is far cheaper.
 local texts = {}
 local function whole(text)
   local v = read[text]
@@ -154,8 +125,7 @@ end
 
 -- A running total as a log member starts with it: 20 digits, zero-padded (members of one ms
 -- sort by it). Kept for totals below PADDED_KEPT, the common ones (a log's totals start at its
--- first entry's weight): the printf takes about 1,800 instructions, a tenth of a new
--- descriptor's decision.
+-- first entry's weight), so the printf runs once per distinct total rather than per entry.
 local PADDED_KEPT = 1000
 local padded = {}
 local function padded_cum(cum)
@@ -421,7 +391,7 @@ end
 
 -- === sliding_log: a log of weighted entries with running totals ===
 
--- cum and weight of a member, or nil for a member of the previous format. (Numbers from
+-- cum and weight of a member, or nil for a member slidegate did not write. (Numbers from
 -- text by arithmetic, `text + 0`, which reads the text once, where `tonumber` reads it twice:
 -- the captures are digits, so the arithmetic cannot fail.)
 local MEMBER = '^(%d%d%d%d%d%d%d%d%d%d%d%d%d%d%d%d%d%d%d%d):(%d+):'
@@ -433,20 +403,11 @@ local function parse_member(member)
   return cum + 0, weight + 0
 end
 
--- The cum of a member alone (the newest entry's), or nil for a member of the previous format.
-local CUM = '^(%d%d%d%d%d%d%d%d%d%d%d%d%d%d%d%d%d%d%d%d):%d'
-local function member_cum(member)
-  local cum = string.match(member, CUM)
-  return cum and cum + 0
-end
-
--- The texts of cum, weight and time of a member that holds its time ("<cum>:<weight>:<time>",
--- then a tentative request's ":<prefix>:<i>"), or nil for another (one an earlier version
--- wrote). Texts, not numbers: each number read from text is a strtod, and the newest entry's
--- weight is not needed. (One capture per field, `%d+` rather than 20 `%d`s: each item of a
--- pattern costs the matcher a step of its own. Three fields of digits, the first of 20, then
--- the end or ":": no earlier layout has that, its third field being a prefix of hex digits
--- and "-".)
+-- The texts of cum, weight and time of a member ("<cum>:<weight>:<time>", then a tentative
+-- request's ":<prefix>:<i>"), or nil for a member slidegate did not write. Texts, not
+-- numbers: each number read from text is a strtod, and the newest entry's weight is not needed.
+-- (One capture per field, `%d+` rather than 20 `%d`s: each item of a pattern costs the matcher
+-- a step of its own.)
 local TIMED = '^(%d+):(%d+):(%d+)()'
 local function timed_texts(member)
   local cum, weight, time, after = string.match(member, TIMED)
@@ -456,37 +417,19 @@ local function timed_texts(member)
   return cum, weight, time
 end
 
--- cum, weight and time of the entry `member` of `log`, of this format: from the member where
--- it holds the time, else with the time read from its score.
-local function log_entry(log, member)
-  local cum, weight, time = timed_texts(member)
-  if cum ~= nil then
-    return cum + 0, weight + 0, time + 0
-  end
-  cum, weight = parse_member(member)
-  return cum, weight, call('ZSCORE', log, member) + 0
+-- A member slidegate did not write (something else wrote into its key space) fails the
+-- request that reads it, with a message that says so, rather than being counted wrongly.
+local function foreign(log)
+  error({ err = 'SLIDEGATE log ' .. log .. ' holds an entry slidegate did not write' })
 end
 
--- Rewrites a log that holds members of the previous format: every entry keeps its time, an
--- old member weighs 1, and running totals are recomputed in time order.
-local function migrate(log)
-  local all = call('ZRANGE', log, '0', '-1', 'WITHSCORES')
-  call('DEL', log)
-  local cum, args = 0, {}
-  for e = 1, #all, 2 do
-    local _, weight = parse_member(all[e])
-    weight = weight or 1
-    cum = cum + weight
-    args[#args + 1] = all[e + 1]
-    args[#args + 1] = format('%020d', cum) .. ':' .. ms(weight) .. ':' .. all[e + 1]
-    if #args >= 2000 then
-      call('ZADD', log, unpack(args))
-      args = {}
-    end
+-- cum, weight and time of the entry `member` of `log`.
+local function log_entry(log, member)
+  local cum, weight, time = timed_texts(member)
+  if cum == nil then
+    foreign(log)
   end
-  if #args > 0 then
-    call('ZADD', log, unpack(args))
-  end
+  return cum + 0, weight + 0, time + 0
 end
 
 -- The time of the first entry of the window whose running total reaches `total`, `need`
@@ -606,24 +549,19 @@ end
 
 -- === sliding_log, continued ===
 
--- The log's newest entry: its cum and time (0, 0 when empty). Migrates an old log first.
+-- The log's newest entry: its cum and time (0, 0 when empty).
 local function last_entry(log)
   local last = call('ZRANGE', log, '-1', '-1')[1]
   if last == nil then
     return 0, 0
   end
-  -- (`timed_texts` in line, for the newest entry of every log a call reads: the function
-  -- call cost 1% of a decision with entries, `cargo bench --bench script_cost`.)
+  -- (`timed_texts` in line: this runs for the newest entry of every log a call reads, where
+  -- a function call is a measurable share of the work.)
   local cum, _, time, after = string.match(last, TIMED)
-  if cum ~= nil and #cum == 20 and (after > #last or string.byte(last, after) == 58) then
-    return cum + 0, time + 0
+  if cum == nil or #cum ~= 20 or (after <= #last and string.byte(last, after) ~= 58) then
+    foreign(log)
   end
-  if member_cum(last) == nil then
-    migrate(log)
-    last = call('ZRANGE', log, '-1', '-1')[1]
-  end
-  local total, _, at = log_entry(log, last)
-  return total, at
+  return cum + 0, time + 0
 end
 
 -- The reset of a sliding_log window of `limit` and `length` ms for a descriptor that must fit
@@ -894,8 +832,8 @@ end
 -- weight; trims and removals keep the order), so an entry before it would have a total of 0.
 -- Then there is nothing to trim and no first entry to read: two of four commands saved on a
 -- descriptor's second request in a window, which is most of them where most users call a few
--- times a window (`cargo bench --bench script_cost`: -34%). Weighted entries are not read
--- for it: reading an entry's weight beside its total costs every other request about 1%.
+-- times a window. Weighted entries are not read for it: reading an entry's weight beside its
+-- total would cost every other request a little.
 -- (The general path, `count_and_fit`, does the same.)
 local function trim_and_count(key, length)
   local head_cum, head_time = last_entry(key)
@@ -929,10 +867,9 @@ end
 -- into periods of a quarter window), so it outlasts every entry of that period by the window
 -- plus 1 s (the slack for replicas' clocks), and a request that finds the newest entry in a
 -- period before its own sets it again, whether or not it records: a log under constant
--- rejection does not expire and reopen. Setting it on every request cost a command each
--- (`cargo bench --bench script_cost`: 16% of a decision on a log whose entries leave the window
--- on every call); now a busy log sets it about once a period. Logs of the general path,
--- whichever their rule, still set it on every request.
+-- rejection does not expire and reopen. Setting it on every request would cost a command each;
+-- this way a busy log sets it about once a period. Logs of the general path, whichever their
+-- rule, still set it on every request.
 local function keeps(rule, head_cum, head_time, newest, recorded)
   if head_cum == 0 then
     return recorded
@@ -983,8 +920,7 @@ end
 -- kind: every descriptor on a sliding_log of one window, without a ban, each on a key of its
 -- own. The same steps as `decide` in the same order, for this case only: `decide`'s state
 -- tables, its loops over windows and its sharing of a key between descriptors cost the
--- interpreter more than the Redis commands (a third of a decision's instructions in
--- `cargo bench --bench script_cost`). Writes as `decide` does; answers nil, having written
+-- interpreter more than the Redis commands do. Writes as `decide` does; answers nil, having written
 -- nothing, for another kind or bad arguments (`decide` tells why).
 local function decide_logs(a, k, n)
   local after = read_logs(a, k, n)
@@ -1058,8 +994,8 @@ local function decide_logs(a, k, n)
 end
 
 -- `decide_logs` for a request of one descriptor, the most common request, in straight-line
--- code and locals: measured, a sixth fewer instructions per decision than `decide_logs` takes
--- for the same request (`cargo bench --bench script_cost`). Writes as `decide` does; answers
+-- code and locals, cheaper again than `decide_logs` for the same request (docs/performance.md
+-- has the counts). Writes as `decide` does; answers
 -- nil, having written nothing, for another kind or bad arguments (`decide` tells why).
 local function decide_single(a, k)
   local text = ARGV[a + 2]

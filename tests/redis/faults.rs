@@ -1,0 +1,491 @@
+//! Faults: Redis down, slow, full, restarted or behind TLS; callers' deadlines; bounds; the
+//! health endpoints while the client recovers.
+
+use super::*;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_outage_fails_fast_by_policy_and_recovers() {
+    let mut redis = RedisProcess::start(&[]);
+    let config = "domain: outage\ndescriptors:\n  - key: k\n    rate_limit: {unit: minute, requests_per_unit: 100}\n";
+    let deadline = Duration::from_millis(200);
+    let mut servers = Vec::new();
+    for policy in [
+        FailurePolicy::Error,
+        FailurePolicy::Allow,
+        FailurePolicy::Deny,
+    ] {
+        let options = LimiterOptions {
+            failure_policy: policy,
+            ..LimiterOptions::default()
+        };
+        servers
+            .push(TestServer::start(config, connect(redis.url(), deadline).await, options).await);
+    }
+    let req = || request("outage", vec![descriptor(&[("k", "v")])]);
+    for s in &servers {
+        assert_eq!(s.call(req()).await.overall_code, ok());
+    }
+    redis.stop();
+    let started = Instant::now();
+    let status = servers[0].call_err(req()).await;
+    assert_eq!(status.code(), tonic::Code::Unavailable, "{status:?}");
+    assert_eq!(servers[1].call(req()).await.overall_code, ok(), "fail open");
+    assert_eq!(
+        servers[2].call(req()).await.overall_code,
+        over(),
+        "fail closed"
+    );
+    // Three calls, each bounded by the 200 ms deadline (plus scheduling on a busy machine).
+    assert!(
+        started.elapsed() < Duration::from_secs(3),
+        "took {:?}",
+        started.elapsed()
+    );
+    assert!(servers.iter().all(|s| s.limiter.store_errors() >= 1));
+
+    redis.restart();
+    let end = Instant::now() + Duration::from_secs(15);
+    loop {
+        let mut client = servers[0].client.clone();
+        match client.should_rate_limit(req()).await {
+            Ok(r) if r.get_ref().overall_code == ok() => break,
+            _ if Instant::now() > end => panic!("service did not resume after Redis came back"),
+            _ => tokio::time::sleep(Duration::from_millis(50)).await,
+        }
+    }
+    for s in servers {
+        s.stop().await;
+    }
+}
+
+/// Loading the script at start-up waits as long as connecting may (`--redis-connect-timeout`),
+/// not a decision's deadline: a Redis that holds every write for 300 ms when slidegate starts
+/// (`CLIENT PAUSE 300 WRITE`; `FUNCTION LOAD` is a write) still gets the library loaded, and the
+/// store starts, with a 15 ms decision deadline.
+#[tokio::test]
+async fn a_slow_script_load_at_start_is_waited_for() {
+    let redis = RedisProcess::start(&[]);
+    assert_eq!(redis.cmd("CLIENT PAUSE 300 WRITE").trim(), "+OK");
+    let started = std::time::Instant::now();
+    let store = RedisStore::connect(options(redis.url(), Duration::from_millis(15))).await;
+    assert!(store.is_ok(), "start-up failed: {:?}", store.err());
+    assert!(
+        started.elapsed() >= Duration::from_millis(200),
+        "the load did not wait for the pause: {:?}",
+        started.elapsed()
+    );
+    let libraries = node_cli(redis.port, &["FUNCTION", "LIST"]).join("\n");
+    let library = slidegate::store::redis::Library::new();
+    assert!(libraries.contains(&*library.function), "{libraries}");
+}
+
+/// A script load that takes longer than connecting may (`--redis-connect-timeout`, 500 ms here:
+/// Redis holds writes for 5 s) does not stop the start: the store starts, and once Redis takes
+/// writes again the first decision loads the script and is decided.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_script_load_past_the_connect_timeout_is_left_to_the_first_call() {
+    let redis = RedisProcess::start(&[]);
+    assert_eq!(redis.cmd("CLIENT PAUSE 5000 WRITE").trim(), "+OK");
+    let mut opts = options(redis.url(), TEST_TIMEOUT);
+    opts.connect_timeout = Duration::from_millis(500);
+    let store = RedisStore::connect(opts).await;
+    let store: Arc<dyn Store> = Arc::new(store.expect("the store starts"));
+    let libraries = node_cli(redis.port, &["FUNCTION", "LIST"]).join("\n");
+    assert!(
+        !libraries.contains("slidegate_"),
+        "loaded during the pause: {libraries}"
+    );
+    let unpaused = command(redis.port, "CLIENT UNPAUSE\r\n").expect("CLIENT UNPAUSE");
+    assert!(unpaused.starts_with("+OK"), "{unpaused}");
+    let domain = unique_domain("lateload");
+    let config = format!(
+        "domain: {domain}\ndescriptors:\n  - key: k\n    rate_limit: {{unit: hour, requests_per_unit: 1}}\n"
+    );
+    let server = TestServer::start(&config, store, LimiterOptions::default()).await;
+    let mut codes = Vec::new();
+    for _ in 0..2 {
+        let call = server.call(request(&domain, vec![descriptor(&[("k", "v")])]));
+        codes.push(call.await.overall_code);
+    }
+    assert_eq!(codes, vec![ok(), over()]);
+    server.stop().await;
+}
+
+/// The caller's `grpc-timeout` (Envoy sends its filter timeout) ends a call there, over a real
+/// connection: Redis holds every command (`CLIENT PAUSE ... ALL`) and the store would wait 10 s,
+/// but a call sent with `grpc-timeout: 50m` is answered `CANCELLED` long before either ends.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_callers_grpc_timeout_ends_the_call_while_redis_holds_it() {
+    let (redis, server, mut caller) = raw_caller_on_redis(Duration::from_secs(10)).await;
+
+    assert_eq!(redis.cmd("CLIENT PAUSE 3000 ALL").trim(), "+OK");
+    let (status, headers, waited) = caller.call(Some("50m")).await;
+    assert_eq!(
+        status.as_deref(),
+        Some("1"),
+        "CANCELLED, trailers-only: {headers:?}"
+    );
+    assert_eq!(
+        headers.get("grpc-message").map(|v| v.as_bytes()),
+        Some(&b"Timeout%20expired"[..])
+    );
+    assert!(
+        waited >= Duration::from_millis(50) && waited < Duration::from_secs(2),
+        "answered at {waited:?}"
+    );
+    // The pause ends by itself (Redis holds even `CLIENT UNPAUSE` from a client during it).
+    drop(caller);
+    server.stop().await;
+}
+
+/// A caller that waits longer than `--redis-timeout` (a gRPC client's deadline, Envoy with a
+/// longer filter timeout) gets Redis's answer rather than a failure while it still waits: with
+/// the shipped 15 ms, a call sent with `grpc-timeout: 2S` while Redis holds every command for
+/// 300 ms is decided when Redis resumes; one sent with no deadline fails at 15 ms, as before.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_callers_longer_deadline_is_waited_for() {
+    let (redis, server, mut caller) = raw_caller_on_redis(Duration::from_millis(15)).await;
+
+    assert_eq!(redis.cmd("CLIENT PAUSE 300 ALL").trim(), "+OK");
+    let (status, headers, waited) = caller.call(Some("2S")).await;
+    assert_eq!(
+        status.as_deref(),
+        Some("0"),
+        "decided, not failed: {headers:?}"
+    );
+    assert!(
+        waited >= Duration::from_millis(200),
+        "decided when Redis resumed, not before: {waited:?}"
+    );
+
+    // A long pause, so that failing at 15 ms and waiting for Redis stay far apart however
+    // slowly the machine runs (the pause ends by itself; the test does not wait for it).
+    assert_eq!(redis.cmd("CLIENT PAUSE 3000 ALL").trim(), "+OK");
+    let (status, headers, waited) = caller.call(None).await;
+    assert_eq!(
+        status.as_deref(),
+        Some("14"),
+        "UNAVAILABLE at --redis-timeout: {headers:?}"
+    );
+    assert!(
+        waited < Duration::from_millis(2_000),
+        "failed at the store deadline, before Redis resumed: {waited:?}"
+    );
+    drop(caller);
+    server.stop().await;
+}
+
+/// `rediss://` with a password: a real TLS Redis with a test CA, which the binary trusts through
+/// `SSL_CERT_FILE` (read by rustls' native roots). A wrong password fails start-up with the
+/// password redacted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tls_and_password_from_the_url() {
+    let scratch = common::temp_dir("tls");
+    let dir = &scratch.0;
+    make_certs(dir, &[("server", "DNS:localhost,IP:127.0.0.1")]);
+    let ca = dir.join("ca.crt").display().to_string();
+    let redis = RedisProcess::start_tls(dir, None, &["--requirepass", "s3cret-pw"]);
+    let config = dir.join("limits.yaml");
+    std::fs::write(&config, "domain: tls\ndescriptors:\n  - key: k\n    rate_limit: {unit: minute, requests_per_unit: 1}\n").expect("write");
+    let start = |password: &str, grpc: u16, http: u16| {
+        std::process::Command::new(env!("CARGO_BIN_EXE_slidegate"))
+            .env("SSL_CERT_FILE", &ca)
+            .arg("--config")
+            .arg(&config)
+            .args([
+                "--redis",
+                &format!("rediss://:{password}@localhost:{}", redis.port),
+                "--redis-timeout",
+                "5s",
+            ])
+            .args([
+                "--grpc-addr",
+                &format!("127.0.0.1:{grpc}"),
+                "--http-addr",
+                &format!("127.0.0.1:{http}"),
+            ])
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .expect("start slidegate")
+    };
+
+    let wrong = start(
+        "wrong-pw",
+        common::redis::free_port(),
+        common::redis::free_port(),
+    )
+    .wait_with_output()
+    .expect("slidegate exits");
+    assert!(!wrong.status.success());
+    let stderr = String::from_utf8_lossy(&wrong.stderr);
+    assert!(
+        stderr.contains("cannot use Redis at rediss://:***@localhost"),
+        "{stderr}"
+    );
+    assert!(
+        !stderr.contains("wrong-pw"),
+        "the password leaked: {stderr}"
+    );
+
+    let (grpc, http) = (common::redis::free_port(), common::redis::free_port());
+    let _server = KillOnDrop(start("s3cret-pw", grpc, http));
+    wait_until("slidegate over TLS ready", Duration::from_secs(20), || {
+        command(http, "GET /readyz HTTP/1.0\r\n").is_ok_and(|r| r.contains("200 OK"))
+    });
+    let client = common::connect(std::net::SocketAddr::from(([127, 0, 0, 1], grpc))).await;
+    let mut codes = Vec::new();
+    for _ in 0..2 {
+        let r = client
+            .clone()
+            .should_rate_limit(request("tls", vec![descriptor(&[("k", "v")])]))
+            .await
+            .expect("call");
+        codes.push(r.into_inner().overall_code);
+    }
+    assert_eq!(codes, vec![ok(), over()]);
+    // Redis goes before its certificates' directory.
+    drop(redis);
+    drop(scratch);
+}
+
+/// Requests past a bound are refused before the store: many descriptors, huge values, and
+/// hits that only add up past the bound over several descriptors leave Redis untouched.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn requests_past_a_bound_never_reach_redis() {
+    let redis = RedisProcess::start(&[]);
+    let server = TestServer::start(
+        "domain: DOMAIN\ndescriptors:\n  - key: k\n    rate_limit: {unit: minute, requests_per_unit: 5}\n",
+        connect(redis.url(), TEST_TIMEOUT).await,
+        LimiterOptions::default(),
+    )
+    .await;
+    let big = "v".repeat(2 * 1024 * 1024);
+    let cases = [
+        (
+            request(
+                "DOMAIN",
+                (0..100).map(|_| descriptor(&[("k", "v")])).collect(),
+            ),
+            "--max-descriptors",
+        ),
+        (
+            request("DOMAIN", vec![descriptor(&[("k", &big)])]),
+            "--max-value-bytes",
+        ),
+        (
+            request(
+                "DOMAIN",
+                (0..10)
+                    .map(|_| with_hits(descriptor(&[("k", "v")]), 500_000_000))
+                    .collect(),
+            ),
+            "--max-hits",
+        ),
+    ];
+    for (call, bound) in cases {
+        let status = server.call_err(call).await;
+        assert_eq!(status.code(), tonic::Code::InvalidArgument);
+        assert!(status.message().contains(bound), "{}", status.message());
+    }
+    assert_eq!(redis.cmd("DBSIZE").trim(), ":0", "nothing reached Redis");
+    // Within the bounds, the same shapes are decided and recorded.
+    let decided = server
+        .call(request("DOMAIN", vec![descriptor(&[("k", "v")])]))
+        .await;
+    assert_eq!(decided.overall_code, ok());
+    assert_eq!(redis.cmd("DBSIZE").trim(), ":1");
+    server.stop().await;
+}
+
+/// A Redis at its `maxmemory` (with `noeviction`) refuses the script before it runs (the script
+/// declares itself a writer), so nothing is written past the limit and the answer follows the
+/// store-failure policy: UNAVAILABLE by default, OVER_LIMIT with `deny`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_full_redis_refuses_the_script_and_the_policy_answers() {
+    let redis = RedisProcess::start(&["--maxmemory-policy", "noeviction"]);
+    let config = "domain: DOMAIN\ndescriptors:\n  - key: k\n    rate_limit: {unit: minute, requests_per_unit: 1000}\n";
+    let errors = TestServer::start(
+        config,
+        connect(redis.url(), TEST_TIMEOUT).await,
+        LimiterOptions::default(),
+    )
+    .await;
+    let denies = TestServer::start(
+        config,
+        connect(redis.url(), TEST_TIMEOUT).await,
+        LimiterOptions {
+            failure_policy: FailurePolicy::Deny,
+            ..LimiterOptions::default()
+        },
+    )
+    .await;
+    let call = |n: u32| request("DOMAIN", vec![descriptor(&[("k", &n.to_string())])]);
+    assert_eq!(
+        errors.call(call(0)).await.overall_code,
+        ok(),
+        "room at first"
+    );
+    // Fill it: a 3 MB value, then a 2 MB limit.
+    let filler = "x".repeat(3 * 1024 * 1024);
+    let mut set = std::process::Command::new("redis-cli")
+        .args(["-p", &redis.port.to_string(), "-x", "SET", "filler"])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::null())
+        .spawn()
+        .expect("redis-cli");
+    std::io::Write::write_all(&mut set.stdin.take().expect("stdin"), filler.as_bytes())
+        .expect("value");
+    assert!(set.wait().expect("redis-cli").success());
+    assert!(redis.cmd("CONFIG SET maxmemory 2mb").starts_with("+OK"));
+    let keys_before = redis.cmd("DBSIZE");
+    for n in 1..=20 {
+        let status = errors.call_err(call(n)).await;
+        assert_eq!(
+            status.code(),
+            tonic::Code::Unavailable,
+            "{}",
+            status.message()
+        );
+        assert!(status.message().contains("OOM"), "{}", status.message());
+        let denied = denies.call(call(n)).await;
+        assert_eq!(
+            denied.overall_code,
+            over(),
+            "--store-failure deny answers OVER_LIMIT"
+        );
+    }
+    assert_eq!(redis.cmd("DBSIZE"), keys_before, "no new log was written");
+    errors.stop().await;
+    denies.stop().await;
+}
+
+/// A Redis that answers but refuses every call (FCALL renamed away): fresh clients connect
+/// and do not help, so after three of them and 5 s the store says it cannot recover and `/healthz`
+/// answers 503, the signal for a liveness probe to restart it. Readiness (PING) still holds.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn healthz_fails_when_fresh_clients_do_not_help() {
+    let redis = RedisProcess::start(&["--rename-command", "FCALL", ""]);
+    let domain = unique_domain("hopeless");
+    let config = format!(
+        "domain: {domain}\ndescriptors:\n  - key: k\n    rate_limit: {{unit: hour, requests_per_unit: 5}}\n"
+    );
+    let store = connect(redis.url(), Duration::from_millis(200)).await;
+    let server = TestServer::start(&config, store, LimiterOptions::default()).await;
+    assert_eq!(http(server.http_addr, "GET", "/healthz", "").await.0, 200);
+    let limiter = server.limiter.clone();
+    let started = Instant::now();
+    let gave_up = call_until(&server, &domain, Duration::from_secs(20), || {
+        !limiter.store_alive()
+    })
+    .await;
+    assert!(gave_up, "the store never reported that it cannot recover");
+    assert!(
+        started.elapsed() >= Duration::from_secs(5),
+        "gave up after {:?}, before five seconds of failing calls",
+        started.elapsed()
+    );
+    let (code, body) = http(server.http_addr, "GET", "/healthz", "").await;
+    assert_eq!(
+        (code, body.as_str()),
+        (503, "the store cannot recover by itself\n")
+    );
+    assert_eq!(http(server.http_addr, "GET", "/readyz", "").await.0, 200);
+    server.stop().await;
+}
+
+/// A Redis that is down is waited for, not a reason to restart: `/healthz` stays 200 through
+/// seconds of failing calls, since fresh clients cannot connect either.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn healthz_holds_while_redis_is_down() {
+    let mut redis = RedisProcess::start(&[]);
+    let domain = unique_domain("down");
+    let config = format!(
+        "domain: {domain}\ndescriptors:\n  - key: k\n    rate_limit: {{unit: hour, requests_per_unit: 5}}\n"
+    );
+    let store = connect(redis.url(), Duration::from_millis(200)).await;
+    let server = TestServer::start(&config, store, LimiterOptions::default()).await;
+    redis.stop();
+    let limiter = server.limiter.clone();
+    let gave_up = call_until(&server, &domain, Duration::from_secs(5), || {
+        !limiter.store_alive()
+    })
+    .await;
+    assert!(!gave_up, "a Redis that is down made the store give up");
+    assert_eq!(http(server.http_addr, "GET", "/healthz", "").await.0, 200);
+    redis.restart();
+    let end = Instant::now() + Duration::from_secs(10);
+    loop {
+        let reply = server
+            .client
+            .clone()
+            .should_rate_limit(request(&domain, vec![descriptor(&[("k", "v")])]))
+            .await
+            .map(tonic::Response::into_inner);
+        if reply.as_ref().is_ok_and(|r| r.overall_code == ok()) {
+            break;
+        }
+        assert!(
+            Instant::now() < end,
+            "calls never resumed after Redis returned; the last answer: {reply:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(http(server.http_addr, "GET", "/healthz", "").await.0, 200);
+    server.stop().await;
+}
+
+/// A key of another type in Redis (written there by something else) fails the one decision
+/// that touches it, with `UNAVAILABLE`, while the decisions that shared its script call are
+/// answered as usual.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_foreign_key_fails_only_its_own_decision_in_a_shared_call() {
+    let (redis, server, domain) = on_one_connection(
+        "foreign",
+        "  - key: user\n    rate_limit: {unit: minute, requests_per_unit: 5}\n",
+    )
+    .await;
+    let log = key::build(
+        &domain,
+        &[Segment::Value {
+            key: "user",
+            value: "bad",
+        }],
+        Variant::Configured,
+        None,
+    )
+    .log();
+    assert_eq!(redis.cmd(&format!("SET {log} not-a-log")).trim(), "+OK");
+    let before = fcall_calls(&redis);
+    let calls: Vec<_> = (0..120)
+        .map(|n| {
+            let mut client = server.client.clone();
+            let user = if n == 60 {
+                "bad".to_string()
+            } else {
+                format!("u{n}")
+            };
+            let request = request(&domain, vec![descriptor(&[("user", &user)])]);
+            tokio::spawn(async move { (n, client.should_rate_limit(request).await) })
+        })
+        .collect();
+    for call in calls {
+        let (n, answer) = call.await.expect("task");
+        if n == 60 {
+            let status = answer.expect_err("the foreign key fails its decision");
+            assert_eq!(status.code(), tonic::Code::Unavailable, "{status:?}");
+            assert!(status.message().contains("WRONGTYPE"), "{status:?}");
+        } else {
+            assert_eq!(
+                answer.expect("answered").get_ref().overall_code,
+                ok(),
+                "{n}"
+            );
+        }
+    }
+    assert!(
+        fcall_calls(&redis) - before < 120,
+        "the decisions shared calls"
+    );
+    server.stop().await;
+}

@@ -1,0 +1,808 @@
+//! The script itself: its argument checks, the caches it keeps from call to call, the entries
+//! and TTLs it writes, its common paths against the general one, and what its keys cost.
+
+use super::*;
+
+/// sliding_counter memory stays constant: at most one field per bucket that still counts.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sliding_counter_memory_is_constant() {
+    let redis = shared_standalone();
+    let domain = unique_domain("constant");
+    let config = format!(
+        "domain: {domain}\ndescriptors:\n  - key: k\n    algorithm: sliding_counter\n    buckets: 10\n    rate_limit: {{unit: minute, requests_per_unit: 1000000}}\n"
+    );
+    let server = TestServer::start(
+        &config,
+        connect(redis.url(), TEST_TIMEOUT).await,
+        LimiterOptions::default(),
+    )
+    .await;
+    // Two minutes of traffic, a request every 0.5 s, 100 hits each.
+    for _ in 0..240 {
+        server.clock.advance(500);
+        let r = server
+            .call(request(
+                &domain,
+                vec![with_hits(descriptor(&[("k", "v")]), 100)],
+            ))
+            .await;
+        assert_eq!(r.overall_code, ok());
+    }
+    let counters = key::build(
+        &domain,
+        &[Segment::Value {
+            key: "k",
+            value: "v",
+        }],
+        Variant::Configured,
+        None,
+    )
+    .counters();
+    let fields: i64 = redis
+        .cmd(&format!("HLEN {counters}"))
+        .trim_start_matches(':')
+        .trim()
+        .parse()
+        .expect("HLEN");
+    assert!(
+        (1..=11).contains(&fields),
+        "{fields} buckets kept for a 10-bucket window"
+    );
+    assert_eq!(
+        redis
+            .cmd(&format!(
+                "EXISTS {}",
+                key::build(
+                    &domain,
+                    &[Segment::Value {
+                        key: "k",
+                        value: "v"
+                    }],
+                    Variant::Configured,
+                    None
+                )
+                .log()
+            ))
+            .trim(),
+        ":0",
+        "no log at all"
+    );
+    server.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn function_flush_is_recovered_on_standalone_and_cluster() {
+    let own = RedisProcess::start(&[]);
+    let cluster = RedisCluster::start();
+    for (url, ports) in [
+        (own.url(), vec![own.port]),
+        (
+            cluster.url(),
+            cluster.nodes.iter().map(|n| n.port).collect(),
+        ),
+    ] {
+        let config = "domain: flush\ndescriptors:\n  - key: k\n    rate_limit: {unit: minute, requests_per_unit: 10}\n";
+        let server = TestServer::start(
+            config,
+            connect(url, TEST_TIMEOUT).await,
+            LimiterOptions::default(),
+        )
+        .await;
+        assert_eq!(
+            server
+                .call(request("flush", vec![descriptor(&[("k", "v")])]))
+                .await
+                .overall_code,
+            ok()
+        );
+        for port in &ports {
+            assert!(
+                command(*port, "FUNCTION FLUSH")
+                    .expect("FUNCTION FLUSH")
+                    .starts_with("+OK")
+            );
+        }
+        let r = server
+            .call(request("flush", vec![descriptor(&[("k", "v")])]))
+            .await;
+        assert_eq!(r.overall_code, ok());
+        assert_eq!(
+            r.statuses[0].limit_remaining, 8,
+            "the first hit is still counted after the reload"
+        );
+        server.stop().await;
+    }
+}
+
+#[test]
+fn malformed_script_arguments_get_an_error_reply() {
+    let redis = shared_standalone();
+    let cli = |args: &[&str]| node_cli(redis.port, args).join("\n").trim().to_string();
+    let library = slidegate::store::redis::Library::new();
+    let loaded = cli(&["FUNCTION", "LOAD", "REPLACE", &library.code]);
+    assert_eq!(loaded, &*library.function, "FUNCTION LOAD: {loaded}");
+    let function: &str = &library.function;
+    // One key per descriptor (its log or counters), two with a ban. Arguments: the number of
+    // requests, the call's time, then per request: shape (4 x descriptor count + mode), per
+    // descriptor hits and the rule "role:ban_ms:buckets:debit:limit:window_ms[:limit:window_ms...]",
+    // and a tentative request's prefix.
+    let ok = "0:0:0:0:10:1000";
+    let request =
+        |now: &'static str, shape: &'static str, hits: &'static str, rule: &'static str| {
+            vec!["1", "k", "1", now, shape, hits, rule]
+        };
+    let cases: Vec<Vec<&str>> = vec![
+        vec!["0"],
+        vec!["1", "k", "0"],
+        vec!["1", "k", "2", "1", "5", "1", ok],
+        request("x", "5", "1", ok),
+        // The call's time: digits only (its text becomes entries' scores as it came).
+        request(" 5", "5", "1", ok),
+        request("5 ", "5", "1", ok),
+        request("1.5", "5", "1", ok),
+        request("-1", "5", "1", ok),
+        request("1e3", "5", "1", ok),
+        // A tentative request (mode 0) ends with the prefix that names its entries.
+        vec!["1", "k", "1", "1", "4", "1", ok],
+        vec!["1", "k", "1", "1", "4", "1", ok, ""],
+        // Mode 3, no descriptor, a shape that is no number.
+        request("1", "7", "1", ok),
+        request("1", "1", "1", ok),
+        request("1", "x", "1", ok),
+        request("1", "5", "abc", ok),
+        request("1", "5", "1", "9:0:0:0:10:1000"),
+        request("1", "5", "1", "0:0:0:2:10:1000"),
+        request("1", "5", "1", "0:0:0:0:10:0"),
+        request("1", "5", "1", "0:0:0:0:10"),
+        request("1", "5", "1", "0:0:0:0"),
+        request("1", "5", "1", "0:0:x:0:10:1000"),
+        request("1", "5", "1", "0::0:0:10:1000"),
+        request("1", "5", "1", "0:0:0:0:10:1000:"),
+        request("1", "5", "1", "0:0:0:0:10:1000:5"),
+        // A ban takes a second key.
+        request("1", "5", "1", "0:500:0:0:10:1000"),
+        vec!["2", "k", "k2", "1", "1", "5", "1", ok],
+        vec!["1", "k", "1", "1", "5", "1", ok, "extra"],
+    ];
+    for args in cases {
+        let mut full = vec!["FCALL", function];
+        full.extend_from_slice(&args);
+        let reply = cli(&full);
+        // The whole call refused (a bad request count, keys or arguments left over), or its
+        // request answered -1 and why.
+        let lines: Vec<&str> = reply.lines().collect();
+        let refused = reply.starts_with("SLIDEGATE ");
+        let request_failed = lines.len() >= 2
+            && lines[lines.len() - 2] == "-1"
+            && lines[lines.len() - 1].starts_with("SLIDEGATE request ");
+        assert!(refused || request_failed, "FCALL {args:?} -> {reply}");
+    }
+    // A bad request fails before it writes anything, and so does every request after it (where
+    // they start can no longer be told); a request before it stands.
+    let mut full = vec![
+        "FCALL", function, "3", "b1:log", "b2:log", "b3:log", "3", "1000",
+    ];
+    full.extend_from_slice(&["5", "1", ok]);
+    full.extend_from_slice(&["5", "1", "0:0:0:0:10"]);
+    full.extend_from_slice(&["5", "1", ok]);
+    let reply = cli(&full);
+    let lines: Vec<&str> = reply.lines().collect();
+    assert_eq!(lines[..6], ["1000", "4", "5", "1", "1", "1000"], "{reply}");
+    assert_eq!((lines[6], lines[8]), ("-1", "-1"), "{reply}");
+    assert!(lines[7].starts_with("SLIDEGATE request 2: "), "{reply}");
+    assert!(
+        lines[9].starts_with("SLIDEGATE request 3: not decided"),
+        "{reply}"
+    );
+    assert_eq!(lines.len(), 10, "{reply}");
+    assert_eq!(cli(&["ZCARD", "b1:log"]), "1");
+    assert_eq!(cli(&["EXISTS", "b2:log", "b3:log"]), "0");
+    // And a well-formed call answers the documented layout: the call's time, then per request
+    // its length, flags (1 fits, 4 recorded), the entry it recorded, count, reset.
+    let call = |key: &str, rule: &str| {
+        let mut full = vec!["FCALL", function, "1", key];
+        full.extend_from_slice(&["1", "1000", "5", "1", rule]);
+        cli(&full).lines().map(str::to_string).collect::<Vec<_>>()
+    };
+    assert_eq!(
+        call("t:log", "0:0:0:0:10:1000"),
+        vec!["1000", "4", "5", "1", "1", "1000"]
+    );
+    assert_eq!(
+        cli(&["ZRANGE", "t:log", "0", "-1"]),
+        "00000000000000000001:1:1000",
+        "one weighted entry: running total, weight, time"
+    );
+    // sliding_counter with 10 buckets of 100 ms: the hit sits in bucket 10 (1,000..1,100), which
+    // stops counting at 1,100 + 1,000.
+    assert_eq!(
+        call("u:cnt", "0:0:10:0:10:1000"),
+        vec!["1000", "4", "5", "0", "1", "1100"]
+    );
+    assert_eq!(
+        cli(&["HGETALL", "u:cnt"]).lines().collect::<Vec<_>>(),
+        vec!["100:10", "1"]
+    );
+    // One call, three requests, each decided as if alone and in order: the first meets a key of
+    // another type and fails alone (-1 and what Redis said), the second and third share a log
+    // with a limit of 1, so the third finds the second's entry and is rejected.
+    assert_eq!(cli(&["SET", "w:log", "not a log"]), "OK");
+    let request = ["5", "1", "0:0:0:0:1:1000"];
+    let mut full = vec![
+        "FCALL", function, "3", "w:log", "v:log", "v:log", "3", "2000",
+    ];
+    for _ in 0..3 {
+        full.extend_from_slice(&request);
+    }
+    let reply = cli(&full);
+    let lines: Vec<&str> = reply.lines().collect();
+    assert_eq!((lines[0], lines[1]), ("2000", "-1"), "{reply}");
+    assert!(lines[2].starts_with("WRONGTYPE"), "{reply}");
+    assert_eq!(
+        lines[3..],
+        [
+            "4", "5", "1", "1", "1000", // admitted: fits, recorded entry 1
+            "3", "0", "1", "1000", // 1 of 1, nothing recorded: wait 1,000 ms
+        ]
+    );
+    assert_eq!(cli(&["ZCARD", "v:log"]), "1");
+}
+
+/// The library keeps the rules it has read from call to call, up to 1,000, then drops them all
+/// at once: a call with more distinct rules than that (the drop happens between checking its
+/// arguments and deciding them) still decides every request.
+#[test]
+fn a_call_with_more_rules_than_the_library_keeps_decides_each_request() {
+    let (library, cli) = library_on_shared_redis();
+    let requests = 1_200;
+    let mut args = vec![
+        "FCALL".to_string(),
+        library.function.to_string(),
+        requests.to_string(),
+    ];
+    args.extend((0..requests).map(|r| format!("rl:{{many-rules}}:{r}:log")));
+    args.extend([requests.to_string(), "1000".to_string()]);
+    for r in 0..requests {
+        // Every request its own rule: limit 10 + r in a 1 s window.
+        args.extend(["5".into(), "1".into(), format!("0:0:0:0:{}:1000", 10 + r)]);
+    }
+    let reply = cli(&args);
+    for (r, answer) in one_descriptor_answers(&reply, requests).iter().enumerate() {
+        assert_eq!(answer[..2], ["5", "1"], "request {r} was admitted");
+    }
+}
+
+/// The library keeps the numbers it has read (and their text) from call to call, and drops them
+/// all when a call starts with more than it keeps (1,000), never during a call: a call whose own
+/// arguments hold more distinct numbers than that decides each request, and the calls after the
+/// drop still count every hit (two calls of 1,200 requests on one log, each request with hits
+/// of its own, 1 to 1,200).
+#[test]
+fn calls_across_the_dropped_numbers_count_every_hit() {
+    let (library, cli) = library_on_shared_redis();
+    let requests = 1_200;
+    let mut total = 0u64;
+    for call in 0..2u64 {
+        let mut args = vec![
+            "FCALL".to_string(),
+            library.function.to_string(),
+            requests.to_string(),
+        ];
+        args.extend((0..requests).map(|_| "rl:{many-numbers}:log".to_string()));
+        let now = 1_000_000 + call * 10_000;
+        args.extend([requests.to_string(), now.to_string()]);
+        for r in 0..requests as u64 {
+            args.extend([
+                "5".into(),
+                (1 + r).to_string(),
+                "0:0:0:0:100000000:100000000".into(),
+            ]);
+        }
+        let reply = cli(&args);
+        for (r, answer) in one_descriptor_answers(&reply, requests).iter().enumerate() {
+            total += 1 + r as u64;
+            let expected = total.to_string();
+            assert_eq!(
+                answer[..3],
+                ["5", expected.as_str(), expected.as_str()],
+                "call {call}, request {r}: admitted, recorded at the running total, counted"
+            );
+        }
+    }
+    // Members are the running total, 20 digits zero-padded, below the totals the library keeps
+    // made (1,000) and above, the weight and the time: the first entry's weight is 1, the
+    // last's total 1,441,200.
+    let members = cli(&[
+        "ZRANGE".into(),
+        "rl:{many-numbers}:log".into(),
+        "0".into(),
+        "-1".into(),
+    ]);
+    let members: Vec<&str> = members.lines().collect();
+    assert_eq!(members.len(), 2 * requests, "one entry per request");
+    assert_eq!(members[0], "00000000000000000001:1:1000000");
+    let last = members[members.len() - 1];
+    assert_eq!(last, format!("{total:020}:1200:1010000"));
+}
+
+/// A tentative request's entry (a request over several cluster masters) holds its time too,
+/// `<cum>:<weight>:<time>:<prefix>:<i>`, and the reply gives that time after the running total,
+/// so that the caller can name the entry to remove it; reading such entries back, as the newest
+/// and as the window's first, takes no read of their score.
+#[test]
+fn a_tentative_entry_holds_its_time_and_is_read_without_its_score() {
+    let (redis, library) = redis_with_library();
+    let cli = |args: &[&str]| node_cli(redis.port, args);
+    // One descriptor, tentative (shape 4: mode 0), one hit, 5 a second, then the prefix.
+    let call = |now: &str, prefix: &str| {
+        cli(&[
+            "FCALL",
+            &library.function,
+            "1",
+            "t:log",
+            "1",
+            now,
+            "4",
+            "1",
+            "0:0:0:0:5:1000",
+            prefix,
+        ])
+    };
+    // The call's time, the request's length, then flags (fits, recorded), cum, time, count,
+    // reset.
+    assert_eq!(
+        call("10000", "p-1"),
+        ["10000", "5", "5", "1", "10000", "1", "1000"]
+    );
+    assert_eq!(
+        call("10010", "p-2"),
+        ["10010", "5", "5", "2", "10010", "2", "990"]
+    );
+    let scores_read = calls_of(&redis, "zscore");
+    // The third finds a log of two: its newest entry and, after the trim, its first are read.
+    assert_eq!(
+        call("10020", "p-3"),
+        ["10020", "5", "5", "3", "10020", "3", "980"]
+    );
+    assert_eq!(calls_of(&redis, "zscore"), scores_read, "no score read");
+    assert_eq!(
+        cli(&["ZRANGE", "t:log", "0", "-1"]),
+        [
+            "00000000000000000001:1:10000:p-1:1",
+            "00000000000000000002:1:10010:p-2:1",
+            "00000000000000000003:1:10020:p-3:1"
+        ]
+    );
+}
+
+/// A ban key holds the ban's end and lives a second past it, the slack the data keys keep for
+/// replicas' clocks: a replica whose clock is behind still finds the ban until its own clock
+/// reaches the end, and one past the end is not banned though the key is still there.
+#[test]
+fn a_ban_key_outlasts_its_ban_by_the_clock_slack() {
+    let (redis, library) = redis_with_library();
+    let cli = |args: &[&str]| node_cli(redis.port, args);
+    // role:ban_ms:buckets:debit:limit:window_ms: 1 a second, a ban of 800 ms. One request of
+    // one descriptor in final mode (shape 5), one hit; keys: the log, the ban.
+    let call = |now: &str| {
+        cli(&[
+            "FCALL",
+            &library.function,
+            "2",
+            "b:log",
+            "b:ban",
+            "1",
+            now,
+            "5",
+            "1",
+            "0:800:0:0:1:1000",
+        ])
+    };
+    // Per request: its length, then flags (1 fits, 2 set the ban, 4 recorded, 8 banned).
+    assert_eq!(call("10000")[2], "5", "admitted and recorded");
+    assert_eq!(
+        call("10010")[2..4],
+        ["10", "800"],
+        "over: the ban is set, 800 ms left"
+    );
+    assert_eq!(cli(&["GET", "b:ban"]), ["10810"], "the ban's end");
+    let left: u64 = cli(&["PTTL", "b:ban"])[0].parse().expect("PTTL");
+    assert!(
+        (1_000..=1_800).contains(&left),
+        "the ban (800 ms) and the slack (1 s): {left} ms left"
+    );
+    // Inside the ban by the caller's clock: banned, 310 ms left.
+    assert_eq!(call("10500")[2..4], ["8", "310"]);
+    // Past the ban's end and the window: admitted, the key notwithstanding.
+    assert_eq!(call("11100")[2], "5");
+}
+
+/// A log's expiry, on the common paths (one request of one descriptor; one of two on logs of
+/// their own), is set when its newest entry is the first of its period (a quarter window), to
+/// the window plus a period plus 1 s, and by a call that finds the newest entry in an earlier
+/// period than its own: exactly those calls set it (an admitted call in the newest entry's
+/// period does not), and the key outlives its newest entry by the window plus 1 s after every
+/// call, admitted or rejected. 80 calls 37 ms apart (the script's clock injected) on a 1 s
+/// window, with a limit of 10 (most are rejected) and of 1,000 (all admitted, and the expiry
+/// set about once a period); Redis's own clock barely moves, so an expiry set at call time t
+/// lasts, in the calls' time, until t plus the TTL.
+#[test]
+fn a_logs_expiry_is_set_once_a_period_and_outlasts_its_newest_entry() {
+    let (redis, library) = redis_with_library();
+    let cli = |args: &[&str]| node_cli(redis.port, args);
+    // role:ban_ms:buckets:debit:limit:window_ms; a period of 250 ms, a TTL of 2,250 ms.
+    let (window, ttl) = (1_000u64, 2_250u64);
+    for (rule, keys) in [
+        ("0:0:0:0:10:1000", vec!["one:log"]),
+        ("0:0:0:0:10:1000", vec!["two:log", "three:log"]),
+        ("0:0:0:0:1000:1000", vec!["four:log"]),
+        ("0:0:0:0:1000:1000", vec!["five:log", "six:log"]),
+    ] {
+        let n = keys.len().to_string();
+        // Final mode (1), n descriptors.
+        let shape = (4 * keys.len() + 1).to_string();
+        // Per key: when its expiry was last set, and its newest entry (call times).
+        let mut set_at: Option<u64> = None;
+        let mut newest: Option<u64> = None;
+        let (mut sets, mut rejected) = (0, 0);
+        let period = |t: u64| t / 250;
+        for call in 0..80u64 {
+            let now = 10_000 + 37 * call;
+            let now_text = now.to_string();
+            let mut args = vec!["FCALL", &library.function, &n];
+            args.extend(&keys);
+            args.extend(["1", &now_text, &shape]);
+            for _ in &keys {
+                args.extend(["1", rule]);
+            }
+            let before = calls_of(&redis, "pexpire");
+            let reply = cli(&args);
+            let expiries = calls_of(&redis, "pexpire") - before;
+            // Each key sees the same calls: all set their expiry, or none.
+            assert!(
+                expiries == 0 || expiries == keys.len() as u64,
+                "call {call}: {expiries} expiries set for {keys:?}"
+            );
+            if expiries > 0 {
+                set_at = Some(now);
+                sets += 1;
+            }
+            // The length, now, then the first descriptor's flags: 5 admitted and recorded.
+            let recorded = match reply[2].as_str() {
+                "5" => true,
+                "0" => false,
+                flags => panic!("call {call}: flags {flags}: {reply:?}"),
+            };
+            let expected = match newest {
+                None => recorded,
+                Some(head) => period(now) != period(head),
+            };
+            assert_eq!(
+                expiries > 0,
+                expected,
+                "call {call} at {now} (newest entry {newest:?}, recorded {recorded})"
+            );
+            if recorded {
+                newest = Some(now);
+            } else {
+                rejected += 1;
+            }
+            if let Some(newest) = newest {
+                let set_at = set_at.expect("a log with entries has had its expiry set");
+                assert!(
+                    set_at + ttl >= newest + window + 1_000,
+                    "call {call}: the expiry set at {set_at} ends before the entry at {newest} leaves the window (plus 1 s)"
+                );
+                for key in &keys {
+                    let left: i64 = cli(&["PTTL", key])[0].parse().expect("PTTL");
+                    assert!(left > 0, "call {call}: {key} has no expiry: {left}");
+                }
+            }
+        }
+        if rule.contains(":10:") {
+            assert!(rejected > 40, "{keys:?}: {rejected} of 80 rejected");
+        } else {
+            // 80 calls over 2.9 s: twelve periods.
+            assert_eq!((rejected, sets), (0, 12), "{keys:?}: rejected, expiry set");
+        }
+    }
+}
+
+/// The script decides the common requests by paths of their own (`decide_logs`: every
+/// descriptor on a one-window log without a ban, each on a log of its own; `decide_single`: the
+/// same for one descriptor), a fifth to a quarter fewer instructions than the general `decide`.
+/// Fed the same calls on twin logs, the library with those paths and one whose general path
+/// decides everything must answer alike, field by field: every role, mode and debit, checks
+/// (hits 0), weighted hits, rejections whose reset is searched in the log, logs emptied by the
+/// window, logs whose only entry is their first (which the common paths read as such), several
+/// requests on one log in one call, calls whose time is behind their logs' newest entries (a
+/// replica's clock behind another's), and requests that are not of those kinds (two
+/// descriptors on one log, a ban, two windows) left to the general path.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_common_request_paths_answer_as_the_general_one() {
+    use fred::prelude::{ClientLike as _, SortedSetsInterface as _, Value};
+    use slidegate::store::redis::Library;
+
+    const SOURCE: &str = include_str!("../../lua/slidegate.lua");
+    const TAKES_OWN_PATHS: &str = "local n = shape and (shape - shape % 4) / 4";
+    assert!(
+        SOURCE.contains(TAKES_OWN_PATHS),
+        "the script no longer chooses its own paths where this test turns them off"
+    );
+    let own_paths = Library::new();
+    let general = Library::from_source(&SOURCE.replace(TAKES_OWN_PATHS, "local n = false"));
+    let config = fred::types::config::Config::from_url(&shared_standalone().url()).unwrap();
+    let client = fred::clients::Client::new(config, None, None, None);
+    client.init().await.unwrap();
+    for library in [&own_paths, &general] {
+        library.load(&client, TEST_TIMEOUT).await.unwrap();
+    }
+    // role:ban_ms:buckets:debit:limit:window_ms (layout in lua/slidegate.lua); the last two are
+    // for the general path only.
+    const RULES: [&str; 9] = [
+        "0:0:0:0:3:1000",
+        "0:0:0:0:1:300",
+        "1:0:0:0:2:1000",
+        "2:0:0:0:2:1500",
+        "0:0:0:1:5:2000",
+        "2:0:0:1:4:1000",
+        "0:0:0:0:6:2500",
+        "0:800:0:0:2:1000",
+        "0:0:0:0:2:500:4:2000",
+    ];
+    // A fixed pseudo-random sequence (64-bit LCG): a failure names its case and step.
+    let mut seed: u64 = 0x5eed_f51d;
+    let mut next = |below: u64| {
+        seed = seed
+            .wrapping_mul(6_364_136_223_846_793_005)
+            .wrapping_add(1_442_695_040_888_963_407);
+        (seed >> 33) % below
+    };
+    // Flags of lone descriptors' answers: 5 admitted and recorded, 0 or 1 recorded nothing,
+    // 4 a debit recorded past its budget.
+    let mut lone = [0u64; 3];
+    let mut several = 0u64;
+    let mut one_entry = 0u64;
+    for case in 0..32 {
+        let tag = unique_domain("paths");
+        let mut now = 1_000_000u64;
+        for step in 0..60 {
+            now += next(600);
+            // One call in six from a replica whose clock is behind the one that wrote the
+            // newest entries (each path stamps an entry no earlier than its log's newest).
+            let at = if next(6) == 0 {
+                now - 1 - next(800)
+            } else {
+                now
+            };
+            let requests = 1 + next(3);
+            let mode = next(3);
+            let mut descriptors = Vec::new();
+            let mut args = vec![
+                Value::from(requests.to_string()),
+                Value::from(at.to_string()),
+            ];
+            for r in 0..requests {
+                // Mostly one descriptor, from one of the first rules (the common kinds).
+                let n = if next(2) == 0 { 1 } else { 1 + next(3) };
+                args.push(Value::from((4 * n + mode).to_string()));
+                for _ in 0..n {
+                    let kinds = if next(4) == 0 { 9 } else { 7 };
+                    let rule = RULES[usize::try_from(next(kinds)).unwrap()];
+                    let log = next(3);
+                    args.extend([Value::from(next(4).to_string()), Value::from(rule)]);
+                    descriptors.push((log, rule.starts_with("0:800:")));
+                }
+                // A tentative request (mode 0) ends with the prefix that names its entries.
+                if mode == 0 {
+                    args.push(Value::from(format!("p{step}-{r}")));
+                }
+                several += u64::from(n > 1);
+            }
+            // Logs whose newest entry has a running total of 1, their only entry (the common
+            // paths read such a log as it is: nothing to trim, no first entry to read),
+            // counted on the own paths' twin before the call.
+            // A member starts with its running total, padded to 20 digits.
+            const ONLY_ENTRY: &str = "00000000000000000001:";
+            let mut logs: Vec<u64> = descriptors.iter().map(|&(log, _)| log).collect();
+            logs.sort_unstable();
+            logs.dedup();
+            for log in logs {
+                let key = format!("rl:{{{tag}}}:own:{log}");
+                let newest: Vec<String> = client
+                    .zrange(key, -1, -1, None, false, None, false)
+                    .await
+                    .unwrap();
+                one_entry += u64::from(newest.first().is_some_and(|m| m.starts_with(ONLY_ENTRY)));
+            }
+            let mut answers = Vec::new();
+            for (library, twin) in [(&own_paths, "own"), (&general, "general")] {
+                let mut keys = Vec::new();
+                for &(log, banned) in &descriptors {
+                    keys.push(fred::types::Key::from(format!("rl:{{{tag}}}:{twin}:{log}")));
+                    if banned {
+                        keys.push(fred::types::Key::from(format!(
+                            "rl:{{{tag}}}:{twin}:{log}:ban"
+                        )));
+                    }
+                }
+                answers.push(library.call(&client, keys, args.clone()).await.unwrap());
+            }
+            assert_eq!(answers[0], answers[1], "case {case}, step {step}: {args:?}");
+            let flat = &unpacked(&answers[0]);
+            // The call's time, then per request its length and its values.
+            let mut rest = &flat[1..];
+            while let [Value::Integer(length), tail @ ..] = rest {
+                let length = usize::try_from(*length).unwrap_or_else(|_| {
+                    panic!("a request failed: {rest:?}");
+                });
+                let (fields, tail) = tail.split_at(length);
+                rest = tail;
+                // A lone descriptor's answer is flags, [entry,] count, reset.
+                match (fields.len(), fields.first()) {
+                    (4, Some(Value::Integer(5))) => lone[0] += 1,
+                    (3, Some(Value::Integer(0 | 1))) => lone[1] += 1,
+                    (4, Some(Value::Integer(4))) => lone[2] += 1,
+                    _ => {}
+                }
+            }
+            assert!(rest.is_empty(), "case {case}, step {step}: {flat:?}");
+        }
+    }
+    // The sequence reaches each kind of answer.
+    assert!(
+        lone.iter().all(|&n| n > 0) && several > 100 && one_entry > 100,
+        "lone descriptors' answers by kind: {lone:?}; requests of several: {several}; \
+         logs of one entry: {one_entry}"
+    );
+    client.quit().await.unwrap();
+}
+
+/// A log entry slidegate did not write (something else wrote into its key space, or a member
+/// of a layout this version does not know) fails the request that reads it, with an error that
+/// says so, and nothing else: the other request of the same call is decided, and the foreign
+/// log gains no entry. Whether the foreign entry is the newest (read first) or the window's
+/// first (read after the newest), the request fails the same way.
+#[test]
+fn a_log_entry_slidegate_did_not_write_fails_that_request_alone() {
+    let (library, cli) = library_on_shared_redis();
+    let now = 5_000_000u64;
+    for (case, members) in [
+        ("newest", vec![(now - 1_000, "1:oldcall:1:1".to_string())]),
+        (
+            "first",
+            vec![
+                (now - 2_000, "oldcall:2".to_string()),
+                (now - 1_000, format!("{:020}:1:{}", 2, now - 1_000)),
+            ],
+        ),
+    ] {
+        let foreign = format!("rl:{{foreign-{case}}}:log");
+        let clean = format!("rl:{{clean-{case}}}:log");
+        for (at, member) in &members {
+            let added = cli(&[
+                "ZADD".into(),
+                foreign.clone(),
+                at.to_string(),
+                member.clone(),
+            ]);
+            assert_eq!(added, "1", "{case}: {added}");
+        }
+        let rule = "0:0:0:0:10:60000".to_string();
+        let reply = cli(&[
+            "FCALL".into(),
+            library.function.to_string(),
+            "2".into(),
+            foreign.clone(),
+            clean.clone(),
+            "2".into(),
+            now.to_string(),
+            "5".into(),
+            "1".into(),
+            rule.clone(),
+            "5".into(),
+            "1".into(),
+            rule,
+        ]);
+        let lines: Vec<&str> = reply.lines().collect();
+        assert_eq!(lines[0], now.to_string(), "{case}: {reply}");
+        assert_eq!(
+            lines[1], "-1",
+            "{case}: the foreign log's request failed: {reply}"
+        );
+        assert_eq!(
+            lines[2],
+            format!("SLIDEGATE log {foreign} holds an entry slidegate did not write"),
+            "{case}"
+        );
+        assert_eq!(
+            lines[3..],
+            ["4", "5", "1", "1", "60000"],
+            "{case}: the other request admitted, its entry recorded and counted"
+        );
+        let kept = cli(&["ZCARD".into(), foreign]);
+        assert_eq!(kept, members.len().to_string(), "{case}: nothing recorded");
+    }
+}
+
+/// Memory per call, not per hit: 10,000 debits of 5,000 tokens are 10,000 log entries, not
+/// 50,000,000 members.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn weighted_log_memory_is_per_call() {
+    let redis = shared_standalone();
+    let store = connect(redis.url(), TEST_TIMEOUT).await;
+    let key = slidegate::store::StoreKey::new(&unique_domain("tokens"), "");
+    for n in 0..10_000u64 {
+        let outcome = store
+            .check(&[budget_item(&key, 5_000, u32::MAX)], T0 + n)
+            .await
+            .expect("debit");
+        assert!(outcome.items[0].recorded);
+    }
+    let log = key.log();
+    let entries: u64 = redis
+        .cmd(&format!("ZCARD {log}"))
+        .trim_start_matches(':')
+        .trim()
+        .parse()
+        .expect("ZCARD");
+    assert_eq!(entries, 10_000);
+    let bytes: u64 = redis
+        .cmd(&format!("MEMORY USAGE {log}"))
+        .trim_start_matches(':')
+        .trim()
+        .parse()
+        .expect("MEMORY USAGE");
+    eprintln!(
+        "10,000 weighted entries: {bytes} bytes, {} bytes per entry",
+        bytes / 10_000
+    );
+    // About 160 bytes an entry (a sorted-set member of ~50 characters and its score), whatever
+    // the hits it carries.
+    assert!(
+        bytes < 10_000 * 200,
+        "{bytes} bytes for 10,000 entries: more than 200 bytes each"
+    );
+    let last = store
+        .check(&[budget_item(&key, 0, u32::MAX)], T0 + 10_000)
+        .await
+        .expect("check");
+    assert_eq!(last.items[0].windows[0].count, 50_000_000);
+}
+
+/// Where `FUNCTION LOAD` is refused (the command renamed away, or an ACL user without it), the
+/// same code goes by `SCRIPT LOAD` and `EVALSHA`, and decides the same: 2 an hour admits two.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn without_function_load_the_script_goes_by_evalsha() {
+    let renamed = RedisProcess::start(&["--rename-command", "FUNCTION", ""]);
+    let limited = RedisProcess::start(&[]);
+    assert!(
+        limited
+            .cmd("ACL SETUSER limited on >secret ~* +@all -function")
+            .starts_with("+OK")
+    );
+    let limited_url = format!("redis://limited:secret@127.0.0.1:{}", limited.port);
+    for (redis, url) in [(&renamed, renamed.url()), (&limited, limited_url)] {
+        let store = connect(url.clone(), TEST_TIMEOUT).await;
+        let domain = unique_domain("evalsha");
+        let config = format!(
+            "domain: {domain}\ndescriptors:\n  - key: k\n    rate_limit: {{unit: hour, requests_per_unit: 2}}\n"
+        );
+        let server = TestServer::start(&config, store, LimiterOptions::default()).await;
+        let codes: Vec<_> = futures_util::future::join_all(
+            (0..3).map(|_| server.call(request(&domain, vec![descriptor(&[("k", "v")])]))),
+        )
+        .await
+        .into_iter()
+        .map(|r| r.overall_code)
+        .collect();
+        assert_eq!(
+            codes.iter().filter(|&&c| c == ok()).count(),
+            2,
+            "{url}: {codes:?}"
+        );
+        assert!(calls_of(redis, "evalsha") >= 3, "{url}: decided by EVALSHA");
+        assert_eq!(calls_of(redis, "fcall"), 0, "{url}");
+        server.stop().await;
+    }
+}
