@@ -281,3 +281,213 @@ async fn binary_serves_the_example_config() {
     }
     assert_eq!(codes, vec![ok(), ok(), ok(), over()], "3 logins a minute");
 }
+
+/// A raw HTTP/2 connection to the gRPC port, as Envoy holds one: hyper's client, requests
+/// written by hand, so a test can break a call the way a peer can.
+#[derive(Clone)]
+struct Connection {
+    send: hyper::client::conn::http2::SendRequest<RawBody>,
+    addr: std::net::SocketAddr,
+}
+
+type RawBody = http_body_util::StreamBody<
+    futures_util::stream::Iter<
+        std::vec::IntoIter<Result<http_body::Frame<prost::bytes::Bytes>, std::io::Error>>,
+    >,
+>;
+
+/// What a call came back with: its `grpc-status`, `grpc-message`, and the decoded answer's
+/// overall code where there is one.
+#[derive(Debug, PartialEq)]
+struct Answer {
+    status: String,
+    message: String,
+    overall: Option<i32>,
+}
+
+/// A gRPC frame: the 5-byte prefix, then the message.
+fn grpc_frame(message: &[u8]) -> Vec<u8> {
+    let mut frame = vec![0u8];
+    frame.extend(u32::try_from(message.len()).unwrap().to_be_bytes());
+    frame.extend(message);
+    frame
+}
+
+impl Connection {
+    async fn open(addr: std::net::SocketAddr) -> Connection {
+        let tcp = tokio::net::TcpStream::connect(addr).await.expect("connect");
+        let (send, connection) =
+            hyper::client::conn::http2::Builder::new(hyper_util::rt::TokioExecutor::new())
+                // Room for a message near the 4 MiB cap in flight.
+                .initial_stream_window_size(8 << 20)
+                .initial_connection_window_size(64 << 20)
+                .handshake(hyper_util::rt::TokioIo::new(tcp))
+                .await
+                .expect("HTTP/2 handshake");
+        tokio::spawn(connection);
+        Connection { send, addr }
+    }
+
+    /// A `ShouldRateLimit` call whose body is `parts` (an `Err` resets the stream there): what
+    /// it came back with, or the error the client saw.
+    async fn call(
+        &mut self,
+        parts: Vec<Result<Vec<u8>, std::io::Error>>,
+    ) -> Result<Answer, String> {
+        use http_body_util::BodyExt as _;
+        use prost::Message as _;
+        let frames: Vec<_> = parts
+            .into_iter()
+            .map(|part| part.map(|bytes| http_body::Frame::data(bytes.into())))
+            .collect();
+        let call = hyper::Request::post(format!(
+            "http://{}/envoy.service.ratelimit.v3.RateLimitService/ShouldRateLimit",
+            self.addr
+        ))
+        .header("content-type", "application/grpc")
+        .header("te", "trailers")
+        .body(http_body_util::StreamBody::new(futures_util::stream::iter(
+            frames,
+        )))
+        .expect("a request");
+        let answer = tokio::time::timeout(
+            std::time::Duration::from_secs(10),
+            self.send.send_request(call),
+        )
+        .await
+        .expect("answered within 10 s")
+        .map_err(|e| e.to_string())?;
+        let headers = answer.headers().clone();
+        let body = answer
+            .into_body()
+            .collect()
+            .await
+            .map_err(|e| e.to_string())?;
+        let field = |name: &str| {
+            body.trailers()
+                .and_then(|t| t.get(name))
+                .or_else(|| headers.get(name))
+                .map(|v| String::from_utf8_lossy(v.as_bytes()).into_owned())
+                .unwrap_or_default()
+        };
+        let (status, message) = (field("grpc-status"), field("grpc-message"));
+        let bytes = body.to_bytes();
+        let overall = bytes
+            .get(5..)
+            .and_then(|m| slidegate::proto::RateLimitResponse::decode(m).ok())
+            .map(|r| r.overall_code);
+        Ok(Answer {
+            status,
+            message,
+            overall,
+        })
+    }
+}
+
+fn user_call(user: &str) -> Vec<u8> {
+    use prost::Message as _;
+    grpc_frame(&request("web", vec![descriptor(&[("user", user)])]).encode_to_vec())
+}
+
+/// A peer that resets a stream mid-call (headers and half the message sent, then RST_STREAM)
+/// costs that stream only: nothing is recorded for it, and the same connection goes on serving.
+#[tokio::test]
+async fn a_stream_reset_mid_call_records_nothing_and_the_connection_serves_on() {
+    let server = start().await;
+    let mut connection = Connection::open(server.grpc_addr).await;
+    let whole = user_call("reset");
+    let half = whole[..whole.len() / 2].to_vec();
+    let reset = connection
+        .call(vec![
+            Ok(half),
+            Err(std::io::Error::other("the peer gives up")),
+        ])
+        .await;
+    assert!(
+        reset
+            .as_ref()
+            .map_or(true, |answer| answer.overall.is_none()),
+        "a reset call is not decided: {reset:?}"
+    );
+    // Two a minute: both still free after the reset call, then the third is over.
+    for (n, code) in [(1, ok()), (2, ok()), (3, over())] {
+        let answer = connection.call(vec![Ok(whole.clone())]).await;
+        assert_eq!(
+            answer.map(|a| (a.status, a.overall)),
+            Ok(("0".to_string(), Some(code))),
+            "call {n} after the reset, on the same connection"
+        );
+    }
+    server.stop().await;
+}
+
+/// A message just under the 4 MiB cap is read whole and answered (here `INVALID_ARGUMENT`: its
+/// value is past `--max-value-bytes`); one over the cap is `OUT_OF_RANGE` before it is read;
+/// the connection serves on after both.
+#[tokio::test]
+async fn a_message_near_the_size_cap_is_read_and_one_past_it_is_refused() {
+    use prost::Message as _;
+    let server = start().await;
+    let mut connection = Connection::open(server.grpc_addr).await;
+    let cap = slidegate::server::grpc::direct::MAX_REQUEST_BYTES;
+    let big = |value_bytes: usize| {
+        request(
+            "web",
+            vec![descriptor(&[("user", &"x".repeat(value_bytes))])],
+        )
+        .encode_to_vec()
+    };
+    let near = big(cap - 64);
+    assert!(near.len() <= cap && near.len() > cap - 64, "{}", near.len());
+    let answer = connection
+        .call(vec![Ok(grpc_frame(&near))])
+        .await
+        .expect("answered");
+    assert_eq!(answer.status, "3", "INVALID_ARGUMENT: {answer:?}");
+    assert!(answer.message.contains("max-value-bytes"), "{answer:?}");
+    let over = big(cap);
+    assert!(over.len() > cap, "{}", over.len());
+    let answer = connection
+        .call(vec![Ok(grpc_frame(&over))])
+        .await
+        .expect("answered");
+    assert_eq!(answer.status, "11", "OUT_OF_RANGE: {answer:?}");
+    let answer = connection
+        .call(vec![Ok(user_call("after-big"))])
+        .await
+        .expect("answered");
+    assert_eq!(
+        (answer.status.as_str(), answer.overall),
+        ("0", Some(ok())),
+        "serves on"
+    );
+    server.stop().await;
+}
+
+/// Envoy multiplexes a worker's calls on one connection: 2,000 calls in flight at once on one
+/// connection are all answered, each exactly (one user each, one call each: all OK).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn many_streams_on_one_connection_are_all_answered() {
+    let server = start().await;
+    let connection = Connection::open(server.grpc_addr).await;
+    let calls = (0..2_000).map(|n| {
+        let mut connection = connection.clone();
+        async move {
+            connection
+                .call(vec![Ok(user_call(&format!("many-{n}")))])
+                .await
+        }
+    });
+    let answers = futures_util::future::join_all(calls).await;
+    let wrong: Vec<_> = answers
+        .iter()
+        .filter(|a| !matches!(a, Ok(Answer { status, overall: Some(1), .. }) if status == "0"))
+        .collect();
+    assert!(
+        wrong.is_empty(),
+        "{} of 2,000 not OK, first: {:?}",
+        wrong.len(),
+        wrong.first()
+    );
+    server.stop().await;
+}
