@@ -5,7 +5,7 @@
 //! the Redis client's) wake each other across threads, and each wake of a parked worker is a
 //! system call and a cache miss; in a cell they all run on one thread. What it costs: a cell's
 //! connections stay on its thread (no work stealing), so a cell whose thread gets less CPU
-//! answers slower while the others idle (README, *Thread per core*).
+//! answers slower while the others idle (`docs/performance.md`, *Thread per core*).
 
 use std::cell::Cell;
 use std::future::Future;

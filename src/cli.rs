@@ -141,7 +141,7 @@ pub struct ServeArgs {
     pub worker_threads: Option<std::num::NonZeroUsize>,
     /// Serve gRPC on one single-threaded runtime per worker thread, each with its share of the
     /// connections and a Redis client of its own: less CPU and latency per call, for cores of
-    /// its own and many connections (README, *Thread per core*).
+    /// its own and many connections (`docs/performance.md`, *Thread per core*).
     #[arg(long, env = "SLIDEGATE_THREAD_PER_CORE", action = ArgAction::SetTrue, value_parser = BoolishValueParser::new())]
     pub thread_per_core: bool,
     /// Answer OK overall for every request (statuses still say what would happen).

@@ -5,7 +5,7 @@ mod cli;
 
 /// mimalloc instead of the C library's allocator: a decision allocates and frees many small
 /// buffers on every thread, and glibc's malloc spent about a fifth of slidegate's time on them
-/// under load (`perf`); `benches/README.md` has the measurement.
+/// under load (`docs/performance.md`).
 #[global_allocator]
 static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 

@@ -170,9 +170,9 @@ fn embedded_store_and_lua_script_answer_alike() {
 }
 
 /// Redis keeps a log of up to `zset-max-listpack-entries` entries (128 by default) as a listpack
-/// and a longer one as a skiplist, and an operator may set any limit (the README measures what a
-/// lower one costs). With 0 every log is a skiplist from its first entry, and the answers must
-/// not move.
+/// and a longer one as a skiplist, and an operator may set any limit (`docs/performance.md`
+/// measures what a lower one costs). With 0 every log is a skiplist from its first entry, and
+/// the answers must not move.
 #[test]
 fn logs_kept_as_skiplists_answer_alike_too() {
     let redis = RedisProcess::start(&["--zset-max-listpack-entries", "0"]);

@@ -2,7 +2,7 @@
 //! deployment that starts it with `REDIS_URL`, `RUNTIME_ROOT`, `USE_PROMETHEUS` and friends
 //! starts slidegate unchanged. Each variable is honoured (mapped onto a flag that was not given),
 //! warned about (named in a log line at start: slidegate has no use for it) or refused (start
-//! fails with a message: honouring it wrongly would be worse). The README has the full table.
+//! fails with a message: honouring it wrongly would be worse). `docs/migrating.md` has the full table.
 
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::path::PathBuf;

@@ -1,7 +1,7 @@
 //! `ShouldRateLimit` answered straight from the HTTP/2 stream: the one unary call Envoy makes,
 //! read and written here rather than through tonic's generic unary machinery (its streaming
-//! decoder, its encoding body and the layers of body adapters around both), which cost about a
-//! tenth of a decision's instructions (`cargo bench --bench server_cost`). What it answers is
+//! decoder, its encoding body and the layers of body adapters around both), a share of every
+//! decision worth saving (`docs/performance.md`, *The gRPC path*). What it answers is
 //! what tonic's generated server answers for the same bytes, errors included (a test compares
 //! the two): the message with `grpc-status: 0` in the trailers, or a trailers-only response
 //! with the status. Compression is not offered, as before: a compressed request is refused the
@@ -26,8 +26,7 @@ use crate::proto::{RateLimitRequest, RateLimitResponse};
 use crate::store;
 
 // The gRPC headers read or written on every call, as names made at compile time: looked up
-// or inserted by a `&str`, a name is parsed and checked first, about 360 instructions each
-// time (`cargo bench --bench server_cost`).
+// or inserted by a `&str`, a name would be parsed and checked on every call.
 static GRPC_TIMEOUT: HeaderName = HeaderName::from_static("grpc-timeout");
 static GRPC_ENCODING: HeaderName = HeaderName::from_static("grpc-encoding");
 static GRPC_STATUS: HeaderName = HeaderName::from_static("grpc-status");

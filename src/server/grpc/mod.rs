@@ -67,8 +67,8 @@ pub const SHOULD_RATE_LIMIT_PATH: &str =
 /// the other paths (health, reflection, unknown) go to the router (`S`, tonic's `Routes`). The
 /// router matches a path against every service's pattern, captures and percent-decodes the
 /// method as a URL parameter, and boxes the call; tonic's unary machinery then reads and writes
-/// the message through layers of adapters. Together about a sixth of a decision's instructions
-/// (`cargo bench --bench server_cost`), for a path known in advance. It is hyper's service
+/// the message through layers of adapters, all for a path known in advance
+/// (`docs/performance.md`, *The gRPC path*). It is hyper's service
 /// itself (`crate::server` serves connections with hyper directly): tonic's server would add a
 /// clone of the service, its timeout, error and connection-info layers, and two body adapters
 /// around each call.

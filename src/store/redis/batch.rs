@@ -352,8 +352,7 @@ const fn small_numbers() -> [[u8; 2]; 100] {
 
 /// A whole number as a script argument. Most are small (a call's request count, a request's
 /// shape, a descriptor's hits): those go as static digits, a bulk string the client copies
-/// out, where the client turns an integer into digits itself, about 200 instructions more
-/// (`cargo bench --bench server_cost`: 0.6% of a decision with two of them). Larger ones (a
+/// out, where the client would format an integer into digits on every call. Larger ones (a
 /// call's time) go as integers: no string made for them. Redis reads the same digits either
 /// way.
 pub(super) fn number(n: u64) -> Value {

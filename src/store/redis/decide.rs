@@ -212,8 +212,8 @@ impl RedisStore {
     }
 
     /// A single group on standalone Redis. On a cluster, one group per master that serves
-    /// the items' slots (a call of the spread function reaches them all: see *The script* in
-    /// the README), or, while the masters are not known or the script goes by `EVALSHA`, one
+    /// the items' slots (a call of the spread function reaches them all: `docs/redis.md`,
+    /// *Redis Cluster*), or, while the masters are not known or the script goes by `EVALSHA`, one
     /// per slot.
     pub(super) fn groups(&self, items: &[CheckItem<'_>]) -> Vec<Group> {
         let Some(nodes) = &self.nodes else {

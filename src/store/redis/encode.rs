@@ -107,9 +107,8 @@ impl RedisStore {
 #[derive(Default)]
 pub(super) struct RuleTexts([std::sync::OnceLock<Str>; 6]);
 
-/// The item's rule as the script reads it, from its rule's memo when it has one: building the
-/// text was about 700 instructions and an allocation per descriptor per call (`cargo bench
-/// --bench server_cost`).
+/// The item's rule as the script reads it, from its rule's memo when it has one, so the text
+/// is built and allocated once per rule rather than per descriptor per call.
 pub(super) fn rule_arg(item: &CheckItem<'_>, ban_ms: u64) -> Str {
     let make = || Str::from(rule_text(item, ban_ms));
     match item

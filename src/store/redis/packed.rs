@@ -3,9 +3,8 @@
 //! (a float, a map, a nil, bytes left over) is a malformed reply, never a panic.
 //!
 //! Why packed: fred parses a RESP array value by value (each a frame, then a value, then a
-//! vector of them, all freed again), which cost about a tenth of slidegate's own instructions
-//! per decision (`cargo bench --bench server_cost`); the packed reply arrives as one bulk
-//! string and its integers are read in place.
+//! vector of them, all freed again), a cost per integer of every reply; the packed reply
+//! arrives as one bulk string and its integers are read in place (`docs/performance.md`).
 
 /// One value of the array.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
