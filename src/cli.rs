@@ -135,15 +135,10 @@ pub struct ServeArgs {
     /// Then wait at most this long for in-flight calls before exiting.
     #[arg(long, env = "SLIDEGATE_SHUTDOWN_GRACE", default_value = "20s", value_parser = duration_arg)]
     pub shutdown_grace: Duration,
-    /// Threads that serve calls (with --thread-per-core, cells); without it, one per CPU this
-    /// process may use (its CPU affinity and cgroup quota, e.g. a Kubernetes CPU limit, count).
+    /// Threads that serve calls; by default one per CPU this process may use (its CPU affinity
+    /// and cgroup quota, e.g. a Kubernetes CPU limit, count).
     #[arg(long, env = "SLIDEGATE_WORKER_THREADS")]
     pub worker_threads: Option<std::num::NonZeroUsize>,
-    /// Serve gRPC on one single-threaded runtime per worker thread, each with its share of the
-    /// connections and a Redis client of its own: less CPU and latency per call, for cores of
-    /// its own and many connections (`docs/performance.md`, *Thread per core*).
-    #[arg(long, env = "SLIDEGATE_THREAD_PER_CORE", action = ArgAction::SetTrue, value_parser = BoolishValueParser::new())]
-    pub thread_per_core: bool,
     /// Answer OK overall for every request (statuses still say what would happen).
     #[arg(long, env = "SLIDEGATE_SHADOW_MODE", action = ArgAction::SetTrue, value_parser = BoolishValueParser::new())]
     pub shadow_mode: bool,

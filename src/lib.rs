@@ -13,13 +13,11 @@
 //! * [`store`]: the store contract, the embedded store, and the Redis store, which decides inside
 //!   one Lua script (`lua/slidegate.lua`).
 //! * [`tls`]: TLS files, and TLS as a client (Redis, xDS).
-//! * [`cells`]: `--thread-per-core`, one single-threaded runtime per worker.
 //!
 //! The command line (flags, environment, assembly) is the binary's, in `src/cli.rs`.
 #![forbid(unsafe_code)]
 #![deny(rust_2018_idioms)]
 
-pub mod cells;
 pub mod config;
 pub mod limiter;
 pub mod metrics;

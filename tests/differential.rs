@@ -202,7 +202,6 @@ fn answer_alike(url: &str) {
                 connect_timeout: Duration::from_secs(5),
                 clock: ClockSource::Server,
                 tls: Default::default(),
-                calls_out: RedisOptions::CALLS_OUT,
             })
             .await
             .expect("connect to the test Redis"),

@@ -462,12 +462,6 @@ async fn starts_before_redis_and_connects_when_it_appears() {
     starts_before_redis(&[]).await;
 }
 
-/// The same with a Redis client per cell: each connects in the background.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn starts_before_redis_with_thread_per_core() {
-    starts_before_redis(&["--thread-per-core", "--worker-threads", "3"]).await;
-}
-
 async fn starts_before_redis(extra: &[&str]) {
     let dir = temp_dir("before-redis");
     std::fs::write(dir.0.join("limits.yaml"), limits("e1", "e2")).expect("write");
@@ -928,7 +922,6 @@ async fn health_follows_the_store() {
             connect_timeout: Duration::from_secs(5),
             clock: slidegate::store::ClockSource::Server,
             tls: Default::default(),
-            calls_out: RedisOptions::CALLS_OUT,
         })
         .await
         .expect("connect"),

@@ -5,7 +5,6 @@ use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::Duration;
 
-use slidegate::cells::Cells;
 use slidegate::config::{self, LoadOptions, Loaded};
 use slidegate::limiter::{
     Clock, FailurePolicy, LimitHeaderNames, Limiter, LimiterOptions, RequestBounds, SystemClock,
@@ -15,7 +14,7 @@ use slidegate::server::grpc::tls::{ServerTls, ServerTlsFiles};
 use slidegate::server::net::ConnectionLimits;
 use slidegate::server::{App, Listeners, ServerOptions};
 use slidegate::store::redis::redact;
-use slidegate::store::{ClockSource, MemoryStore, PerCell, RedisOptions, RedisStore, Store};
+use slidegate::store::{ClockSource, MemoryStore, RedisOptions, RedisStore, Store};
 use slidegate::tls::TlsFiles;
 use slidegate::xds::{XdsOptions, XdsTls};
 
@@ -50,27 +49,10 @@ pub fn serve(args: ServeArgs, notes: Vec<String>) -> ExitCode {
     // itself (`slidegate::server::grpc::streams`).
     let mut builder = tokio::runtime::Builder::new_multi_thread();
     builder.enable_all();
-    let cells = if args.thread_per_core {
-        // The cells serve gRPC; one worker is enough for the rest (accepting, HTTP, reload).
-        builder.worker_threads(1);
-        let count = args.worker_threads.map_or_else(
-            || std::thread::available_parallelism().map_or(1, |n| n.get()),
-            |n| n.get(),
-        );
-        match Cells::start(count) {
-            Ok(cells) => Some(Arc::new(cells)),
-            Err(e) => {
-                tracing::error!("{e}");
-                return ExitCode::FAILURE;
-            }
-        }
-    } else {
-        // Without the flag tokio starts one worker per CPU this process may use.
-        if let Some(threads) = args.worker_threads {
-            builder.worker_threads(threads.get());
-        }
-        None
-    };
+    // Without --worker-threads tokio starts one worker per CPU this process may use.
+    if let Some(threads) = args.worker_threads {
+        builder.worker_threads(threads.get());
+    }
     let runtime = match builder.build() {
         Ok(rt) => rt,
         Err(e) => {
@@ -78,7 +60,7 @@ pub fn serve(args: ServeArgs, notes: Vec<String>) -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    match runtime.block_on(serve_async(args, cells)) {
+    match runtime.block_on(serve_async(args)) {
         Ok(()) => ExitCode::SUCCESS,
         Err(message) => {
             tracing::error!("{message}");
@@ -87,7 +69,7 @@ pub fn serve(args: ServeArgs, notes: Vec<String>) -> ExitCode {
     }
 }
 
-async fn serve_async(args: ServeArgs, cells: Option<Arc<Cells>>) -> Result<(), String> {
+async fn serve_async(args: ServeArgs) -> Result<(), String> {
     let load_options = LoadOptions {
         merge_domains: args.merge_domain_config,
         allow_no_domains: args.allow_empty_config,
@@ -105,7 +87,7 @@ async fn serve_async(args: ServeArgs, cells: Option<Arc<Cells>>) -> Result<(), S
     };
     let grpc_tls = grpc_tls(&args)?;
     let clock = Arc::new(SystemClock);
-    let store = open_store(&args, clock.clone(), cells.as_deref()).await?;
+    let store = open_store(&args, clock.clone()).await?;
     let metrics = Arc::new(Metrics::with_names(match args.metric_names {
         MetricNamesArg::Slidegate => MetricNames::Slidegate,
         MetricNamesArg::Reference => MetricNames::Reference,
@@ -140,7 +122,6 @@ async fn serve_async(args: ServeArgs, cells: Option<Arc<Cells>>) -> Result<(), S
                 }
                 _ => None,
             },
-            cells,
             ..ServerOptions::default()
         },
     };
@@ -271,11 +252,7 @@ fn initial_config(
 const MEMORY_SWEEP_EVERY: Duration = Duration::from_secs(10);
 
 /// The embedded store, or Redis when `--redis` names one.
-async fn open_store(
-    args: &ServeArgs,
-    clock: Arc<SystemClock>,
-    cells: Option<&Cells>,
-) -> Result<Arc<dyn Store>, String> {
+async fn open_store(args: &ServeArgs, clock: Arc<SystemClock>) -> Result<Arc<dyn Store>, String> {
     let Some(url) = &args.redis_url else {
         return Ok(Arc::new(
             MemoryStore::bounded(args.memory_max_keys)
@@ -297,38 +274,12 @@ async fn open_store(
             key: args.redis_tls_key.clone(),
             skip_hostname_verification: args.redis_tls_skip_hostname_verification,
         },
-        calls_out: RedisOptions::CALLS_OUT,
     };
-    let cannot = |e| format!("cannot use Redis at {}: {e}", redact(url));
-    let Some(cells) = cells else {
-        let store = RedisStore::connect(options).await.map_err(cannot)?;
-        tracing::info!(redis = %redact(url), store = store.name(), "using Redis");
-        return Ok(Arc::new(store));
-    };
-    // A client per cell, connected from inside it so that its tasks run there, and one for
-    // the threads outside the cells; all at once, so that start-up waits for Redis (at most
-    // `--redis-connect-timeout`) once, not once per cell. One call out per cell: the cells
-    // together keep about as many calls in Redis as one store would.
-    let in_cells = futures_util::future::join_all((0..cells.len()).map(|index| {
-        let options = RedisOptions {
-            calls_out: 1,
-            ..options.clone()
-        };
-        async move {
-            cells
-                .run(index, move || RedisStore::connect(options))
-                .await
-                .ok_or_else(|| format!("cell {index} ended before its Redis client connected"))
-        }
-    }));
-    let (in_cells, outside) = tokio::join!(in_cells, RedisStore::connect(options));
-    let outside = outside.map_err(cannot)?;
-    tracing::info!(redis = %redact(url), store = outside.name(), cells = cells.len(), "using Redis, a client per cell");
-    let mut stores: Vec<Arc<dyn Store>> = Vec::with_capacity(cells.len());
-    for connected in in_cells {
-        stores.push(Arc::new(connected?.map_err(cannot)?));
-    }
-    Ok(Arc::new(PerCell::new(stores, Arc::new(outside))))
+    let store = RedisStore::connect(options)
+        .await
+        .map_err(|e| format!("cannot use Redis at {}: {e}", redact(url)))?;
+    tracing::info!(redis = %redact(url), store = store.name(), "using Redis");
+    Ok(Arc::new(store))
 }
 
 fn limiter_options(args: &ServeArgs) -> LimiterOptions {

@@ -23,15 +23,13 @@ pub mod http;
 pub mod net;
 
 use self::grpc::streams::{Served, StreamQueue};
-use self::grpc::tls::{self, GrpcConn, ServerTls, handshake};
-use self::grpc::{GrpcBody, GrpcService, RateLimitGrpc};
+use self::grpc::tls::{self, GrpcConn, ServerTls};
+use self::grpc::{GrpcBody, GrpcService};
 use self::http::HttpState;
-use self::net::{ConnectionLimits, GuardedListener, GuardedStream};
-use crate::cells::Cells;
+use self::net::{ConnectionLimits, GuardedListener};
 use crate::limiter::Limiter;
 use crate::metrics::Metrics;
 use crate::proto::FILE_DESCRIPTOR_SET;
-use crate::proto::rate_limit_service_server::RateLimitServiceServer;
 
 #[derive(Debug, thiserror::Error)]
 pub enum ServerError {
@@ -61,9 +59,6 @@ pub struct ServerOptions {
     pub tls_reload_interval: Duration,
     /// When set, not ready until it is true (the xDS source's first config).
     pub config_arrived: Option<Arc<AtomicBool>>,
-    /// With `--thread-per-core`, the cells the gRPC connections are spread over; without,
-    /// they are served on the runtime that runs [`run`].
-    pub cells: Option<Arc<Cells>>,
 }
 
 impl Default for ServerOptions {
@@ -77,7 +72,6 @@ impl Default for ServerOptions {
             connections: ConnectionLimits::default(),
             tls_reload_interval: Duration::from_secs(5),
             config_arrived: None,
-            cells: None,
         }
     }
 }
@@ -169,19 +163,7 @@ pub async fn run(
         .clone()
         .map(|tls| AbortOnDrop(tls.spawn_reloader(app.options.tls_reload_interval)));
     let grpc_listener = GuardedListener::new(listeners.grpc, limits);
-    let connections = match app.options.cells.clone() {
-        None => Connections::Here(tls::incoming(
-            grpc_listener,
-            listeners.grpc_tls,
-            limits.header_timeout(),
-        )),
-        Some(cells) => Connections::Cells(InCells {
-            listener: grpc_listener,
-            tls: listeners.grpc_tls,
-            handshake_timeout: limits.header_timeout(),
-            cells,
-        }),
-    };
+    let connections = tls::incoming(grpc_listener, listeners.grpc_tls, limits.header_timeout());
     let grpc_server = serve_grpc(
         connections,
         grpc_service(&app, health_service)?,
@@ -251,8 +233,9 @@ async fn finish_within_grace(
     Ok(())
 }
 
-/// The gRPC services: rate limit (answered ahead of the router, see [`GrpcService`]), health,
-/// and reflection (v1 and v1alpha, so every grpcurl finds the services without proto files).
+/// The gRPC services: rate limit (answered ahead of the router by `grpc::direct`, see
+/// [`GrpcService`]), health, and reflection (v1 and v1alpha, so every grpcurl finds the services
+/// without proto files).
 fn grpc_service(
     app: &App,
     health_service: HealthServer<impl tonic_health::pb::health_server::Health>,
@@ -272,28 +255,8 @@ fn grpc_service(
     let routes = Routes::new(health_service)
         .add_service(reflection_v1)
         .add_service(reflection_v1alpha)
-        .add_service(RateLimitServiceServer::new(RateLimitGrpc::new(
-            app.limiter.clone(),
-        )))
         .prepare();
     Ok(GrpcService::new(app.limiter.clone(), routes))
-}
-
-/// Where the gRPC port's connections are served.
-enum Connections {
-    /// On this runtime, as `incoming` yields them (TLS handshakes done).
-    Here(Pin<Box<dyn Stream<Item = std::io::Result<GrpcConn>> + Send>>),
-    /// Each accepted here and handed to a cell.
-    Cells(InCells),
-}
-
-/// Connections accepted here and handed each to the least busy cell, where its TLS handshake
-/// (if any) and everything after it runs.
-struct InCells {
-    listener: GuardedListener,
-    tls: Option<Arc<ServerTls>>,
-    handshake_timeout: Duration,
-    cells: Arc<Cells>,
 }
 
 /// The HTTP/2 side of a gRPC connection: hyper's server, with keep-alive pings every
@@ -323,7 +286,7 @@ fn grpc_builder(
 /// serves the connections directly, without tonic's server around it (see [`GrpcService`] for
 /// what that saves).
 async fn serve_grpc<S>(
-    connections: Connections,
+    mut connections: Pin<Box<dyn Stream<Item = std::io::Result<GrpcConn>> + Send>>,
     service: S,
     keep_alive: Duration,
     shutdown: impl Future<Output = ()>,
@@ -339,36 +302,23 @@ async fn serve_grpc<S>(
 {
     let graceful = hyper_util::server::graceful::GracefulShutdown::new();
     tokio::pin!(shutdown);
-    // Each arm ends on shutdown, dropping its listener or incoming stream (the TLS acceptor
-    // behind it stops with it).
-    match connections {
-        Connections::Here(mut incoming) => loop {
-            tokio::select! {
-                accepted = incoming.next() => match accepted {
-                    Some(Ok(io)) => {
-                        let queue = StreamQueue::new();
-                        let connection = graceful.watch(
-                            grpc_builder(keep_alive, queue.clone())
-                                .serve_connection(TokioIo::new(io), service.clone()),
-                        );
-                        tokio::spawn(log_end(Served::new(connection, &queue)));
-                    }
-                    Some(Err(e)) => tracing::debug!("gRPC connection not accepted: {e}"),
-                    None => break,
-                },
-                () = &mut shutdown => break,
-            }
-        },
-        Connections::Cells(mut in_cells) => loop {
-            tokio::select! {
-                (stream, peer) = in_cells.listener.next() => {
-                    // Watched from here: a connection still in its handshake at shutdown is
-                    // waited for as well.
-                    in_cells.hand(stream, peer, graceful.watcher(), keep_alive, service.clone());
+    // Ends on shutdown, dropping the incoming stream (the TLS acceptor behind it stops with it).
+    loop {
+        tokio::select! {
+            accepted = connections.next() => match accepted {
+                Some(Ok(io)) => {
+                    let queue = StreamQueue::new();
+                    let connection = graceful.watch(
+                        grpc_builder(keep_alive, queue.clone())
+                            .serve_connection(TokioIo::new(io), service.clone()),
+                    );
+                    tokio::spawn(log_end(Served::new(connection, &queue)));
                 }
-                () = &mut shutdown => break,
-            }
-        },
+                Some(Err(e)) => tracing::debug!("gRPC connection not accepted: {e}"),
+                None => break,
+            },
+            () = &mut shutdown => break,
+        }
     }
     graceful.shutdown().await;
 }
@@ -377,69 +327,6 @@ async fn serve_grpc<S>(
 async fn log_end(connection: impl Future<Output = Result<(), hyper::Error>>) {
     if let Err(e) = connection.await {
         tracing::debug!("gRPC connection ended: {e}");
-    }
-}
-
-impl InCells {
-    /// Hands `stream` to the least busy cell, which opens it (see [`open_in_cell`]) and serves
-    /// it, counted there until it ends.
-    fn hand<S>(
-        &self,
-        stream: GuardedStream,
-        peer: std::net::SocketAddr,
-        watcher: hyper_util::server::graceful::Watcher,
-        keep_alive: Duration,
-        service: S,
-    ) where
-        S: hyper::service::Service<
-                HttpRequest<hyper::body::Incoming>,
-                Response = HttpResponse<GrpcBody>,
-                Error = Infallible,
-            > + Send
-            + 'static,
-        S::Future: Send + 'static,
-    {
-        let tls = self.tls.clone();
-        let handshake_timeout = self.handshake_timeout;
-        let place = self.cells.place();
-        let handed = self.cells.run_on(place.cell(), move || {
-            tokio::spawn(async move {
-                let _place = place;
-                let Some(io) = open_in_cell(stream, tls, peer, handshake_timeout).await else {
-                    return;
-                };
-                let queue = StreamQueue::new();
-                let connection = watcher.watch(
-                    grpc_builder(keep_alive, queue.clone())
-                        .serve_connection(TokioIo::new(io), service),
-                );
-                log_end(Served::new(connection, &queue)).await;
-            });
-        });
-        if !handed {
-            tracing::debug!(%peer, "gRPC connection dropped: its cell has ended");
-        }
-    }
-}
-
-/// A connection accepted elsewhere, moved to the cell this runs in, after its TLS handshake if
-/// the port has TLS; `None` (logged at debug) if either fails.
-async fn open_in_cell(
-    stream: GuardedStream,
-    tls: Option<Arc<ServerTls>>,
-    peer: std::net::SocketAddr,
-    handshake_timeout: Duration,
-) -> Option<GrpcConn> {
-    let stream = match stream.into_current_runtime() {
-        Ok(stream) => stream,
-        Err(e) => {
-            tracing::debug!(%peer, "gRPC connection not moved to its cell: {e}");
-            return None;
-        }
-    };
-    match tls {
-        None => Some(GrpcConn::Plain(stream)),
-        Some(tls) => handshake(&tls, stream, peer, handshake_timeout).await,
     }
 }
 

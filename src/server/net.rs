@@ -133,22 +133,6 @@ impl GuardedStream {
     }
 }
 
-impl GuardedStream {
-    /// The same connection, driven from now on by the runtime this is called in (a cell's, see
-    /// `cells`): a socket belongs to the runtime that registered it, which would otherwise
-    /// wake the cell's tasks from another thread on every read.
-    pub fn into_current_runtime(self) -> io::Result<GuardedStream> {
-        let inner = TcpStream::from_std(self.inner.into_std()?)?;
-        Ok(GuardedStream {
-            inner,
-            _permit: self._permit,
-            idle: self.idle,
-            last_read: self.last_read,
-            deadline: Box::pin(tokio::time::sleep_until(self.last_read + self.idle)),
-        })
-    }
-}
-
 impl AsyncRead for GuardedStream {
     fn poll_read(
         mut self: Pin<&mut Self>,

@@ -324,62 +324,6 @@ pub trait Store: Send + Sync + 'static {
     }
 }
 
-/// One store per cell (`--thread-per-core`: each cell's Redis client runs on the cell's own
-/// thread), chosen by the calling thread; threads outside the cells (health checks, `POST
-/// /json`) use `outside`. All of them are clients of the same Redis, so a decision is the same
-/// whichever one makes it.
-pub struct PerCell {
-    cells: Vec<Arc<dyn Store>>,
-    outside: Arc<dyn Store>,
-}
-
-impl PerCell {
-    pub fn new(cells: Vec<Arc<dyn Store>>, outside: Arc<dyn Store>) -> PerCell {
-        PerCell { cells, outside }
-    }
-
-    fn here(&self) -> &dyn Store {
-        match crate::cells::current().and_then(|index| self.cells.get(index)) {
-            Some(store) => &**store,
-            None => &*self.outside,
-        }
-    }
-
-    fn all(&self) -> impl Iterator<Item = &Arc<dyn Store>> {
-        self.cells.iter().chain(std::iter::once(&self.outside))
-    }
-}
-
-impl Store for PerCell {
-    fn check<'a>(&'a self, items: &'a [CheckItem<'a>], now_ms: u64) -> StoreFuture<'a> {
-        self.here().check(items, now_ms)
-    }
-
-    fn check_rejected<'a>(&'a self, items: &'a [CheckItem<'a>], now_ms: u64) -> StoreFuture<'a> {
-        self.here().check_rejected(items, now_ms)
-    }
-
-    fn name(&self) -> &'static str {
-        self.outside.name()
-    }
-
-    fn ready(&self) -> ReadyFuture<'_> {
-        self.outside.ready()
-    }
-
-    fn alive(&self) -> bool {
-        self.all().all(|store| store.alive())
-    }
-
-    fn live_keys(&self) -> Option<u64> {
-        self.all().map(|store| store.live_keys()).sum()
-    }
-
-    fn resent(&self) -> Option<u64> {
-        self.all().map(|store| store.resent()).sum()
-    }
-}
-
 /// The admission rule both stores share: every enforcing item fits, and if there are quota
 /// items, at least one of them fits. Shadow items never block.
 pub fn admits(items: impl IntoIterator<Item = (Role, bool)>) -> bool {
@@ -432,49 +376,5 @@ mod tests {
         assert_eq!(inside, Some(deadline));
         assert_eq!(beside, None);
         assert_eq!(caller_deadline(), None);
-    }
-
-    /// A store that answers every check with an error naming it.
-    struct Named(&'static str);
-
-    impl Store for Named {
-        fn check<'a>(&'a self, _: &'a [CheckItem<'a>], _: u64) -> StoreFuture<'a> {
-            Box::pin(async move { Err(StoreError::unavailable(self.0)) })
-        }
-
-        fn check_rejected<'a>(&'a self, _: &'a [CheckItem<'a>], _: u64) -> StoreFuture<'a> {
-            Box::pin(async move { Err(StoreError::unavailable(self.0)) })
-        }
-
-        fn name(&self) -> &'static str {
-            self.0
-        }
-    }
-
-    /// Which store of a [`PerCell`] answered a check asked from here.
-    async fn answered_by(store: &PerCell) -> Option<String> {
-        match store.check(&[], 0).await {
-            Err(StoreError::Unavailable { context, .. }) => Some(context),
-            _ => None,
-        }
-    }
-
-    #[tokio::test]
-    async fn a_cell_asks_its_own_store_and_other_threads_the_outside_one() {
-        let store = Arc::new(PerCell::new(
-            vec![Arc::new(Named("cell 0")), Arc::new(Named("cell 1"))],
-            Arc::new(Named("outside")),
-        ));
-        let cells = crate::cells::Cells::start(2).unwrap();
-        for index in 0..2 {
-            let store = store.clone();
-            let answered = cells
-                .run(index, move || async move { answered_by(&store).await })
-                .await
-                .flatten();
-            assert_eq!(answered.as_deref(), Some(["cell 0", "cell 1"][index]));
-        }
-        assert_eq!(answered_by(&store).await.as_deref(), Some("outside"));
-        assert_eq!(store.name(), "outside");
     }
 }

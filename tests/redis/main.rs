@@ -42,7 +42,6 @@ fn options(url: String, timeout: Duration) -> RedisOptions {
         connect_timeout: Duration::from_secs(5),
         clock: ClockSource::Server,
         tls: Default::default(),
-        calls_out: RedisOptions::CALLS_OUT,
     }
 }
 

@@ -1,7 +1,8 @@
-//! The gRPC `envoy.service.ratelimit.v3.RateLimitService`: protobuf in, [`Limiter`] decides,
-//! protobuf out (conversions in [`crate::wire`]). Envoy's calls are answered by [`direct`] ahead
-//! of tonic's router ([`GrpcService`]); tonic's generated server answers the same service behind
-//! the router.
+//! The gRPC port: `envoy.service.ratelimit.v3.RateLimitService` answered by [`direct`] on the
+//! HTTP/2 stream (protobuf in, [`Limiter`] decides, protobuf out, conversions in
+//! [`crate::wire`]), ahead of tonic's router, which serves health and reflection
+//! ([`GrpcService`]). A test holds [`direct`] to what tonic's generated server would answer,
+//! byte for byte; `docs/performance.md` (*The gRPC path*) has what the direct path saves.
 //!
 //! [`to_status`] is the only place a failure becomes a gRPC status; see its table.
 
@@ -15,7 +16,6 @@ use prost::bytes::Bytes;
 use tonic::codegen::http::{Request, Response};
 
 use crate::limiter::{Limiter, LimiterError};
-use crate::proto::rate_limit_service_server::RateLimitService;
 use crate::proto::{RateLimitRequest, RateLimitResponse};
 use crate::wire;
 
@@ -23,31 +23,7 @@ pub mod direct;
 pub mod streams;
 pub mod tls;
 
-/// Serves `ShouldRateLimit` from a [`Limiter`].
-#[derive(Clone)]
-pub struct RateLimitGrpc {
-    limiter: Arc<Limiter>,
-}
-
-impl RateLimitGrpc {
-    pub fn new(limiter: Arc<Limiter>) -> RateLimitGrpc {
-        RateLimitGrpc { limiter }
-    }
-}
-
-#[tonic::async_trait]
-impl RateLimitService for RateLimitGrpc {
-    async fn should_rate_limit(
-        &self,
-        request: tonic::Request<RateLimitRequest>,
-    ) -> Result<tonic::Response<RateLimitResponse>, tonic::Status> {
-        decide(&self.limiter, request.into_inner())
-            .await
-            .map(tonic::Response::new)
-    }
-}
-
-/// One `ShouldRateLimit`, whichever way it came in.
+/// One `ShouldRateLimit`: the request into the domain, the decision, the answer back.
 async fn decide(
     limiter: &Limiter,
     request: RateLimitRequest,
@@ -187,7 +163,25 @@ mod tests {
     use super::*;
     use crate::proto::envoy::extensions::common::ratelimit::v3::RateLimitDescriptor;
     use crate::proto::envoy::extensions::common::ratelimit::v3::rate_limit_descriptor::Entry;
-    use crate::proto::rate_limit_service_server::RateLimitServiceServer;
+    use crate::proto::rate_limit_service_server::{RateLimitService, RateLimitServiceServer};
+
+    /// tonic's generated server for the same service: the reference `direct` is held to.
+    #[derive(Clone)]
+    struct RateLimitGrpc {
+        limiter: Arc<Limiter>,
+    }
+
+    #[tonic::async_trait]
+    impl RateLimitService for RateLimitGrpc {
+        async fn should_rate_limit(
+            &self,
+            request: tonic::Request<RateLimitRequest>,
+        ) -> Result<tonic::Response<RateLimitResponse>, tonic::Status> {
+            decide(&self.limiter, request.into_inner())
+                .await
+                .map(tonic::Response::new)
+        }
+    }
 
     /// One a minute for `k`, on a clock that stands still (two limiters answer alike).
     fn limiter() -> Arc<Limiter> {
@@ -338,7 +332,9 @@ mod tests {
             ),
         ];
         let (direct_limiter, tonic_limiter) = (limiter(), limiter());
-        let mut tonic_server = RateLimitServiceServer::new(RateLimitGrpc::new(tonic_limiter));
+        let mut tonic_server = RateLimitServiceServer::new(RateLimitGrpc {
+            limiter: tonic_limiter,
+        });
         for (name, frames, headers) in cases {
             let ours = seen(
                 direct::should_rate_limit(

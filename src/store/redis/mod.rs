@@ -81,20 +81,13 @@ pub struct RedisOptions {
     pub clock: ClockSource,
     /// CA, client certificate and hostname policy for `rediss://`; empty: system CAs.
     pub tls: TlsFiles,
-    /// Script calls out at once to a Redis (on a cluster, to each master):
-    /// [`RedisOptions::CALLS_OUT`], or 1 for each of several stores that share a Redis
-    /// (`--thread-per-core`).
-    pub calls_out: usize,
 }
 
-impl RedisOptions {
-    /// Script calls out at once from one store to a Redis, whatever the pool size. Redis runs
-    /// one at a time, so a second keeps it busy while a reply travels back; more only queue
-    /// inside Redis, where waiting counts against the store deadline (with four out, a Redis
-    /// short of CPU for a few ms failed whole calls at the deadline in the benchmark; with two,
-    /// none). The requests that arrive meanwhile wait here and go together in the next call.
-    pub const CALLS_OUT: usize = 2;
-}
+/// Script calls out at once from the store to a Redis (on a cluster, to each master), whatever
+/// the pool size. Redis runs one at a time, so a second keeps it busy while a reply travels back;
+/// more only queue inside Redis, where waiting counts against the callers' deadlines. The
+/// requests that arrive meanwhile wait here and go together in the next call.
+const CALLS_OUT: usize = 2;
 
 pub struct RedisStore {
     /// The client pool (replaced whole when it stays broken, see [`RedisStore::note`]) and the
@@ -168,8 +161,8 @@ impl RedisStore {
                 resent: Arc::default(),
                 timeout: options.timeout,
             },
-            batcher: (!cluster).then(|| Batcher::new(options.calls_out, QUEUED_AT_MOST)),
-            nodes: cluster.then(|| Nodes::new(options.calls_out, QUEUED_AT_MOST)),
+            batcher: (!cluster).then(|| Batcher::new(CALLS_OUT, QUEUED_AT_MOST)),
+            nodes: cluster.then(|| Nodes::new(CALLS_OUT, QUEUED_AT_MOST)),
             recipe,
             health: Arc::new(Mutex::new(Health::default())),
             failing: std::sync::atomic::AtomicBool::new(false),
