@@ -491,3 +491,55 @@ async fn many_streams_on_one_connection_are_all_answered() {
     );
     server.stop().await;
 }
+
+/// A gRPC client written elsewhere (Python's grpcio, installed into `.venv` by tests/run.sh),
+/// used as grpcurl uses a server: no proto file, the services listed by reflection, the call's
+/// types built from the descriptors the server sends. Three calls for one user of two a minute:
+/// OK with one left, OK with none left, then OVER_LIMIT.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_written_elsewhere_calls_by_reflection_alone() {
+    let server = start().await;
+    let python = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join(".venv/bin/python");
+    assert!(
+        python.exists(),
+        "no {}: run tests/run.sh, which installs grpcio there",
+        python.display()
+    );
+    let script = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/tests/clients/reflection_call.py"
+    );
+    let address = server.grpc_addr.to_string();
+    let output = tokio::task::spawn_blocking(move || {
+        std::process::Command::new(python)
+            .args([
+                script,
+                &address,
+                r#"{"domain":"web","descriptors":[{"entries":[{"key":"user","value":"by-reflection"}]}]}"#,
+                "3",
+            ])
+            .output()
+            .expect("run the Python client")
+    })
+    .await
+    .expect("joined");
+    assert!(
+        output.status.success(),
+        "the Python client failed: {}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    let seen: serde_json::Value = serde_json::from_slice(&output.stdout).expect("JSON");
+    assert_eq!(seen["services"], serde_json::json!(README_SERVICES));
+    let responses = seen["responses"].as_array().expect("responses");
+    let codes: Vec<&str> = responses
+        .iter()
+        .map(|r| r["overallCode"].as_str().unwrap_or("none"))
+        .collect();
+    assert_eq!(codes, ["OK", "OK", "OVER_LIMIT"], "{responses:?}");
+    assert_eq!(responses[0]["statuses"][0]["limitRemaining"], 1);
+    assert_eq!(
+        responses[0]["statuses"][0]["currentLimit"]["unit"],
+        "MINUTE"
+    );
+    server.stop().await;
+}
