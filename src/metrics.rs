@@ -23,7 +23,7 @@ use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
 use prometheus_client::registry::Registry;
 
-use crate::limiter::observe::{CallResult, DescriptorReport, Observer};
+use crate::limiter::observe::{CallResult, DescriptorReport, Observer, RuleCounts};
 use crate::limiter::rules::{Rule, Segment};
 use crate::limiter::{Clock, SystemClock};
 
@@ -130,10 +130,25 @@ enum RuleCounter {
 }
 
 /// One rule's series under its plain labels (no descriptor values), kept in the rule's
-/// observer slot, each looked up on its first use, by `RuleCounter` order.
+/// observer slot, each looked up in its family on its first use, by `RuleCounter` order.
 struct RuleSeries {
     owner: u64,
+    labels: RuleLabels,
+    families: [Family<RuleLabels, Counter>; 7],
     series: [OnceLock<Counter>; 7],
+}
+
+impl RuleCounts for RuleSeries {
+    fn owner(&self) -> u64 {
+        self.owner
+    }
+
+    fn count(&self, report: &DescriptorReport<'_>) {
+        count(report, |counter, n| {
+            let i = counter as usize;
+            series(&self.series[i], &self.families[i], || self.labels.clone()).inc_by(n);
+        });
+    }
 }
 
 /// Ids of `Metrics` instances.
@@ -446,6 +461,25 @@ impl Metrics {
 }
 
 impl Metrics {
+    /// A rule's series, to be kept in the rule (see [`RuleSeries`]).
+    fn rule_series(&self, rule: &Rule) -> RuleSeries {
+        let counters = [
+            RuleCounter::TotalHits,
+            RuleCounter::OverLimit,
+            RuleCounter::OverLimitWithLocalCache,
+            RuleCounter::NearLimit,
+            RuleCounter::WithinLimit,
+            RuleCounter::ShadowMode,
+            RuleCounter::Bans,
+        ];
+        RuleSeries {
+            owner: self.id,
+            labels: plain_labels(rule),
+            families: counters.map(|counter| self.rule_family(counter).clone()),
+            series: Default::default(),
+        }
+    }
+
     fn rule_family(&self, counter: RuleCounter) -> &Family<RuleLabels, Counter> {
         match counter {
             RuleCounter::TotalHits => &self.total_hits,
@@ -496,22 +530,13 @@ impl Observer for Metrics {
         let kept = report
             .rule
             .filter(|rule| !rule.value_levels.contains(&true))
-            .and_then(|rule| {
-                let kept = rule.observer_slot.get_or_init(|| RuleSeries {
-                    owner: self.id,
-                    series: Default::default(),
-                })?;
-                (kept.owner == self.id).then_some((rule, kept))
-            });
+            .map(|rule| {
+                rule.observer_slot
+                    .get_or_init(|| Arc::new(self.rule_series(rule)))
+            })
+            .filter(|kept| kept.owner() == self.id);
         match kept {
-            Some((rule, kept)) => count(report, |counter, n| {
-                series(
-                    &kept.series[counter as usize],
-                    self.rule_family(counter),
-                    || plain_labels(rule),
-                )
-                .inc_by(n);
-            }),
+            Some(kept) => kept.count(report),
             None => {
                 let labels = self.labels(report);
                 count(report, |counter, n| {

@@ -206,7 +206,7 @@ fn item(g: &Gen) -> CheckItem<'static> {
         hits: g.hits,
         role: Role::Enforce,
         debit: g.debit,
-        memo: None,
+        text: None,
     }
 }
 

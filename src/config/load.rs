@@ -782,7 +782,6 @@ impl Compiler<'_> {
             tag_by: raw.tag_by.clone(),
             source: format!("{}:{}", self.file, at.line).into(),
             observer_slot: ObserverSlot::default(),
-            store_memo: Default::default(),
         }
     }
 }

@@ -617,7 +617,7 @@ impl<'a> Planned<'a> {
             hits,
             role: Role::Enforce,
             debit: modes.debit,
-            memo: None,
+            text: None,
         });
         Plan::Check {
             item: self.items.len() - 1,
@@ -634,6 +634,7 @@ impl<'a> Planned<'a> {
             counted,
             ban_ms,
             algorithm,
+            text,
         } = &rule.limit
         else {
             return Plan::Unlimited;
@@ -657,7 +658,7 @@ impl<'a> Planned<'a> {
                 Role::Enforce
             },
             debit: rule.debit || modes.debit,
-            memo: Some(&rule.store_memo),
+            text: Some(text),
         });
         Plan::Check {
             item: self.items.len() - 1,

@@ -1,6 +1,7 @@
 //! What the limiter tells an observer (metrics) about each decision. The limiter knows nothing
 //! of how it is exported.
 
+use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use super::rules::{Rule, Segment};
@@ -25,6 +26,53 @@ pub struct DescriptorReport<'a> {
     pub ban_set: bool,
     /// Answered over the limit from the over-limit cache, without the store.
     pub from_cache: bool,
+}
+
+/// What an observer keeps in a rule to count its decisions there, without a lookup by labels
+/// (the metrics: the rule's series).
+pub trait RuleCounts: Send + Sync {
+    /// The observer that made it: a rule observed by several (tests make several) keeps the
+    /// first one's, and the others count elsewhere.
+    fn owner(&self) -> u64;
+    /// Counts one decided descriptor of the rule.
+    fn count(&self, report: &DescriptorReport<'_>);
+}
+
+/// A rule's room for its [`RuleCounts`], filled by the observer on the rule's first decision
+/// and kept as long as the rule (a reload makes new rules). Not part of the rule: any two compare
+/// equal, and a clone starts empty.
+#[derive(Default)]
+pub struct ObserverSlot(OnceLock<Arc<dyn RuleCounts>>);
+
+impl ObserverSlot {
+    /// The rule's counts, made by `make` the first time.
+    pub fn get_or_init(&self, make: impl FnOnce() -> Arc<dyn RuleCounts>) -> &dyn RuleCounts {
+        &**self.0.get_or_init(make)
+    }
+}
+
+impl Clone for ObserverSlot {
+    fn clone(&self) -> Self {
+        ObserverSlot::default()
+    }
+}
+
+impl PartialEq for ObserverSlot {
+    fn eq(&self, _: &Self) -> bool {
+        true
+    }
+}
+
+impl Eq for ObserverSlot {}
+
+impl std::fmt::Debug for ObserverSlot {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(if self.0.get().is_some() {
+            "ObserverSlot(filled)"
+        } else {
+            "ObserverSlot(empty)"
+        })
+    }
 }
 
 /// How a whole call ended.

@@ -56,6 +56,8 @@ pub enum Limit {
         /// After going over, reject everything on this descriptor for this long.
         ban_ms: Option<u64>,
         algorithm: Algorithm,
+        /// The rule as the Redis script reads it, made here once.
+        text: store::RuleText,
     },
     /// Matched, never limited; answered without touching the store.
     Unlimited,
@@ -63,12 +65,14 @@ pub enum Limit {
 
 impl Limit {
     pub fn windows(windows: Vec<Window>, ban_ms: Option<u64>, algorithm: Algorithm) -> Limit {
-        let counted = windows.iter().map(Window::counted).collect();
+        let counted: Vec<store::Window> = windows.iter().map(Window::counted).collect();
+        let text = store::RuleText::new(&counted, algorithm, ban_ms);
         Limit::Windows {
             windows,
             counted,
             ban_ms,
             algorithm,
+            text,
         }
     }
 }
@@ -101,8 +105,6 @@ pub struct Rule {
     pub source: Arc<str>,
     /// The observer's data about this rule (the metrics' counters for it).
     pub observer_slot: ObserverSlot,
-    /// The store's data about this rule (the Redis store: the rule as its script reads it).
-    pub store_memo: store::Memo,
 }
 
 impl Rule {
@@ -117,9 +119,7 @@ impl Rule {
     }
 }
 
-/// Room in each rule for an observer's own data about it (the metrics keep the rule's counters
-/// there, so that counting a decision needs no lookup by labels).
-pub type ObserverSlot = store::Memo;
+pub use super::observe::ObserverSlot;
 
 /// A value pattern with `*` wildcards anywhere (`foo*`, `*bar`, `a*b*c`).
 #[derive(Clone, Debug, PartialEq, Eq)]

@@ -646,7 +646,7 @@ mod tests {
             hits,
             role: Role::Enforce,
             debit: false,
-            memo: None,
+            text: None,
         }
     }
 

@@ -8,56 +8,19 @@
 //! (`lua/slidegate.lua`, whose header documents `KEYS`, `ARGV` and the reply). The conformance
 //! suite in `tests/` runs the same scenarios against each.
 
-use std::any::Any;
 use std::borrow::Cow;
 use std::future::Future;
 use std::pin::Pin;
-use std::sync::{Arc, OnceLock};
+use std::sync::Arc;
 use std::time::Duration;
+
+use bytes::Bytes;
 
 pub mod memory;
 pub mod redis;
 
 pub use memory::MemoryStore;
 pub use redis::{ClockSource, RedisOptions, RedisStore};
-
-/// Room in a configured rule for a component's own data about it, made the first time it is
-/// needed rather than on every call (the store keeps there what it sends for the rule; the
-/// metrics, the rule's counters). Kept as long as the rule: a reload makes new rules and new
-/// memos. A cache, not part of the rule: any two compare equal, and a clone starts empty.
-#[derive(Default)]
-pub struct Memo(OnceLock<Box<dyn Any + Send + Sync>>);
-
-impl Memo {
-    /// The memo's value, made by `make` the first time; `None` when another type fills it.
-    pub fn get_or_init<T: Any + Send + Sync>(&self, make: impl FnOnce() -> T) -> Option<&T> {
-        self.0.get_or_init(|| Box::new(make())).downcast_ref()
-    }
-}
-
-impl Clone for Memo {
-    fn clone(&self) -> Self {
-        Memo::default()
-    }
-}
-
-impl PartialEq for Memo {
-    fn eq(&self, _: &Self) -> bool {
-        true
-    }
-}
-
-impl Eq for Memo {}
-
-impl std::fmt::Debug for Memo {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(if self.0.get().is_some() {
-            "Memo(filled)"
-        } else {
-            "Memo(empty)"
-        })
-    }
-}
 
 /// One window as a store counts it: at most `limit` hits in any interval of `length_ms`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -165,6 +128,99 @@ pub enum Role {
     Quota,
 }
 
+impl Role {
+    /// The role's number in the script's rule text.
+    fn code(self) -> u64 {
+        match self {
+            Role::Enforce => 0,
+            Role::Shadow => 1,
+            Role::Quota => 2,
+        }
+    }
+}
+
+/// A configured rule as the Redis script reads it, made once when the config compiles: one text
+/// per role and debit, since the global quota mode and the domains that take debits can give a
+/// rule another role or debit than its own. The layout (`role:ban_ms:buckets:debit`, then
+/// `limit:window_ms` per window) is the script's; the embedded store has no use for it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RuleText(Box<[Bytes; 6]>);
+
+impl RuleText {
+    pub fn new(windows: &[Window], algorithm: Algorithm, ban_ms: Option<u64>) -> RuleText {
+        let text = |role, debit| {
+            Bytes::from(rule_text(
+                windows,
+                algorithm,
+                ban_ms.unwrap_or(0),
+                role,
+                debit,
+            ))
+        };
+        RuleText(Box::new([
+            text(Role::Enforce, false),
+            text(Role::Enforce, true),
+            text(Role::Shadow, false),
+            text(Role::Shadow, true),
+            text(Role::Quota, false),
+            text(Role::Quota, true),
+        ]))
+    }
+
+    /// The text for a request that gives the rule `role` and `debit`.
+    pub fn get(&self, role: Role, debit: bool) -> &Bytes {
+        let index = usize::from(role == Role::Shadow) * 2
+            + usize::from(role == Role::Quota) * 4
+            + usize::from(debit);
+        &self.0[index]
+    }
+}
+
+/// A rule as the Redis script reads it (see [`RuleText`]).
+pub fn rule_text(
+    windows: &[Window],
+    algorithm: Algorithm,
+    ban_ms: u64,
+    role: Role,
+    debit: bool,
+) -> String {
+    let buckets = match algorithm {
+        Algorithm::SlidingLog => 0,
+        Algorithm::SlidingCounter { buckets } => buckets,
+    };
+    let mut text = String::with_capacity(16 + windows.len() * 20);
+    push_decimal(&mut text, role.code());
+    for n in [ban_ms, u64::from(buckets), u64::from(debit)] {
+        text.push(':');
+        push_decimal(&mut text, n);
+    }
+    for w in windows {
+        text.push(':');
+        push_decimal(&mut text, u64::from(w.limit));
+        text.push(':');
+        push_decimal(&mut text, w.length_ms);
+    }
+    text
+}
+
+/// Appends `n` in decimal, without the formatting machinery of `write!` (the Redis store writes
+/// a number into every call's member prefix).
+pub fn push_decimal(text: &mut String, mut n: u64) {
+    let mut digits = [0u8; 20];
+    let mut at = digits.len();
+    loop {
+        at -= 1;
+        digits[at] = b'0' + u8::try_from(n % 10).unwrap_or(0);
+        n /= 10;
+        if n == 0 {
+            break;
+        }
+    }
+    for &d in &digits[at..] {
+        text.push(char::from(d));
+    }
+}
+
 /// One descriptor of a request, as the store sees it.
 #[derive(Clone, Debug)]
 pub struct CheckItem<'a> {
@@ -179,9 +235,9 @@ pub struct CheckItem<'a> {
     /// limit, as long as every window had room for one more hit before; a check (0 hits) fits
     /// only while every window has room for one more.
     pub debit: bool,
-    /// The configured rule's memo, when the item is that rule as configured (its windows, its
-    /// algorithm and its ban): what the store makes of those once, it may keep there.
-    pub memo: Option<&'a Memo>,
+    /// The configured rule as the Redis script reads it, when the item is that rule as
+    /// configured (its windows, algorithm and ban); else the store makes the text itself.
+    pub text: Option<&'a RuleText>,
 }
 
 impl CheckItem<'_> {

@@ -1144,7 +1144,7 @@ pub async fn debits_under_concurrency_match_a_sequential_model(b: &dyn Backend) 
         hits,
         role: Role::Enforce,
         debit: true,
-        memo: None,
+        text: None,
     };
     let mut tasks = Vec::new();
     for client in 0..16u64 {

@@ -271,7 +271,7 @@ fn budget_item(
         hits,
         role: slidegate::store::Role::Enforce,
         debit: true,
-        memo: None,
+        text: None,
     }
 }
 

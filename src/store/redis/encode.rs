@@ -69,7 +69,7 @@ impl RedisStore {
                 keys.push(Key::from(item.key.ban()));
             }
             args.push(batch::number(item.hits));
-            args.push(Value::String(rule_arg(item, ban_ms)));
+            args.push(rule_arg(item, ban_ms));
         }
         // The prefix names a tentative request's entries, for their removal (`undo`); the
         // script writes the others' without it, so they send none.
@@ -101,76 +101,18 @@ impl RedisStore {
     }
 }
 
-/// A configured rule as the script reads it, per role and debit (the global quota mode and the
-/// domains that take debits make those differ from the rule's own), each made the first time it
-/// is sent and kept in the rule's memo.
-#[derive(Default)]
-pub(super) struct RuleTexts([std::sync::OnceLock<Str>; 6]);
-
-/// The item's rule as the script reads it, from its rule's memo when it has one, so the text
-/// is built and allocated once per rule rather than per descriptor per call.
-pub(super) fn rule_arg(item: &CheckItem<'_>, ban_ms: u64) -> Str {
-    let make = || Str::from(rule_text(item, ban_ms));
-    match item
-        .memo
-        .and_then(|memo| memo.get_or_init(RuleTexts::default))
-    {
-        Some(texts) => {
-            let role = match item.role {
-                Role::Enforce => 0,
-                Role::Shadow => 1,
-                Role::Quota => 2,
-            };
-            texts.0[role * 2 + usize::from(item.debit)]
-                .get_or_init(make)
-                .clone()
-        }
-        None => make(),
-    }
-}
-
-/// An item's rule as the script reads it: `role:ban_ms:buckets:debit`, then `limit:window_ms`
-/// per window (layout in `lua/slidegate.lua`).
-pub(super) fn rule_text(item: &CheckItem<'_>, ban_ms: u64) -> String {
-    let role = match item.role {
-        Role::Enforce => 0,
-        Role::Shadow => 1,
-        Role::Quota => 2,
-    };
-    let buckets = match item.algorithm {
-        Algorithm::SlidingLog => 0,
-        Algorithm::SlidingCounter { buckets } => buckets,
-    };
-    let mut text = String::with_capacity(16 + item.windows.len() * 20);
-    push_decimal(&mut text, role);
-    for n in [ban_ms, u64::from(buckets), u64::from(item.debit)] {
-        text.push(':');
-        push_decimal(&mut text, n);
-    }
-    for w in item.windows.iter() {
-        text.push(':');
-        push_decimal(&mut text, u64::from(w.limit));
-        text.push(':');
-        push_decimal(&mut text, w.length_ms);
-    }
-    text
-}
-
-/// Appends `n` in decimal. The rule text and the member prefix are made for every call:
-/// `write!` would run the formatting machinery, several times the work, for each number.
-pub(super) fn push_decimal(text: &mut String, mut n: u64) {
-    let mut digits = [0u8; 20];
-    let mut at = digits.len();
-    loop {
-        at -= 1;
-        digits[at] = b'0' + u8::try_from(n % 10).unwrap_or(0);
-        n /= 10;
-        if n == 0 {
-            break;
-        }
-    }
-    for &d in &digits[at..] {
-        text.push(char::from(d));
+/// The item's rule as the script reads it: made when the config compiled, for a configured
+/// rule, so a call sends it without building it.
+pub(super) fn rule_arg(item: &CheckItem<'_>, ban_ms: u64) -> Value {
+    match item.text {
+        Some(text) => Value::Bytes(text.get(item.role, item.debit).clone()),
+        None => Value::String(Str::from(rule_text(
+            &item.windows,
+            item.algorithm,
+            ban_ms,
+            item.role,
+            item.debit,
+        ))),
     }
 }
 
@@ -254,6 +196,7 @@ pub(super) fn parse_reply(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::store::{Role, RuleText};
 
     #[test]
     fn replies_that_do_not_match_the_request_are_protocol_errors() {
@@ -269,7 +212,7 @@ mod tests {
             hits: 1,
             role: Role::Enforce,
             debit: false,
-            memo: None,
+            text: None,
         }];
         // now, flags (fits, recorded), entry, count, reset.
         let good = [1_000, 5, 7, 1, 999];
@@ -320,39 +263,44 @@ mod tests {
             push_decimal(&mut text, n);
             assert_eq!(text, format!("x{n}"));
         }
-        let item = CheckItem {
-            key: crate::store::StoreKey::new("d:k=v", ""),
-            windows: std::borrow::Cow::Owned(vec![
-                crate::store::Window {
-                    limit: 5,
-                    length_ms: 1000,
-                },
-                crate::store::Window {
-                    limit: u32::MAX,
-                    length_ms: 86_400_000,
-                },
-            ]),
-            algorithm: Algorithm::SlidingCounter { buckets: 12 },
-            ban_ms: Some(900_000),
-            hits: 1,
-            role: Role::Quota,
-            debit: true,
-            memo: None,
-        };
+        let windows = [
+            crate::store::Window {
+                limit: 5,
+                length_ms: 1000,
+            },
+            crate::store::Window {
+                limit: u32::MAX,
+                length_ms: 86_400_000,
+            },
+        ];
         assert_eq!(
-            rule_text(&item, 900_000),
+            rule_text(
+                &windows,
+                Algorithm::SlidingCounter { buckets: 12 },
+                900_000,
+                Role::Quota,
+                true
+            ),
             "2:900000:12:1:5:1000:4294967295:86400000"
         );
     }
 
+    /// A configured rule's text, made when its config compiled, is what the store would build
+    /// for the same item, for every role and debit a request can give it; sent as it was made.
     #[test]
-    fn a_rules_text_is_made_once_per_role_and_debit() {
-        let memo = crate::store::Memo::default();
-        let windows = [crate::store::Window {
-            limit: 5,
-            length_ms: 1000,
-        }];
-        let item = |role, debit, memo| CheckItem {
+    fn a_configured_rules_text_is_made_at_compile_for_every_role_and_debit() {
+        let windows = [
+            crate::store::Window {
+                limit: 5,
+                length_ms: 1000,
+            },
+            crate::store::Window {
+                limit: 50,
+                length_ms: 60_000,
+            },
+        ];
+        let made = RuleText::new(&windows, Algorithm::SlidingLog, Some(60_000));
+        let item = |role, debit, text| CheckItem {
             key: crate::store::StoreKey::new("d:k=v", ""),
             windows: std::borrow::Cow::Borrowed(&windows[..]),
             algorithm: Algorithm::SlidingLog,
@@ -360,18 +308,20 @@ mod tests {
             hits: 1,
             role,
             debit,
-            memo,
+            text,
         };
+        let mut seen = std::collections::HashSet::new();
         for role in [Role::Enforce, Role::Shadow, Role::Quota] {
             for debit in [false, true] {
-                let first = rule_arg(&item(role, debit, Some(&memo)), 60_000);
-                let again = rule_arg(&item(role, debit, Some(&memo)), 60_000);
+                let sent = rule_arg(&item(role, debit, Some(&made)), 60_000);
                 let built = rule_arg(&item(role, debit, None), 60_000);
-                assert_eq!(first, built, "{role:?} {debit}");
-                assert_eq!(&*first, rule_text(&item(role, debit, None), 60_000));
-                // Kept: the same text, not a copy.
-                assert_eq!(first.as_ptr(), again.as_ptr(), "{role:?} {debit}");
-                assert_ne!(first.as_ptr(), built.as_ptr());
+                let bytes = |value: &Value| value.as_bytes().map(<[u8]>::to_vec);
+                assert_eq!(bytes(&sent), bytes(&built), "{role:?} {debit}");
+                assert!(matches!(sent, Value::Bytes(_)), "sent as made: {sent:?}");
+                assert!(
+                    seen.insert(bytes(&sent)),
+                    "{role:?} {debit}: a text of its own"
+                );
             }
         }
     }

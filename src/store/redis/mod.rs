@@ -50,8 +50,8 @@ use nodes::Nodes;
 pub use crate::tls::TlsFiles;
 
 use super::{
-    Algorithm, CheckItem, CheckOutcome, ItemOutcome, Role, Store, StoreError, StoreFuture,
-    WindowOutcome, admits,
+    Algorithm, CheckItem, CheckOutcome, ItemOutcome, Store, StoreError, StoreFuture, WindowOutcome,
+    admits, push_decimal, rule_text,
 };
 
 type UndoFuture<'a> =
