@@ -164,7 +164,7 @@ impl RedisStore {
                 for w in outcomes[i].windows.iter_mut() {
                     w.count = w.count.saturating_sub(item.hits);
                 }
-                let client = batch::client_of(&self.sender.pool.load(), call.lane).clone();
+                let client = call::client_of(&self.sender.pool.load(), call.lane).clone();
                 match item.algorithm {
                     Algorithm::SlidingLog => {
                         // The member as the script wrote it for a tentative request:

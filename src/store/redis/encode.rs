@@ -57,7 +57,7 @@ impl RedisStore {
         let mut keys = Vec::with_capacity(group.len() * 2);
         let mut args: Vec<Value> = Vec::with_capacity(2 + group.len() * 2);
         // The request's shape: its descriptor count and mode in one argument.
-        args.push(batch::number(4 * group.len() as u64 + mode.code()));
+        args.push(number(4 * group.len() as u64 + mode.code()));
         for &i in group {
             let item = &items[i];
             let ban_ms = item.ban_ms.unwrap_or(0);
@@ -68,7 +68,7 @@ impl RedisStore {
             if ban_ms > 0 {
                 keys.push(Key::from(item.key.ban()));
             }
-            args.push(batch::number(item.hits));
+            args.push(number(item.hits));
             args.push(rule_arg(item, ban_ms));
         }
         // The prefix names a tentative request's entries, for their removal (`undo`); the
@@ -113,6 +113,42 @@ pub(super) fn rule_arg(item: &CheckItem<'_>, ban_ms: u64) -> Value {
             item.role,
             item.debit,
         ))),
+    }
+}
+
+/// A count as a script argument.
+pub(super) fn int(n: usize) -> Value {
+    number(u64::try_from(n).unwrap_or(u64::MAX))
+}
+
+/// The digits of 0 to 99, two per number ("05" for 5).
+static SMALL_NUMBERS: [[u8; 2]; 100] = small_numbers();
+
+const fn small_numbers() -> [[u8; 2]; 100] {
+    let mut digits = [[0u8; 2]; 100];
+    let (mut n, mut tens, mut ones) = (0, b'0', b'0');
+    while n < 100 {
+        digits[n] = [tens, ones];
+        n += 1;
+        if ones == b'9' {
+            (tens, ones) = (tens + 1, b'0');
+        } else {
+            ones += 1;
+        }
+    }
+    digits
+}
+
+/// A whole number as a script argument. Most are small (a call's request count, a request's
+/// shape, a descriptor's hits): those go as static digits, a bulk string the client copies
+/// out, where the client would format an integer into digits on every call. Larger ones (a
+/// call's time) go as integers: no string made for them. Redis reads the same digits either
+/// way.
+pub(super) fn number(n: u64) -> Value {
+    match usize::try_from(n) {
+        Ok(i) if i < 10 => Value::from_static(&SMALL_NUMBERS[i][1..]),
+        Ok(i) if i < 100 => Value::from_static(&SMALL_NUMBERS[i]),
+        _ => Value::Integer(i64::try_from(n).unwrap_or(i64::MAX)),
     }
 }
 
@@ -324,5 +360,22 @@ mod tests {
                 );
             }
         }
+    }
+
+    #[test]
+    fn numbers_go_as_their_digits() {
+        let digits = |n: u64| match number(n) {
+            Value::Bytes(b) => String::from_utf8(b.to_vec()).expect("digits"),
+            Value::Integer(i) => i.to_string(),
+            other => panic!("{other:?}"),
+        };
+        for n in [0, 1, 5, 9, 10, 42, 99, 100, 1_767_225_600_000, u64::MAX / 2] {
+            assert_eq!(digits(n), n.to_string());
+        }
+        // Capped at i64's largest, as Redis reads integers (no number slidegate sends comes near).
+        assert_eq!(digits(u64::MAX), i64::MAX.to_string());
+        // The small ones are static: nothing made per call.
+        assert!(matches!(number(7), Value::Bytes(_)));
+        assert!(matches!(number(1_000), Value::Integer(1_000)));
     }
 }

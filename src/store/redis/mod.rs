@@ -9,6 +9,9 @@
 //!   new master lost it; by `EVALSHA` where `FUNCTION LOAD` is refused.
 //! * `encode.rs`: a request's `KEYS` and `ARGV`, and the reply read back (`packed.rs` reads the
 //!   MessagePack string the reply comes in).
+//! * `call.rs`: one script call: its requests sent with their keys declared, or by the script's
+//!   spread function on a cluster master; `TRYAGAIN` and a lost library handled; a request a
+//!   master no longer serves sent again alone; the reply split per request.
 //! * `batch.rs`: requests that arrive while every call to a Redis is out go together in the next
 //!   call, each decided on its own; `nodes.rs` keeps one such batcher per cluster master, so a
 //!   master's call carries requests of all its slots.
@@ -30,6 +33,7 @@ use fred::prelude::*;
 use futures_util::future::join_all;
 
 mod batch;
+mod call;
 mod connection;
 mod decide;
 mod encode;
@@ -37,7 +41,8 @@ mod library;
 mod nodes;
 pub mod packed;
 
-use batch::{Batcher, Request, Sender, Slots, not_served};
+use batch::Batcher;
+use call::{Request, Sender, Slots, not_served};
 pub use connection::redact;
 use connection::{
     HOPELESS_AFTER, HOPELESS_STREAK, Health, PoolRecipe, client_config, lock, probe, start_pool,

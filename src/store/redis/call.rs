@@ -1,0 +1,593 @@
+//! Script calls: the requests a call carries, sending them (keys declared, or by the script's
+//! spread function on a cluster master), `TRYAGAIN` and a lost library handled, requests a master
+//! no longer serves sent again on their own, and the reply split into one answer per request.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use arc_swap::ArcSwap;
+use fred::prelude::*;
+use futures_util::future::join_all;
+use tokio::time::Instant;
+
+use super::encode::{int, number};
+use super::packed::{self, Item, Items};
+use super::{Library, call_failed};
+use crate::store::StoreError;
+
+/// How long to wait before sending a call Redis answered `TRYAGAIN` (a slot mid-migration).
+const TRY_AGAIN_AFTER: Duration = Duration::from_millis(5);
+
+/// The most descriptors one call carries (a request's descriptors always go together): enough
+/// that a queue under load leaves in a few calls, few enough that a call keeps Redis busy for
+/// about a millisecond, so calls queued behind it stay well inside the store deadline.
+pub(super) const DESCRIPTORS_PER_CALL: usize = 32;
+
+/// One request's part of a script call: its time, its keys, and its arguments after the call's
+/// request count and time (layout in `lua/slidegate.lua`).
+pub(super) struct Request {
+    /// When it was asked, in ms since the epoch; `None` where Redis's clock decides.
+    pub now_ms: Option<u64>,
+    pub keys: Vec<Key>,
+    pub args: Vec<Value>,
+    pub slots: Slots,
+    /// Which of the pool's clients carries it (taken modulo the pool's size). Every call of
+    /// one request goes by the same client: a client is one task that writes to and reads
+    /// from every master, so a request of three masters wakes that one task, where a client
+    /// per call would wake three, and tokio hands all but one of them to another worker
+    /// (a `futex` wake-up each).
+    pub lane: usize,
+    /// When its caller stops waiting (`grpc-timeout`), where it said.
+    pub deadline: Option<Instant>,
+}
+
+impl Request {
+    /// How many descriptors it carries: its arguments are its shape, two per descriptor, and a
+    /// tentative request's prefix (`RedisStore::script_input`).
+    pub(super) fn descriptors(&self) -> usize {
+        self.args.len().saturating_sub(1) / 2
+    }
+}
+
+/// Where a request's keys sit.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Slots {
+    /// Standalone Redis: no slots.
+    Standalone,
+    /// A cluster: one hash slot holds them all.
+    One(u16),
+    /// A cluster: several slots of one master (the routing said so when the request was made).
+    Several,
+}
+
+/// What Redis Cluster answers a script that reaches for a key of a slot its master does not
+/// serve (moved, or mid-migration with the key already gone).
+const NOT_SERVED: &str = "Script attempted to access a non local key";
+
+/// One request's answer: the script's reply for it, as integers.
+pub(super) type Answer = Result<Vec<i64>, StoreError>;
+
+/// What sends a call: the pool (replaced whole when it stays broken) and the script's library.
+#[derive(Clone)]
+pub(super) struct Sender {
+    pub pool: Arc<ArcSwap<Pool>>,
+    pub library: Library,
+    /// How long loading the library may take (`--redis-connect-timeout`).
+    pub load_timeout: Duration,
+    /// Requests a cluster master refused (it no longer serves their slot) and that were sent
+    /// again; read by the metrics.
+    pub resent: Arc<AtomicU64>,
+    /// How long a call waits for Redis for a caller that sent no deadline (`--redis-timeout`).
+    pub timeout: Duration,
+}
+
+impl Sender {
+    /// One call carrying one request alone (its keys declared, unless they sit in several
+    /// slots).
+    pub async fn call_one(&self, request: Request) -> Answer {
+        self.call(vec![request])
+            .await
+            .pop()
+            .unwrap_or_else(|| Err(StoreError::Protocol("script reply is empty".into())))
+    }
+
+    /// One call carrying `requests`; an answer per request, in order. Requests of several
+    /// cluster slots (one master's: see [`Batcher`]) go by the spread function; a request of
+    /// one slot that its master no longer serves is sent again on its own, and one of several
+    /// slots is answered [`NotServed`], for the caller to send a call per slot.
+    pub async fn call(&self, requests: Vec<Request>) -> Vec<Answer> {
+        if !over_several_slots(&requests) {
+            self.call_declared(requests).await
+        } else if self.library.spreads() {
+            self.call_spread(requests).await
+        } else {
+            self.each_alone(requests).await
+        }
+    }
+
+    /// By `EVALSHA` a call's keys must share a slot: each request of one slot alone, and those
+    /// of several slots answered [`NotServed`].
+    async fn each_alone(&self, requests: Vec<Request>) -> Vec<Answer> {
+        join_all(requests.into_iter().map(|r| async move {
+            match r.slots {
+                Slots::Several => Err(not_served_error("the script goes by EVALSHA")),
+                _ => self.call_one(r).await,
+            }
+        }))
+        .await
+    }
+
+    /// A call's client (its first request's lane) and how long it waits ([`call_wait`]); `None`
+    /// when every caller has stopped waiting.
+    fn terms(&self, requests: &[Request]) -> Option<(usize, Duration)> {
+        let lane = requests.first().map_or(0, |r| r.lane);
+        call_wait(requests, self.timeout, Instant::now()).map(|wait| (lane, wait))
+    }
+
+    /// One call with every key declared (they share a slot, or there are no slots). The
+    /// requests are not needed after it, so their parts move into the command.
+    async fn call_declared(&self, requests: Vec<Request>) -> Vec<Answer> {
+        let count = requests.len();
+        let Some((lane, wait)) = self.terms(&requests) else {
+            return vec![Err(StoreError::Timeout(Duration::ZERO)); count];
+        };
+        let mut keys = Vec::with_capacity(requests.iter().map(|r| r.keys.len()).sum());
+        let mut args = Vec::with_capacity(2 + requests.iter().map(|r| r.args.len()).sum::<usize>());
+        args.push(int(count));
+        args.push(call_now(&requests));
+        for request in requests {
+            keys.extend(request.keys);
+            args.extend(request.args);
+        }
+        match self.send(lane, wait, keys, args, false).await {
+            Ok(reply) => split(reply, count),
+            Err(e) => vec![Err(e); count],
+        }
+    }
+
+    /// One call of the spread function: the keys first, after their number, and the first
+    /// declared (it routes the call). The requests are kept (their parts are shared buffers) to
+    /// send again any the master refuses.
+    async fn call_spread(&self, requests: Vec<Request>) -> Vec<Answer> {
+        let count = requests.len();
+        let Some((lane, wait)) = self.terms(&requests) else {
+            return vec![Err(StoreError::Timeout(Duration::ZERO)); count];
+        };
+        let key_count: usize = requests.iter().map(|r| r.keys.len()).sum();
+        let arg_count: usize = requests.iter().map(|r| r.args.len()).sum();
+        let mut args = Vec::with_capacity(3 + key_count + arg_count);
+        args.push(int(key_count));
+        for request in &requests {
+            args.extend(request.keys.iter().cloned().map(Value::from));
+        }
+        args.push(int(count));
+        args.push(call_now(&requests));
+        for request in &requests {
+            args.extend(request.args.iter().cloned());
+        }
+        let routing: Vec<Key> = requests
+            .iter()
+            .flat_map(|r| r.keys.first())
+            .take(1)
+            .cloned()
+            .collect();
+        let answers = match self.send(lane, wait, routing, args, true).await {
+            Ok(reply) => split(reply, count),
+            Err(e) => vec![Err(e); count],
+        };
+        self.resend_refused(requests, answers).await
+    }
+
+    /// Requests of one slot the master no longer serves, each again on its own (nothing of
+    /// theirs was recorded: see the script's end); the others' answers as they are.
+    async fn resend_refused(
+        &self,
+        requests: Vec<Request>,
+        mut answers: Vec<Answer>,
+    ) -> Vec<Answer> {
+        let again: Vec<usize> = (0..answers.len())
+            .filter(|&i| requests[i].slots != Slots::Several && not_served(&answers[i]))
+            .collect();
+        if again.is_empty() {
+            return answers;
+        }
+        tracing::debug!(
+            requests = again.len(),
+            "a master no longer serves a slot it was sent; sending those requests on their own"
+        );
+        self.resent.fetch_add(again.len() as u64, Ordering::Relaxed);
+        let mut requests: Vec<Option<Request>> = requests.into_iter().map(Some).collect();
+        let resent = join_all(
+            again
+                .iter()
+                .filter_map(|&i| requests[i].take())
+                .map(|request| self.call_one(request)),
+        )
+        .await;
+        for (i, answer) in again.into_iter().zip(resent) {
+            answers[i] = answer;
+        }
+        answers
+    }
+
+    /// Sends until Redis answers. TRYAGAIN: a slot is being migrated and this call's keys are
+    /// split between two masters for a moment; Redis asks to send it again shortly (the caller's
+    /// deadline bounds the retries). A missing function (a restart, FUNCTION FLUSH, a node that
+    /// never saw it): load it and send again, once. Keys and arguments are shared buffers: a
+    /// copy to send again is cheap.
+    async fn send(
+        &self,
+        lane: usize,
+        wait: Duration,
+        keys: Vec<Key>,
+        args: Vec<Value>,
+        spread: bool,
+    ) -> Result<Value, StoreError> {
+        let mut loaded = false;
+        loop {
+            let pool = self.pool.load();
+            let sent = self
+                .library
+                .call_as(
+                    client_of(&pool, lane),
+                    Some(wait),
+                    keys.clone(),
+                    args.clone(),
+                    spread,
+                )
+                .await;
+            match sent {
+                Ok(reply) => return Ok(reply),
+                Err(e) if e.details().starts_with("TRYAGAIN") => {
+                    tokio::time::sleep(TRY_AGAIN_AFTER).await;
+                }
+                Err(e) if Library::missing(&e) && !loaded => {
+                    loaded = true;
+                    // Boxed: rare, and its future (about 7 KB) would otherwise be part of
+                    // every call's, and of every decision's that awaits one.
+                    if let Err(e) =
+                        Box::pin(self.library.load(pool.next(), self.load_timeout)).await
+                    {
+                        return Err(call_failed(&e));
+                    }
+                }
+                Err(e) => return Err(call_failed(&e)),
+            }
+        }
+    }
+}
+
+/// The longest a caller whose deadline is its own waits for a call (a `grpc-timeout` of hours
+/// would otherwise hold a call's place that long while Redis does not answer), unless
+/// `--redis-timeout` is longer; the same bound as a decision's wait for its turn
+/// (`QUEUED_AT_MOST`).
+const CALLER_WAIT_AT_MOST: Duration = Duration::from_secs(1);
+
+/// How long a call carrying `requests` waits for Redis, from `now`: as long as the longest any
+/// of their callers still waits, its deadline where it sent one (up to [`CALLER_WAIT_AT_MOST`]
+/// or `timeout`, the longer), else `timeout`. A caller that waits longer than
+/// `--redis-timeout` (Envoy with a longer filter timeout, a gRPC client's own deadline) is not
+/// answered with a failure while it would still take an answer; one that waits less frees the
+/// call's place sooner. `None` when every caller has stopped waiting: nothing to send. Each
+/// try of [`Sender::send`] waits this long (as each waited `--redis-timeout` before).
+fn call_wait(requests: &[Request], timeout: Duration, now: Instant) -> Option<Duration> {
+    let wait = requests
+        .iter()
+        .map(|r| match r.deadline {
+            Some(deadline) => deadline
+                .saturating_duration_since(now)
+                .min(CALLER_WAIT_AT_MOST.max(timeout)),
+            None => timeout,
+        })
+        .max()?;
+    // A zero timeout is none to the client: a call that may wait no time is not sent.
+    (!wait.is_zero()).then_some(wait)
+}
+
+/// The client of `pool` for `lane` (see [`Request::lane`]). The pool is read at each try, so
+/// a pool replaced meanwhile is the one used.
+pub(super) fn client_of(pool: &Pool, lane: usize) -> &Client {
+    let clients = pool.clients();
+    // A pool always has a client (built with at least one); `next` covers the impossible.
+    clients
+        .get(lane % clients.len().max(1))
+        .unwrap_or_else(|| pool.next())
+}
+
+/// Whether `requests` sit in more than one cluster slot (one of several slots, or several of
+/// one slot each).
+fn over_several_slots(requests: &[Request]) -> bool {
+    match requests.first().map(|first| first.slots) {
+        Some(Slots::One(slot)) => requests.iter().any(|r| r.slots != Slots::One(slot)),
+        Some(Slots::Several) => true,
+        Some(Slots::Standalone) | None => false,
+    }
+}
+
+/// The time a call's requests are decided at: the latest of theirs (none is decided before it
+/// was asked), or `""`, Redis's own clock.
+fn call_now(requests: &[Request]) -> Value {
+    let latest = requests
+        .iter()
+        .map(|r| r.now_ms)
+        .try_fold(0, |latest, now| now.map(|now| latest.max(now)));
+    match latest {
+        Some(now_ms) => number(now_ms),
+        None => Value::from_static_str(""),
+    }
+}
+
+/// A request of a spread call reached for a key of a slot its master does not serve.
+#[derive(Debug, thiserror::Error)]
+#[error("the master does not serve this key's slot")]
+struct NotServed;
+
+fn not_served_error(why: &str) -> StoreError {
+    StoreError::Unavailable {
+        context: format!("script: {why}"),
+        source: Some(Arc::new(NotServed)),
+    }
+}
+
+/// Whether `answer` is [`NotServed`]: the request is to be sent again, a call per slot.
+pub(super) fn not_served(answer: &Result<impl Sized, StoreError>) -> bool {
+    matches!(answer, Err(StoreError::Unavailable { source: Some(source), .. }) if source.is::<NotServed>())
+}
+
+/// Splits the script's reply (one flat array, packed: the call's time, then per request its
+/// length and its integers, or `-1` and what failed; see [`super::packed`]) into the requests'
+/// answers, each the call's time and the request's integers. A reply of the wrong shape fails
+/// every request of the call.
+fn split(reply: Value, count: usize) -> Vec<Answer> {
+    split_flat(&reply, count).unwrap_or_else(|e| vec![Err(e); count])
+}
+
+fn split_flat(reply: &Value, count: usize) -> Result<Vec<Answer>, StoreError> {
+    let bad = |what: &str| StoreError::Protocol(format!("script reply {what}"));
+    // fred hands a bulk string over as bytes unless it is valid UTF-8, which a packed array's
+    // first byte (0x90 to 0x9f, 0xdc or 0xdd) all but rules out; text is read the same.
+    let bytes: &[u8] = match reply {
+        Value::Bytes(bytes) => bytes,
+        Value::String(text) => text.as_bytes(),
+        _ => return Err(bad("is not the script's packed array")),
+    };
+    let mut values = packed::array(bytes).map_err(|e| bad(&e.to_string()))?;
+    fn next<'a>(values: &mut Items<'a>) -> Result<Option<Item<'a>>, StoreError> {
+        values
+            .next()
+            .transpose()
+            .map_err(|e| StoreError::Protocol(format!("script reply {e}")))
+    }
+    let now = match next(&mut values)? {
+        Some(Item::Int(now)) if now >= 0 => now,
+        _ => return Err(bad("does not start with the call's time")),
+    };
+    let mut answers = Vec::with_capacity(count);
+    while answers.len() < count {
+        let length = match next(&mut values)? {
+            Some(Item::Int(-1)) => {
+                let message = match next(&mut values)? {
+                    Some(Item::Text(text)) => String::from_utf8_lossy(text).into_owned(),
+                    _ => String::new(),
+                };
+                answers.push(Err(failed(&message)));
+                continue;
+            }
+            Some(Item::Int(length)) => {
+                usize::try_from(length).map_err(|_| bad("holds a negative length"))?
+            }
+            _ => return Err(bad("does not answer every request of the call")),
+        };
+        // (A length no reply could hold allocates no more than what is left.)
+        let mut integers = Vec::with_capacity(1 + length.min(values.len()));
+        integers.push(now);
+        for _ in 0..length {
+            match next(&mut values)? {
+                Some(Item::Int(n)) => integers.push(n),
+                Some(Item::Text(_)) => return Err(bad("holds a value that is not an integer")),
+                None => return Err(bad("ends inside a request's part")),
+            }
+        }
+        answers.push(Ok(integers));
+    }
+    if !values.is_empty() {
+        return Err(bad("is longer than its requests"));
+    }
+    values.finish().map_err(|e| bad(&e.to_string()))?;
+    Ok(answers)
+}
+
+/// What a request that failed inside the script says: Redis's error (a key of another type, a
+/// slot its master does not serve) or the script's own (code `SLIDEGATE`).
+fn failed(message: &str) -> StoreError {
+    if message.contains(NOT_SERVED) {
+        return not_served_error(message);
+    }
+    super::request_failed(message)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The script's reply of these integers, packed as Redis's cmsgpack packs it.
+    fn ints(values: &[i64]) -> Value {
+        packed_reply(&values.iter().map(|&n| Item::Int(n)).collect::<Vec<_>>())
+    }
+
+    fn packed_reply(items: &[Item<'_>]) -> Value {
+        Value::Bytes(packed::tests::pack(items).into())
+    }
+
+    /// A lane names one client of the pool however many calls it makes, and requests in turn
+    /// take every client.
+    #[test]
+    fn a_lane_is_one_client_of_the_pool() {
+        let pool = fred::types::Builder::default_centralized()
+            .build_pool(3)
+            .expect("a pool builds without connecting");
+        let id = |lane| client_of(&pool, lane).id().to_string();
+        let ids: Vec<String> = pool.clients().iter().map(|c| c.id().to_string()).collect();
+        assert_eq!(ids.len(), 3);
+        for lane in 0..9 {
+            assert_eq!(id(lane), ids[lane % 3], "lane {lane}");
+            assert_eq!(id(lane), id(lane), "lane {lane} twice");
+        }
+        let taken: std::collections::HashSet<String> = (10..13).map(id).collect();
+        assert_eq!(
+            taken.len(),
+            3,
+            "three requests in turn take the three clients"
+        );
+    }
+
+    /// A call waits as long as the longest-waiting of its callers: a caller's own deadline
+    /// where it sent one (up to a second), `--redis-timeout` where it did not; a call whose
+    /// callers have all stopped waiting is not sent.
+    #[test]
+    fn a_call_waits_as_long_as_its_longest_waiting_caller() {
+        let now = Instant::now();
+        let timeout = Duration::from_millis(15);
+        let request = |deadline: Option<Duration>| Request {
+            now_ms: None,
+            keys: Vec::new(),
+            args: Vec::new(),
+            slots: Slots::Standalone,
+            lane: 0,
+            deadline: deadline.map(|d| now + d),
+        };
+        let wait = |deadlines: &[Option<u64>]| {
+            let requests: Vec<Request> = deadlines
+                .iter()
+                .map(|d| request(d.map(Duration::from_millis)))
+                .collect();
+            call_wait(&requests, timeout, now).map(|w| w.as_millis())
+        };
+        assert_eq!(wait(&[None]), Some(15));
+        assert_eq!(
+            wait(&[Some(20)]),
+            Some(20),
+            "Envoy's 20 ms, past --redis-timeout"
+        );
+        assert_eq!(wait(&[Some(5)]), Some(5), "a caller that waits less");
+        assert_eq!(wait(&[Some(5), None, Some(12)]), Some(15));
+        assert_eq!(wait(&[Some(5), Some(40), None]), Some(40));
+        assert_eq!(wait(&[Some(3_600_000)]), Some(1_000), "at most a second");
+        let requests = [request(Some(Duration::from_secs(3_600)))];
+        assert_eq!(
+            call_wait(&requests, Duration::from_secs(5), now),
+            Some(Duration::from_secs(5)),
+            "or --redis-timeout where that is longer"
+        );
+        assert_eq!(wait(&[Some(0), Some(0)]), None, "every caller has gone");
+        let gone = Request {
+            deadline: Some(now - Duration::from_millis(1)),
+            ..request(None)
+        };
+        assert_eq!(call_wait(&[gone], timeout, now), None);
+        assert_eq!(wait(&[]), None, "no request, no call");
+    }
+
+    #[test]
+    fn a_call_is_decided_at_its_latest_requests_time() {
+        let request = |now_ms| Request {
+            now_ms,
+            keys: Vec::new(),
+            args: Vec::new(),
+            slots: Slots::Standalone,
+            lane: 0,
+            deadline: None,
+        };
+        let now = |nows: &[Option<u64>]| {
+            let requests: Vec<Request> = nows.iter().map(|&n| request(n)).collect();
+            call_now(&requests)
+        };
+        assert_eq!(
+            now(&[Some(1_000), Some(1_003), Some(999)]),
+            Value::Integer(1_003)
+        );
+        // Redis's clock: its own time.
+        assert_eq!(now(&[None, None]), Value::from_static_str(""));
+    }
+
+    #[test]
+    fn a_reply_splits_into_one_answer_per_request() {
+        let mut flat = vec![1_000, 9, 1, 1, 0, 0, 1, 1, 1, 1, 1_000];
+        flat.extend([4, 5, 3, 3, 999]);
+        let mut reply: Vec<Item<'_>> = flat.iter().map(|&n| Item::Int(n)).collect();
+        reply.splice(
+            11..11,
+            [
+                Item::Int(-1),
+                Item::Text(b"WRONGTYPE Operation against a key"),
+                Item::Int(-1),
+                Item::Text(b"SLIDEGATE request 3: mode must be 0, 1 or 2"),
+            ],
+        );
+        let answers = split(packed_reply(&reply), 4);
+        assert_eq!(answers.len(), 4);
+        assert_eq!(
+            answers[0].as_ref().ok(),
+            Some(&vec![1_000, 1, 1, 0, 0, 1, 1, 1, 1, 1_000])
+        );
+        // Redis's own error: the store is unavailable for that request; the script's code: a
+        // protocol error, for that request alone.
+        assert!(
+            matches!(&answers[1], Err(StoreError::Unavailable { context, .. }) if context.contains("WRONGTYPE"))
+        );
+        assert!(matches!(&answers[2], Err(StoreError::Protocol(m)) if m.contains("mode")));
+        // Each answer starts with the call's time.
+        assert_eq!(answers[3].as_ref().ok(), Some(&vec![1_000, 5, 3, 3, 999]));
+    }
+
+    #[test]
+    fn replies_of_the_wrong_shape_fail_every_request_of_the_call() {
+        let protocol = |a: &Answer| matches!(a, Err(StoreError::Protocol(_)));
+        for reply in [
+            // Not the packed array: a RESP array or integer, a packed map, bytes after it.
+            Value::Array(vec![
+                Value::Integer(9),
+                Value::Integer(1),
+                Value::Integer(7),
+            ]),
+            Value::Integer(1),
+            Value::Bytes(vec![0x81, 0x09, 0x01].into()),
+            Value::Bytes(vec![0x93, 0x09, 0x01, 0x07, 0x00].into()),
+            // No time, or a negative one.
+            ints(&[]),
+            ints(&[-5, 1, 7, 1, 7]),
+            // One request answered where two were sent.
+            ints(&[9, 1, 7]),
+            // A length past the reply's end, or one no reply could hold.
+            ints(&[9, 3, 7, 7]),
+            ints(&[9, i64::MAX, 7]),
+            ints(&[9, -2, 7]),
+            // More than the requests.
+            ints(&[9, 1, 7, 1, 7, 1, 7]),
+            // A header and a request's length that claim billions of values, over a few bytes:
+            // refused without allocating for them.
+            Value::Bytes(
+                vec![
+                    0xdd, 0xff, 0xff, 0xff, 0xff, 0x09, 0xce, 0xff, 0xff, 0xff, 0xff, 0x01,
+                ]
+                .into(),
+            ),
+            // A value that is not an integer.
+            packed_reply(&[
+                Item::Int(9),
+                Item::Int(1),
+                Item::Text(b"x"),
+                Item::Int(1),
+                Item::Int(7),
+            ]),
+        ] {
+            let answers = split(reply.clone(), 2);
+            assert_eq!(answers.len(), 2, "{reply:?}");
+            assert!(answers.iter().all(protocol), "{reply:?} -> {answers:?}");
+        }
+        let answers = split(ints(&[4, 1, 7, 2, 8, 9]), 2);
+        assert_eq!(answers[0].as_ref().ok(), Some(&vec![4, 7]));
+        assert_eq!(answers[1].as_ref().ok(), Some(&vec![4, 8, 9]));
+    }
+}
