@@ -201,7 +201,7 @@ local function read_rule(text)
       end
       -- The common kind, which `decide_logs` and `decide_single` decide: one sliding_log
       -- window, no ban (one field to read where three were). Their keys' expiry is set once
-      -- per period, a quarter of the window, and lasts a period longer (see `keeps`).
+      -- per period, a quarter of the window, and lasts a period longer (see `expiry_due`).
       rule.one_log = buckets == 0 and rule.ban_ms == 0 and rule.m == 1
       if rule.one_log then
         rule.period = max(math.floor(rule.longest / 4), 1)
@@ -483,7 +483,7 @@ local function oldest(rule, w)
 end
 
 -- The buckets that count for window w of descriptor d, oldest first.
-local function counted(d, w)
+local function buckets_in_window(d, w)
   local size, first, list = d.rule[3 * w], oldest(d.rule, w), {}
   for bi = 1, #d.buckets do
     local b = d.buckets[bi]
@@ -496,7 +496,7 @@ local function counted(d, w)
 end
 
 local function counted_hits(d, w)
-  local c, list = 0, counted(d, w)
+  local c, list = 0, buckets_in_window(d, w)
   for bi = 1, #list do
     c = c + list[bi].hits
   end
@@ -536,7 +536,7 @@ local function counter_reset(d, w, count)
       return length
     end
   end
-  local list = counted(d, w)
+  local list = buckets_in_window(d, w)
   for bi = 1, #list do
     local bucket = list[bi]
     wanted = wanted - bucket.hits
@@ -870,7 +870,7 @@ end
 -- rejection does not expire and reopen. Setting it on every request would cost a command each;
 -- this way a busy log sets it about once a period. Logs of the general path, whichever their
 -- rule, still set it on every request.
-local function keeps(rule, head_cum, head_time, newest, recorded)
+local function expiry_due(rule, head_cum, head_time, newest, recorded)
   if head_cum == 0 then
     return recorded
   end
@@ -965,7 +965,7 @@ local function decide_logs(a, k, n)
     else
       s_records[i] = false
     end
-    if keeps(rule, s_head[i], head_time, newest, s_records[i]) then
+    if expiry_due(rule, s_head[i], head_time, newest, s_records[i]) then
       call('PEXPIRE', key, rule.ttl)
     end
   end
@@ -1044,7 +1044,7 @@ local function decide_single(a, k)
     count = count + hits
     flags = flags + 4
   end
-  -- (`keeps`, in line: this path runs for most requests.)
+  -- (`expiry_due`, in line: this path runs for most requests.)
   local period = rule.period
   if (head_cum == 0 and flags >= 4)
       or (head_cum > 0 and newest - newest % period ~= head_time - head_time % period) then
