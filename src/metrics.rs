@@ -529,11 +529,7 @@ impl Observer for Metrics {
         // A rule without values in its labels counts through the series kept in the rule.
         let kept = report
             .rule
-            .filter(|rule| !rule.value_levels.contains(&true))
-            .map(|rule| {
-                rule.observer_slot
-                    .get_or_init(|| Arc::new(self.rule_series(rule)))
-            })
+            .and_then(|rule| rule.observer_slot.get())
             .filter(|kept| kept.owner() == self.id);
         match kept {
             Some(kept) => kept.count(report),
@@ -552,6 +548,12 @@ impl Observer for Metrics {
 
     fn global_shadow(&self) {
         self.global_shadow.inc();
+    }
+
+    /// A rule without values in its labels keeps its series (see [`RuleSeries`]).
+    fn rule_counts(&self, rule: &Rule) -> Option<Arc<dyn RuleCounts>> {
+        (!rule.value_levels.contains(&true))
+            .then(|| Arc::new(self.rule_series(rule)) as Arc<dyn RuleCounts>)
     }
 
     fn store_call(&self, store: &'static str, elapsed: Duration, ok: bool) {
@@ -637,8 +639,8 @@ mod tests {
     }
 
     /// The series a rule keeps in its slot count for the instance that put them there: a
-    /// second instance observing the same rule counts in its own families, and a counter's
-    /// series appears only once it has counted.
+    /// second instance observing the same rule (its own series not kept: the slot was filled)
+    /// counts in its own families, and a counter's series appears only once it has counted.
     #[test]
     fn series_kept_in_a_rule_count_for_their_own_instance() {
         let limits = crate::config::compile_sources(&[(
@@ -654,6 +656,22 @@ mod tests {
             value: "v",
         }];
         let (first, second) = (Metrics::new(), Metrics::new());
+        assert!(
+            rule.observer_slot.get().is_none(),
+            "filled by the limiter, not by compiling"
+        );
+        rule.observer_slot.fill(
+            first
+                .rule_counts(rule)
+                .expect("a rule without values keeps its series"),
+        );
+        if let Some(counts) = second.rule_counts(rule) {
+            rule.observer_slot.fill(counts);
+        }
+        assert_eq!(
+            rule.observer_slot.get().map(|kept| kept.owner()),
+            Some(first.id)
+        );
         first.descriptor(&report(rule, &segments, 0));
         first.descriptor(&report(rule, &segments, 0));
         second.descriptor(&report(rule, &segments, 1));

@@ -139,11 +139,13 @@ impl Limiter {
     /// Reports every call and decision to `observer` (metrics).
     pub fn with_observer(mut self, observer: Arc<dyn Observer>) -> Limiter {
         self.observer = observer;
+        prepare(&self.limits.load(), &*self.observer);
         self
     }
 
     /// Replaces the limits at once: a request sees either the old or the new set, never a mix.
     pub fn replace_limits(&self, limits: Limits) {
+        prepare(&limits, &*self.observer);
         self.limits.store(Arc::new(limits));
         // What was over under the old rules says nothing about the new ones.
         self.cache.clear();
@@ -669,6 +671,15 @@ impl<'a> Planned<'a> {
     }
 }
 
+/// Fills every rule's observer slot with what `observer` keeps there.
+fn prepare(limits: &Limits, observer: &dyn Observer) {
+    for (_, rule) in limits.rules() {
+        if let Some(counts) = observer.rule_counts(rule) {
+            rule.observer_slot.fill(counts);
+        }
+    }
+}
+
 fn value_segments(descriptor: &Descriptor) -> Vec<Segment<'_>> {
     descriptor
         .entries
@@ -1103,6 +1114,58 @@ mod tests {
             (d.overall, d.statuses[0].limit_remaining),
             (Code::Ok, 6),
             "raising a limit unblocks at once"
+        );
+    }
+
+    /// An observer that keeps an owner mark in every rule it is offered.
+    struct Marking(u64);
+
+    struct Mark(u64);
+
+    impl crate::limiter::observe::RuleCounts for Mark {
+        fn owner(&self) -> u64 {
+            self.0
+        }
+        fn count(&self, _: &DescriptorReport<'_>) {}
+    }
+
+    impl Observer for Marking {
+        fn call(&self, _: CallResult, _: std::time::Duration) {}
+        fn descriptor(&self, _: &DescriptorReport<'_>) {}
+        fn unknown_domain(&self) {}
+        fn global_shadow(&self) {}
+        fn store_call(&self, _: &'static str, _: std::time::Duration, _: bool) {}
+        fn rule_counts(&self, _: &Rule) -> Option<Arc<dyn crate::limiter::observe::RuleCounts>> {
+            Some(Arc::new(Mark(self.0)))
+        }
+    }
+
+    /// What an observer keeps per rule is made when the limits are handed over: at
+    /// `with_observer` for the first ones, and before a reload's new rules serve.
+    #[test]
+    fn every_rule_is_prepared_for_its_observer_when_it_is_handed_over() {
+        let (l, _) = limiter(CONFIG, LimiterOptions::default());
+        let owners = |l: &Limiter| -> Vec<Option<u64>> {
+            l.limits()
+                .rules()
+                .iter()
+                .map(|(_, rule)| rule.observer_slot.get().map(|kept| kept.owner()))
+                .collect()
+        };
+        assert!(owners(&l).iter().all(Option::is_none), "no observer yet");
+        let l = l.with_observer(Arc::new(Marking(7)));
+        let first = owners(&l);
+        assert!(
+            !first.is_empty() && first.iter().all(|o| *o == Some(7)),
+            "{first:?}"
+        );
+        l.replace_limits(
+            crate::config::compile_sources(&[("t.yaml".into(), CONFIG.into())]).expect("valid"),
+        );
+        let reloaded = owners(&l);
+        assert!(
+            reloaded.len() == first.len() && reloaded.iter().all(|o| *o == Some(7)),
+            "{reloaded:?}"
         );
     }
 }

@@ -38,16 +38,21 @@ pub trait RuleCounts: Send + Sync {
     fn count(&self, report: &DescriptorReport<'_>);
 }
 
-/// A rule's room for its [`RuleCounts`], filled by the observer on the rule's first decision
-/// and kept as long as the rule (a reload makes new rules). Not part of the rule: any two compare
-/// equal, and a clone starts empty.
+/// A rule's room for its [`RuleCounts`], filled when its config is handed to the limiter (see
+/// [`Observer::rule_counts`]) and kept as long as the rule (a reload makes new rules). Not part
+/// of the rule: any two compare equal, and a clone starts empty.
 #[derive(Default)]
 pub struct ObserverSlot(OnceLock<Arc<dyn RuleCounts>>);
 
 impl ObserverSlot {
-    /// The rule's counts, made by `make` the first time.
-    pub fn get_or_init(&self, make: impl FnOnce() -> Arc<dyn RuleCounts>) -> &dyn RuleCounts {
-        &**self.0.get_or_init(make)
+    /// Fills the slot; a slot already filled (by another observer of the same rules) keeps its
+    /// counts.
+    pub fn fill(&self, counts: Arc<dyn RuleCounts>) {
+        let _ = self.0.set(counts);
+    }
+
+    pub fn get(&self) -> Option<&dyn RuleCounts> {
+        self.0.get().map(|counts| &**counts)
     }
 }
 
@@ -106,6 +111,12 @@ pub trait Observer: Send + Sync + 'static {
     /// Global shadow mode turned an OVER_LIMIT answer into OK.
     fn global_shadow(&self);
     fn store_call(&self, store: &'static str, elapsed: Duration, ok: bool);
+    /// What to keep in `rule` to count its decisions there, made when its config is handed to
+    /// the limiter; `None` to keep nothing.
+    fn rule_counts(&self, rule: &Rule) -> Option<Arc<dyn RuleCounts>> {
+        let _ = rule;
+        None
+    }
 }
 
 /// Observes nothing.
