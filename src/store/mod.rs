@@ -169,10 +169,12 @@ impl RuleText {
 
     /// The text for a request that gives the rule `role` and `debit`.
     pub fn get(&self, role: Role, debit: bool) -> &Bytes {
-        let index = usize::from(role == Role::Shadow) * 2
-            + usize::from(role == Role::Quota) * 4
-            + usize::from(debit);
-        &self.0[index]
+        let role = match role {
+            Role::Enforce => 0,
+            Role::Shadow => 1,
+            Role::Quota => 2,
+        };
+        &self.0[role * 2 + usize::from(debit)]
     }
 }
 

@@ -210,7 +210,7 @@ pub fn incoming(
 }
 
 /// One connection's TLS handshake, at most `timeout`; a failed one is logged at debug.
-pub async fn handshake(
+async fn handshake(
     tls: &ServerTls,
     stream: GuardedStream,
     peer: SocketAddr,
