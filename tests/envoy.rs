@@ -107,23 +107,35 @@ struct Envoy {
 /// The filter timeout is raised from 50 ms to 2 s so a busy test machine does not turn into
 /// fail-open answers; everything else is the deployed file.
 fn start_envoy(upstream: u16, slidegate_grpc: u16, failure_mode_deny: bool) -> Envoy {
+    start_envoy_edited(
+        upstream,
+        slidegate_grpc,
+        &[
+            ("timeout: 0.05s", "timeout: 2s".to_string()),
+            (
+                "failure_mode_deny: false",
+                format!("failure_mode_deny: {failure_mode_deny}"),
+            ),
+        ],
+    )
+}
+
+/// Envoy with deploy/envoy/envoy.yaml on free loopback ports, with `edits` (each a text the
+/// file must hold and its replacement) made as well.
+fn start_envoy_edited(upstream: u16, slidegate_grpc: u16, edits: &[(&str, String)]) -> Envoy {
     let template = std::fs::read_to_string(format!("{MANIFEST}/deploy/envoy/envoy.yaml"))
         .expect("read envoy.yaml");
     with_fresh_ports(|listen, admin, readiness| {
         let mut config = template.clone();
-        for (from, to) in [
+        let ports = [
             ("port_value: 10000", format!("port_value: {listen}")),
             ("port_value: 8000", format!("port_value: {upstream}")),
             ("port_value: 8081", format!("port_value: {slidegate_grpc}")),
             ("port_value: 9901", format!("port_value: {admin}")),
             ("port_value: 9902", format!("port_value: {readiness}")),
             ("address: 0.0.0.0", "address: 127.0.0.1".to_string()),
-            ("timeout: 0.05s", "timeout: 2s".to_string()),
-            (
-                "failure_mode_deny: false",
-                format!("failure_mode_deny: {failure_mode_deny}"),
-            ),
-        ] {
+        ];
+        for (from, to) in ports.iter().chain(edits).map(|(f, t)| (*f, t.clone())) {
             assert!(
                 config.contains(from),
                 "deploy/envoy/envoy.yaml no longer has `{from}`"
@@ -498,6 +510,65 @@ async fn failure_mode_when_the_store_fails() {
         429,
         "--store-failure deny answers OVER_LIMIT itself"
     );
+}
+
+/// A domain's own `store_failure` reaches Envoy's users through Envoy's shipped 50 ms filter
+/// timeout and `failure_mode_deny: true`: with Redis dead and slidegate's `--redis-timeout`
+/// far longer (2 s), slidegate still answers by each domain's policy before Envoy's deadline,
+/// so a request to the open domain passes and one to the closed domain gets 429 (Envoy's own
+/// failure mode would answer 500 to both).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn each_domains_store_failure_reaches_envoy_before_its_timeout() {
+    let mut redis = common::redis::RedisProcess::start(&[]);
+    let dir = common::temp_dir("envoy-policies");
+    let limits = std::fs::read_to_string(format!("{MANIFEST}/deploy/envoy/limits.yaml"))
+        .expect("read limits.yaml");
+    for (domain, policy) in [("edge", "allow"), ("closed", "deny")] {
+        let text = limits.replacen(
+            "domain: edge\n",
+            &format!("domain: {domain}\nstore_failure: {policy}\n"),
+            1,
+        );
+        assert_ne!(
+            text, limits,
+            "limits.yaml no longer starts with `domain: edge`"
+        );
+        std::fs::write(dir.0.join(format!("{domain}.yaml")), text).expect("write limits");
+    }
+    let url = redis.url();
+    let config = dir.0.to_str().expect("a UTF-8 path");
+    let slidegate = start_slidegate_with(config, &["--redis", &url, "--redis-timeout", "2s"]);
+    let upstream = start_upstream().await;
+    let deny = (
+        "failure_mode_deny: false",
+        "failure_mode_deny: true".to_string(),
+    );
+    let open = start_envoy_edited(upstream, slidegate.grpc, std::slice::from_ref(&deny));
+    let closed = start_envoy_edited(
+        upstream,
+        slidegate.grpc,
+        &[deny, ("domain: edge", "domain: closed".to_string())],
+    );
+    for envoy in [&open, &closed] {
+        assert_eq!(
+            get(envoy.port, "/api", Some("f")).await.status,
+            200,
+            "Redis up"
+        );
+    }
+    redis.stop();
+    for _ in 0..3 {
+        assert_eq!(
+            get(open.port, "/api", Some("f")).await.status,
+            200,
+            "store_failure: allow, answered before Envoy's 50 ms"
+        );
+        assert_eq!(
+            get(closed.port, "/api", Some("f")).await.status,
+            429,
+            "store_failure: deny, answered before Envoy's 50 ms"
+        );
+    }
 }
 
 /// Requests every 25 ms for 2.6 s, across fixed 2 s boundaries: never more than 5 admitted in any

@@ -340,6 +340,30 @@ pub fn caller_deadline() -> Option<tokio::time::Instant> {
     CALLER_DEADLINE.try_with(|deadline| *deadline).ok()
 }
 
+/// How long before its caller's deadline a decision the store could not make is answered by
+/// the failure policy (a quarter of the time left, where that is less): room for the answer to
+/// travel back, so that the caller (Envoy, with its 20 ms filter timeout) receives the policy's
+/// answer and not its own timeout.
+pub const ANSWER_MARGIN: Duration = Duration::from_millis(3);
+
+/// When a decision that reaches a networked store at `now` is answered by the failure policy
+/// if the store has not answered it: `timeout` (`--redis-timeout`) later, or
+/// [`ANSWER_MARGIN`] before its caller's deadline where that comes first. Waiting for a turn
+/// inside slidegate counts against the same moment.
+pub fn answer_by(now: tokio::time::Instant, timeout: Duration) -> tokio::time::Instant {
+    let own = now + timeout;
+    match caller_deadline() {
+        Some(deadline) => {
+            let left = deadline.saturating_duration_since(now);
+            let early = deadline
+                .checked_sub(ANSWER_MARGIN.min(left / 4))
+                .unwrap_or(now);
+            own.min(early.max(now))
+        }
+        None => own,
+    }
+}
+
 /// The one interface the limiter needs from a store.
 pub trait Store: Send + Sync + 'static {
     /// Decides a batch at time `now_ms` (milliseconds since the Unix epoch): an item fits if it

@@ -145,6 +145,9 @@ impl RawCaller {
     ) -> RawCaller {
         use prost::Message as _;
         let tcp = tokio::net::TcpStream::connect(addr).await.expect("connect");
+        // As Envoy does: a request's HEADERS and DATA frames are two writes, and Nagle's
+        // algorithm would hold the second for the server's delayed ACK (40 ms).
+        tcp.set_nodelay(true).expect("TCP_NODELAY");
         let (send, connection) = hyper::client::conn::http2::handshake(
             hyper_util::rt::TokioExecutor::new(),
             hyper_util::rt::TokioIo::new(tcp),
@@ -169,6 +172,35 @@ impl RawCaller {
         &mut self,
         timeout: Option<&'static str>,
     ) -> (Option<String>, hyper::HeaderMap, Duration) {
+        let (status, headers, _, waited) = self.exchange(timeout).await;
+        (status, headers, waited)
+    }
+
+    /// One call: its `grpc-status`, the response's `overall_code` where it carried a message,
+    /// and how long it took.
+    async fn decide(
+        &mut self,
+        timeout: Option<&'static str>,
+    ) -> (Option<String>, Option<i32>, Duration) {
+        use prost::Message as _;
+        let (status, _, body, waited) = self.exchange(timeout).await;
+        let code = body.get(5..).and_then(|message| {
+            slidegate::proto::RateLimitResponse::decode(message)
+                .ok()
+                .map(|r| r.overall_code)
+        });
+        (status, code, waited)
+    }
+
+    async fn exchange(
+        &mut self,
+        timeout: Option<&'static str>,
+    ) -> (
+        Option<String>,
+        hyper::HeaderMap,
+        prost::bytes::Bytes,
+        Duration,
+    ) {
         use http_body_util::BodyExt as _;
         let mut call = hyper::Request::post(format!(
             "http://{}/envoy.service.ratelimit.v3.RateLimitService/ShouldRateLimit",
@@ -195,13 +227,21 @@ impl RawCaller {
             .and_then(|t| t.get("grpc-status"))
             .or_else(|| headers.get("grpc-status"))
             .map(|v| String::from_utf8_lossy(v.as_bytes()).into_owned());
-        (status, headers, waited)
+        (status, headers, body.to_bytes(), waited)
     }
 }
 
 /// A Redis of its own, a server on it whose store waits `timeout` for a caller without a
 /// deadline, and a [`RawCaller`] whose first call shows the path works (the script loaded).
 async fn raw_caller_on_redis(timeout: Duration) -> (RedisProcess, TestServer, RawCaller) {
+    raw_caller_by_policy(timeout, FailurePolicy::Error).await
+}
+
+/// [`raw_caller_on_redis`] with `policy` for store failures.
+async fn raw_caller_by_policy(
+    timeout: Duration,
+    policy: FailurePolicy,
+) -> (RedisProcess, TestServer, RawCaller) {
     let redis = RedisProcess::start(&[]);
     let store = RedisStore::connect(options(redis.url(), timeout))
         .await
@@ -210,7 +250,11 @@ async fn raw_caller_on_redis(timeout: Duration) -> (RedisProcess, TestServer, Ra
     let config = format!(
         "domain: {domain}\ndescriptors:\n  - key: k\n    rate_limit: {{unit: hour, requests_per_unit: 10}}\n"
     );
-    let server = TestServer::start(&config, Arc::new(store), LimiterOptions::default()).await;
+    let options = LimiterOptions {
+        failure_policy: policy,
+        ..LimiterOptions::default()
+    };
+    let server = TestServer::start(&config, Arc::new(store), options).await;
     let message = request(&domain, vec![descriptor(&[("k", "v")])]);
     let mut caller = RawCaller::connect(server.grpc_addr, &message).await;
     let (status, _, _) = caller.call(None).await;

@@ -57,8 +57,9 @@ where
             let decided = store::with_caller_deadline(deadline, answer(limiter, request));
             let cancelled = || Err(Status::cancelled("Timeout expired"));
             match tokio::time::timeout_at(deadline, decided).await {
-                // The store's wait for Redis ends at the caller's deadline too, and may end
-                // first: a failure then is the deadline's, answered as tonic's server answers.
+                // A networked store answers by the failure policy a little before the
+                // caller's deadline (`store::answer_by`); a failure at or past it is the
+                // deadline's, answered as tonic's server answers.
                 Ok(Err(_)) if tokio::time::Instant::now() >= deadline => cancelled(),
                 Ok(answered) => answered,
                 Err(_) => cancelled(),

@@ -10,7 +10,6 @@
 
 use std::collections::VecDeque;
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
 
 use tokio::sync::oneshot;
 use tokio::time::Instant;
@@ -31,24 +30,23 @@ struct Waiting {
 }
 
 /// Sends requests as they come while fewer than `max_calls` calls are out, and otherwise
-/// queues them for the next call (see the module's notes). Requests wait at most
-/// `queued_at_most`: time spent behind other calls is not Redis being slow, but a bound keeps a
-/// stalled Redis from collecting an endless queue.
+/// queues them for the next call (see the module's notes). A queued request waits no longer
+/// than its [`Request::answer_by`]: its wait for a turn counts against the same moment as its
+/// wait for Redis, and it is answered then (by the failure policy) even while the calls ahead
+/// of it are still out, which also keeps a stalled Redis from collecting an endless queue.
 pub(super) struct Batcher {
     queue: Mutex<Queue>,
     max_calls: usize,
-    queued_at_most: Duration,
 }
 
 impl Batcher {
-    pub fn new(max_calls: usize, queued_at_most: Duration) -> Arc<Batcher> {
+    pub fn new(max_calls: usize) -> Arc<Batcher> {
         Arc::new(Batcher {
             queue: Mutex::new(Queue {
                 calls: 0,
                 waiting: VecDeque::new(),
             }),
             max_calls: max_calls.max(1),
-            queued_at_most,
         })
     }
 
@@ -68,12 +66,13 @@ impl Batcher {
                 Turn::Now(request)
             } else {
                 let (answer, later) = oneshot::channel();
+                let (since, until) = (Instant::now(), request.answer_by);
                 queue.waiting.push_back(Waiting {
                     request,
-                    since: Instant::now(),
+                    since,
                     answer,
                 });
-                Turn::Later(later)
+                Turn::Later(later, since, until)
             }
         };
         match turn {
@@ -84,11 +83,14 @@ impl Batcher {
                 };
                 sender.call_one(request).await
             }
-            Turn::Later(later) => later.await.unwrap_or_else(|_| {
-                Err(StoreError::unavailable(
-                    "the call carrying this request was dropped",
-                ))
-            }),
+            Turn::Later(later, since, until) => match tokio::time::timeout_at(until, later).await {
+                Ok(answer) => answer.unwrap_or_else(|_| {
+                    Err(StoreError::unavailable(
+                        "the call carrying this request was dropped",
+                    ))
+                }),
+                Err(_) => Err(StoreError::Timeout(until.duration_since(since))),
+            },
         }
     }
 
@@ -112,10 +114,9 @@ impl Batcher {
                     // Its caller gave up (Envoy's timeout): nothing to send.
                     continue;
                 }
-                if now.duration_since(waiting.since) > self.queued_at_most {
-                    let _ = waiting
-                        .answer
-                        .send(Err(StoreError::Timeout(self.queued_at_most)));
+                if now >= waiting.request.answer_by {
+                    let waited = now.duration_since(waiting.since);
+                    let _ = waiting.answer.send(Err(StoreError::Timeout(waited)));
                     continue;
                 }
                 descriptors += size;
@@ -158,7 +159,8 @@ impl Batcher {
 
 enum Turn {
     Now(Request),
-    Later(oneshot::Receiver<Answer>),
+    /// Queued at the first moment, answered by the policy at the second if not sooner.
+    Later(oneshot::Receiver<Answer>, Instant, Instant),
 }
 
 /// A call that is out; when it ends, however it ends, its place goes to the waiting requests.
@@ -175,6 +177,8 @@ impl Drop for CallOut {
 
 #[cfg(test)]
 mod tests {
+    use std::time::Duration;
+
     use arc_swap::ArcSwap;
 
     use super::*;
@@ -202,10 +206,10 @@ mod tests {
             args: Vec::new(),
             slots: Slots::Standalone,
             lane: 0,
-            deadline: None,
+            answer_by: Instant::now(),
         };
         let call = sender.call_one(request());
-        let batcher = Batcher::new(1, Duration::from_secs(1));
+        let batcher = Batcher::new(1);
         let submit = batcher.submit(request(), &sender);
         let (call, submit) = (std::mem::size_of_val(&call), std::mem::size_of_val(&submit));
         assert!(call < 2_048, "a call's future is {call} bytes");

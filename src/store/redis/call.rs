@@ -38,8 +38,9 @@ pub(super) struct Request {
     /// per call would wake three, and tokio hands all but one of them to another worker
     /// (a `futex` wake-up each).
     pub lane: usize,
-    /// When its caller stops waiting (`grpc-timeout`), where it said.
-    pub deadline: Option<Instant>,
+    /// When it is answered by the failure policy if Redis has not answered it
+    /// ([`crate::store::answer_by`]).
+    pub answer_by: Instant,
 }
 
 impl Request {
@@ -78,7 +79,8 @@ pub(super) struct Sender {
     /// Requests a cluster master refused (it no longer serves their slot) and that were sent
     /// again; read by the metrics.
     pub resent: Arc<AtomicU64>,
-    /// How long a call waits for Redis for a caller that sent no deadline (`--redis-timeout`).
+    /// How long a decision waits for Redis from the moment it reaches the store
+    /// (`--redis-timeout`; its caller's deadline may end it sooner).
     pub timeout: Duration,
 }
 
@@ -118,18 +120,18 @@ impl Sender {
         .await
     }
 
-    /// A call's client (its first request's lane) and how long it waits ([`call_wait`]); `None`
-    /// when every caller has stopped waiting.
-    fn terms(&self, requests: &[Request]) -> Option<(usize, Duration)> {
+    /// A call's client (its first request's lane) and until when it waits ([`call_until`]);
+    /// `None` when every request's time is up.
+    fn terms(&self, requests: &[Request]) -> Option<(usize, Instant)> {
         let lane = requests.first().map_or(0, |r| r.lane);
-        call_wait(requests, self.timeout, Instant::now()).map(|wait| (lane, wait))
+        call_until(requests, Instant::now()).map(|until| (lane, until))
     }
 
     /// One call with every key declared (they share a slot, or there are no slots). The
     /// requests are not needed after it, so their parts move into the command.
     async fn call_declared(&self, requests: Vec<Request>) -> Vec<Answer> {
         let count = requests.len();
-        let Some((lane, wait)) = self.terms(&requests) else {
+        let Some((lane, until)) = self.terms(&requests) else {
             return vec![Err(StoreError::Timeout(Duration::ZERO)); count];
         };
         let mut keys = Vec::with_capacity(requests.iter().map(|r| r.keys.len()).sum());
@@ -140,7 +142,7 @@ impl Sender {
             keys.extend(request.keys);
             args.extend(request.args);
         }
-        match self.send(lane, wait, keys, args, false).await {
+        match self.send(lane, until, keys, args, false).await {
             Ok(reply) => split(reply, count),
             Err(e) => vec![Err(e); count],
         }
@@ -151,7 +153,7 @@ impl Sender {
     /// send again any the master refuses.
     async fn call_spread(&self, requests: Vec<Request>) -> Vec<Answer> {
         let count = requests.len();
-        let Some((lane, wait)) = self.terms(&requests) else {
+        let Some((lane, until)) = self.terms(&requests) else {
             return vec![Err(StoreError::Timeout(Duration::ZERO)); count];
         };
         let key_count: usize = requests.iter().map(|r| r.keys.len()).sum();
@@ -172,7 +174,7 @@ impl Sender {
             .take(1)
             .cloned()
             .collect();
-        let answers = match self.send(lane, wait, routing, args, true).await {
+        let answers = match self.send(lane, until, routing, args, true).await {
             Ok(reply) => split(reply, count),
             Err(e) => vec![Err(e); count],
         };
@@ -211,21 +213,26 @@ impl Sender {
         answers
     }
 
-    /// Sends until Redis answers. TRYAGAIN: a slot is being migrated and this call's keys are
-    /// split between two masters for a moment; Redis asks to send it again shortly (the caller's
-    /// deadline bounds the retries). A missing function (a restart, FUNCTION FLUSH, a node that
-    /// never saw it): load it and send again, once. Keys and arguments are shared buffers: a
-    /// copy to send again is cheap.
+    /// Sends until Redis answers, or `until`. TRYAGAIN: a slot is being migrated and this
+    /// call's keys are split between two masters for a moment; Redis asks to send it again
+    /// shortly. A missing function (a restart, FUNCTION FLUSH, a node that never saw it): load
+    /// it and send again, once. Keys and arguments are shared buffers: a copy to send again is
+    /// cheap.
     async fn send(
         &self,
         lane: usize,
-        wait: Duration,
+        until: Instant,
         keys: Vec<Key>,
         args: Vec<Value>,
         spread: bool,
     ) -> Result<Value, StoreError> {
         let mut loaded = false;
         loop {
+            // A zero timeout is none to the client: a call with no time left is not sent.
+            let wait = until.saturating_duration_since(Instant::now());
+            if wait.is_zero() {
+                return Err(StoreError::Timeout(self.timeout));
+            }
             let pool = self.pool.load();
             let sent = self
                 .library
@@ -240,49 +247,48 @@ impl Sender {
             match sent {
                 Ok(reply) => return Ok(reply),
                 Err(e) if e.details().starts_with("TRYAGAIN") => {
-                    tokio::time::sleep(TRY_AGAIN_AFTER).await;
+                    tokio::time::sleep_until(until.min(Instant::now() + TRY_AGAIN_AFTER)).await;
                 }
                 Err(e) if Library::missing(&e) && !loaded => {
                     loaded = true;
                     // Boxed: rare, and its future (about 7 KB) would otherwise be part of
                     // every call's, and of every decision's that awaits one.
-                    if let Err(e) =
-                        Box::pin(self.library.load(pool.next(), self.load_timeout)).await
-                    {
-                        return Err(call_failed(&e));
-                    }
+                    Box::pin(self.load_by(&pool, until)).await?;
                 }
                 Err(e) => return Err(call_failed(&e)),
             }
         }
     }
+
+    /// Loads the library for a call that found it missing: in a task of its own, so that it
+    /// completes (within `--redis-connect-timeout`) for the calls after this one even when
+    /// this call's time runs out first.
+    async fn load_by(&self, pool: &Pool, until: Instant) -> Result<(), StoreError> {
+        let (library, client, timeout) =
+            (self.library.clone(), pool.next().clone(), self.load_timeout);
+        let load = tokio::spawn(async move { library.load(&client, timeout).await });
+        match tokio::time::timeout_at(until, load).await {
+            Ok(Ok(Ok(()))) => Ok(()),
+            Ok(Ok(Err(e))) => Err(call_failed(&e)),
+            Ok(Err(_)) => Err(StoreError::unavailable(
+                "loading the function library failed",
+            )),
+            Err(_) => Err(StoreError::Timeout(self.timeout)),
+        }
+    }
 }
 
-/// The longest a caller whose deadline is its own waits for a call (a `grpc-timeout` of hours
-/// would otherwise hold a call's place that long while Redis does not answer), unless
-/// `--redis-timeout` is longer; the same bound as a decision's wait for its turn
-/// (`QUEUED_AT_MOST`).
-const CALLER_WAIT_AT_MOST: Duration = Duration::from_secs(1);
-
-/// How long a call carrying `requests` waits for Redis, from `now`: as long as the longest any
-/// of their callers still waits, its deadline where it sent one (up to [`CALLER_WAIT_AT_MOST`]
-/// or `timeout`, the longer), else `timeout`. A caller that waits longer than
-/// `--redis-timeout` (Envoy with a longer filter timeout, a gRPC client's own deadline) is not
-/// answered with a failure while it would still take an answer; one that waits less frees the
-/// call's place sooner. `None` when every caller has stopped waiting: nothing to send. Each
-/// try of [`Sender::send`] waits this long (as each waited `--redis-timeout` before).
-fn call_wait(requests: &[Request], timeout: Duration, now: Instant) -> Option<Duration> {
-    let wait = requests
+/// Until when a call carrying `requests` waits for Redis, from `now`: as long as the latest
+/// of their [`Request::answer_by`], so that none is answered by the failure policy while it
+/// would still take Redis's answer (a request whose time is up sooner is answered then by
+/// [`super::batch::Batcher`]'s timer). `None` when every request's time is up: nothing to
+/// send.
+fn call_until(requests: &[Request], now: Instant) -> Option<Instant> {
+    requests
         .iter()
-        .map(|r| match r.deadline {
-            Some(deadline) => deadline
-                .saturating_duration_since(now)
-                .min(CALLER_WAIT_AT_MOST.max(timeout)),
-            None => timeout,
-        })
-        .max()?;
-    // A zero timeout is none to the client: a call that may wait no time is not sent.
-    (!wait.is_zero()).then_some(wait)
+        .map(|r| r.answer_by)
+        .max()
+        .filter(|&until| until > now)
 }
 
 /// The client of `pool` for `lane` (see [`Request::lane`]). The pool is read at each try, so
@@ -442,51 +448,32 @@ mod tests {
         );
     }
 
-    /// A call waits as long as the longest-waiting of its callers: a caller's own deadline
-    /// where it sent one (up to a second), `--redis-timeout` where it did not; a call whose
-    /// callers have all stopped waiting is not sent.
+    /// A call waits until the latest of its requests' moments to be answered; a call whose
+    /// requests' time is all up is not sent.
     #[test]
-    fn a_call_waits_as_long_as_its_longest_waiting_caller() {
+    fn a_call_waits_until_its_latest_requests_moment() {
         let now = Instant::now();
-        let timeout = Duration::from_millis(15);
-        let request = |deadline: Option<Duration>| Request {
+        let request = |ms: i64| Request {
             now_ms: None,
             keys: Vec::new(),
             args: Vec::new(),
             slots: Slots::Standalone,
             lane: 0,
-            deadline: deadline.map(|d| now + d),
+            answer_by: if ms >= 0 {
+                now + Duration::from_millis(ms.unsigned_abs())
+            } else {
+                now - Duration::from_millis(ms.unsigned_abs())
+            },
         };
-        let wait = |deadlines: &[Option<u64>]| {
-            let requests: Vec<Request> = deadlines
-                .iter()
-                .map(|d| request(d.map(Duration::from_millis)))
-                .collect();
-            call_wait(&requests, timeout, now).map(|w| w.as_millis())
+        let until = |ms: &[i64]| {
+            let requests: Vec<Request> = ms.iter().map(|&m| request(m)).collect();
+            call_until(&requests, now).map(|u| u.duration_since(now).as_millis())
         };
-        assert_eq!(wait(&[None]), Some(15));
-        assert_eq!(
-            wait(&[Some(20)]),
-            Some(20),
-            "Envoy's 20 ms, past --redis-timeout"
-        );
-        assert_eq!(wait(&[Some(5)]), Some(5), "a caller that waits less");
-        assert_eq!(wait(&[Some(5), None, Some(12)]), Some(15));
-        assert_eq!(wait(&[Some(5), Some(40), None]), Some(40));
-        assert_eq!(wait(&[Some(3_600_000)]), Some(1_000), "at most a second");
-        let requests = [request(Some(Duration::from_secs(3_600)))];
-        assert_eq!(
-            call_wait(&requests, Duration::from_secs(5), now),
-            Some(Duration::from_secs(5)),
-            "or --redis-timeout where that is longer"
-        );
-        assert_eq!(wait(&[Some(0), Some(0)]), None, "every caller has gone");
-        let gone = Request {
-            deadline: Some(now - Duration::from_millis(1)),
-            ..request(None)
-        };
-        assert_eq!(call_wait(&[gone], timeout, now), None);
-        assert_eq!(wait(&[]), None, "no request, no call");
+        assert_eq!(until(&[15]), Some(15));
+        assert_eq!(until(&[5, 15, 12]), Some(15), "the latest");
+        assert_eq!(until(&[-1, 4]), Some(4), "one whose time is up rides along");
+        assert_eq!(until(&[0, -3]), None, "every request's time is up");
+        assert_eq!(until(&[]), None, "no request, no call");
     }
 
     #[test]
@@ -497,7 +484,7 @@ mod tests {
             args: Vec::new(),
             slots: Slots::Standalone,
             lane: 0,
-            deadline: None,
+            answer_by: Instant::now(),
         };
         let now = |nows: &[Option<u64>]| {
             let requests: Vec<Request> = nows.iter().map(|&n| request(n)).collect();

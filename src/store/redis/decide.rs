@@ -38,6 +38,7 @@ impl RedisStore {
             // Requests take the pool's clients in turn, as `Pool::next` would hand them out
             // (the low 32 bits: a `usize` on every target).
             lane: usize::try_from(number & u64::from(u32::MAX)).unwrap_or(0),
+            answer_by: crate::store::answer_by(Instant::now(), self.sender.timeout),
         };
         let mode = match (rejected, groups.len()) {
             (true, _) => Mode::Rejected,
@@ -277,6 +278,8 @@ impl RedisStore {
 pub(super) struct Call {
     pub(super) number: u64,
     pub(super) lane: usize,
+    /// When the request is answered by the failure policy if Redis has not answered it.
+    pub(super) answer_by: Instant,
 }
 
 /// Items of a request that go in one script call.

@@ -86,7 +86,7 @@ impl RedisStore {
             args,
             slots,
             lane: call.lane,
-            deadline: crate::store::caller_deadline(),
+            answer_by: call.answer_by,
         }
     }
 

@@ -113,10 +113,6 @@ pub struct RedisStore {
     nodes: Option<Nodes>,
 }
 
-/// The longest a decision waits for its turn to be sent (a caller's own deadline, Envoy's
-/// filter timeout sent as `grpc-timeout`, ends it sooner).
-const QUEUED_AT_MOST: Duration = Duration::from_secs(1);
-
 /// How a script call decides (a request's third argument in `lua/slidegate.lua`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Mode {
@@ -166,8 +162,8 @@ impl RedisStore {
                 resent: Arc::default(),
                 timeout: options.timeout,
             },
-            batcher: (!cluster).then(|| Batcher::new(CALLS_OUT, QUEUED_AT_MOST)),
-            nodes: cluster.then(|| Nodes::new(CALLS_OUT, QUEUED_AT_MOST)),
+            batcher: (!cluster).then(|| Batcher::new(CALLS_OUT)),
+            nodes: cluster.then(|| Nodes::new(CALLS_OUT)),
             recipe,
             health: Arc::new(Mutex::new(Health::default())),
             failing: std::sync::atomic::AtomicBool::new(false),
@@ -191,14 +187,14 @@ impl RedisStore {
 }
 
 impl RedisStore {
-    /// [`RedisStore::decide`] when its turn comes, and the health note of how it went.
-    /// `--redis-timeout` bounds each command from the moment it is handed to the client: the
-    /// client's own timeout, which also marks the command so that it is never sent after a
-    /// reconnection once its caller was told it failed (a timer of ours dropping the call would
-    /// leave it unmarked, and Redis would record hits for a call long answered with an error).
-    /// Under load, decisions wait for their turn inside slidegate, where waiting sends nothing,
-    /// up to [`QUEUED_AT_MOST`]: time spent behind other calls is not Redis being slow. The
-    /// batchers' queues are the wait (`batch.rs`), one per master on a cluster.
+    /// [`RedisStore::decide`] when its turn comes, and the health note of how it went. A
+    /// decision has until its moment ([`crate::store::answer_by`]: `--redis-timeout` after it
+    /// reaches the store, or sooner before its caller's deadline), its wait for a turn
+    /// included (the batchers' queues, one per master on a cluster: `batch.rs`). A call's
+    /// commands are bounded by the client's own timeout, which also marks a command so that it
+    /// is never sent after a reconnection once its caller was told it failed (a timer of ours
+    /// dropping the call would leave it unmarked, and Redis would record hits for a call long
+    /// answered with an error).
     async fn checked(
         &self,
         items: &[CheckItem<'_>],

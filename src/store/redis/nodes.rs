@@ -38,12 +38,11 @@ pub(super) struct Nodes {
     /// Held by the one caller reading the routing again; the others use the copy they have.
     reading: Mutex<()>,
     calls_out: usize,
-    queued_at_most: Duration,
 }
 
 impl Nodes {
     /// No routing yet: the first call reads the client's.
-    pub fn new(calls_out: usize, queued_at_most: Duration) -> Nodes {
+    pub fn new(calls_out: usize) -> Nodes {
         Nodes {
             routing: ArcSwap::from_pointee(Routing {
                 owner: Vec::new(),
@@ -52,7 +51,6 @@ impl Nodes {
             }),
             reading: Mutex::new(()),
             calls_out,
-            queued_at_most,
         }
     }
 
@@ -96,7 +94,7 @@ impl Nodes {
                         .iter()
                         .find(|(s, _)| *s == range.primary)
                         .map(|(_, b)| b.clone())
-                        .unwrap_or_else(|| Batcher::new(self.calls_out, self.queued_at_most));
+                        .unwrap_or_else(|| Batcher::new(self.calls_out));
                     masters.push((range.primary.clone(), batcher));
                     masters.len() - 1
                 }
