@@ -115,7 +115,7 @@ pub struct ServeArgs {
     /// loaded: a directory emptied by mistake would remove every limit).
     #[arg(long, env = "SLIDEGATE_ALLOW_EMPTY_CONFIG", action = ArgAction::SetTrue, value_parser = BoolishValueParser::new())]
     pub allow_empty_config: bool,
-    /// Start even when the config is missing or invalid: answer OK without limits until a valid
+    /// Start even when the config is missing, invalid or empty: answer OK without limits until a valid
     /// config arrives.
     #[arg(long, env = "SLIDEGATE_FORCE_START", action = ArgAction::SetTrue, value_parser = BoolishValueParser::new())]
     pub force_start_without_initial_config: bool,
@@ -390,12 +390,28 @@ fn check_boolean_variables(var: &dyn Fn(&str) -> Option<String>) -> Result<(), S
     Ok(())
 }
 
+/// The error for a config that defines no domain (an empty directory, one without `*.yaml`
+/// files, a file with none): a server started on it would limit nothing.
+pub fn no_domain(path: &std::path::Path) -> String {
+    format!(
+        "{}: no domain defined (no `*.yaml`/`*.yml` file with a `domain:`), so nothing would be limited; \
+         point --config (or RUNTIME_ROOT/RUNTIME_SUBDIRECTORY) at the rules, or start anyway with \
+         --force-start-without-initial-config (FORCE_START_WITHOUT_INITIAL_CONFIG=true)",
+        path.display()
+    )
+}
+
 fn check(path: &std::path::Path, args: &ServeArgs) -> ExitCode {
     let options = config::LoadOptions {
         merge_domains: args.merge_domain_config,
         allow_no_domains: true,
     };
     match config::load_path_with(path, options) {
+        Ok(loaded) if loaded.limits.domains.is_empty() => {
+            eprintln!("{}", no_domain(path));
+            eprintln!("{}: 1 error(s)", path.display());
+            ExitCode::FAILURE
+        }
         Ok(loaded) => {
             let rules = loaded.limits.rules();
             print!("{}", loaded.limits.describe());

@@ -957,3 +957,149 @@ async fn health_follows_the_store() {
     status_is(ServingStatus::Serving).await;
     s.stop().await;
 }
+
+/// Runs the binary with `args` until it exits, at most `within`: whether it succeeded, and its
+/// stderr and stdout. A run that does not end in time fails the test (it would hang a real
+/// start).
+fn run_within(args: &[&std::ffi::OsStr], within: Duration) -> (bool, String, String) {
+    let out = temp_dir("run-within");
+    let stdout = std::fs::File::create(out.0.join("stdout")).expect("stdout file");
+    let mut child = KillOnDrop(
+        Command::new(env!("CARGO_BIN_EXE_slidegate"))
+            .args(args)
+            .stdout(stdout)
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("run slidegate"),
+    );
+    let end = Instant::now() + within;
+    let status = loop {
+        if let Some(status) = child.0.try_wait().expect("wait") {
+            break status;
+        }
+        assert!(
+            Instant::now() < end,
+            "slidegate {args:?} did not end within {within:?}"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let mut stderr = String::new();
+    if let Some(mut pipe) = child.0.stderr.take() {
+        std::io::Read::read_to_string(&mut pipe, &mut stderr).expect("stderr");
+    }
+    let stdout = std::fs::read_to_string(out.0.join("stdout")).expect("stdout");
+    (status.success(), stderr, stdout)
+}
+
+/// The arguments that serve `config` on free loopback ports, and the HTTP port.
+fn serve_args(config: &Path) -> (u16, Vec<std::ffi::OsString>) {
+    let (grpc, http) = (free_port(), free_port());
+    let args = [
+        "--config".into(),
+        config.as_os_str().to_owned(),
+        "--grpc-addr".into(),
+        format!("127.0.0.1:{grpc}").into(),
+        "--http-addr".into(),
+        format!("127.0.0.1:{http}").into(),
+    ];
+    (http, args.into())
+}
+
+fn mkfifo(path: &Path) {
+    let made = Command::new("mkfifo").arg(path).status().expect("mkfifo");
+    assert!(made.success(), "mkfifo {}", path.display());
+}
+
+/// A FIFO named `*.yaml` (in a directory, or as the config itself) is an error named for what
+/// it is, without being opened: `check` and the server's start end at once, and on hot reload
+/// it is rejected while a later change to a real file is still applied.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fifo_in_the_config_is_an_error_not_a_hang() {
+    let dir = temp_dir("fifo");
+    std::fs::write(dir.0.join("b.yaml"), limits("f1", "f2")).expect("write");
+    mkfifo(&dir.0.join("a.yaml"));
+    let within = Duration::from_secs(20);
+    let (ok, stderr, _) = run_within(&["check".as_ref(), dir.0.as_os_str()], within);
+    assert!(!ok, "check passed a FIFO");
+    assert!(
+        stderr.contains("a.yaml") && stderr.contains("is a FIFO, not read"),
+        "{stderr}"
+    );
+    let alone = dir.0.join("a.yaml");
+    let (ok, stderr, _) = run_within(&["check".as_ref(), alone.as_os_str()], within);
+    assert!(!ok && stderr.contains("is a FIFO, not read"), "{stderr}");
+    let (_, serve) = serve_args(&dir.0);
+    let serve: Vec<&std::ffi::OsStr> = serve.iter().map(AsRef::as_ref).collect();
+    let (ok, stderr, _) = run_within(&serve, within);
+    assert!(!ok && stderr.contains("is a FIFO, not read"), "{stderr}");
+
+    // Hot reload: the FIFO arrives after the start; rejected, and the watcher goes on.
+    let live = temp_dir("fifo-reload");
+    std::fs::write(live.0.join("b.yaml"), limits("r1", "r2")).expect("write");
+    let (s, _watch) = watched(&live.0).await;
+    let errors = config_errors(&s);
+    mkfifo(&live.0.join("a.yaml"));
+    let end = Instant::now() + Duration::from_secs(10);
+    while config_errors(&s) < errors + 1.0 {
+        assert!(Instant::now() < end, "the FIFO was not rejected");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    std::fs::remove_file(live.0.join("a.yaml")).expect("remove the FIFO");
+    std::fs::write(live.0.join("b.yaml"), limits("r3", "r4")).expect("edit");
+    wait_for_names(&s, ("r3", "r4")).await;
+    s.stop().await;
+}
+
+/// A config that defines no domain is refused at start (it would limit nothing and report
+/// ready) and by `check`, with a message naming the flag that starts anyway; with the
+/// reference's `FORCE_START_WITHOUT_INITIAL_CONFIG=true` the server starts and is ready.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_empty_config_is_refused_unless_forced() {
+    let dir = temp_dir("empty-config");
+    let within = Duration::from_secs(20);
+    let (ok, stderr, _) = run_within(&["check".as_ref(), dir.0.as_os_str()], within);
+    assert!(!ok, "check passed an empty directory");
+    assert!(stderr.contains("no domain defined"), "{stderr}");
+    let (http, serve) = serve_args(&dir.0);
+    let serve: Vec<&std::ffi::OsStr> = serve.iter().map(AsRef::as_ref).collect();
+    let (ok, stderr, _) = run_within(&serve, within);
+    assert!(!ok, "started on an empty config");
+    assert!(
+        stderr.contains("no domain defined")
+            && stderr.contains("--force-start-without-initial-config")
+            && stderr.contains("FORCE_START_WITHOUT_INITIAL_CONFIG=true"),
+        "{stderr}"
+    );
+    let _forced = KillOnDrop(
+        Command::new(env!("CARGO_BIN_EXE_slidegate"))
+            .args(&serve)
+            .env("FORCE_START_WITHOUT_INITIAL_CONFIG", "true")
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("start slidegate"),
+    );
+    wait_until("the forced start ready", within, || {
+        command(http, "GET /readyz HTTP/1.0\r\n").is_ok_and(|r| r.contains("200 OK"))
+    });
+}
+
+/// One file of 100,000 rules loads: the parser's limits grow with the file.
+#[test]
+fn a_file_of_100000_rules_loads() {
+    let dir = temp_dir("many-rules");
+    let mut text = String::from("domain: many\ndescriptors:\n");
+    for i in 0..100_000 {
+        text.push_str(&format!(
+            "  - key: k\n    value: v{i}\n    rate_limit: {{unit: minute, requests_per_unit: 10}}\n"
+        ));
+    }
+    let file = dir.0.join("many.yaml");
+    std::fs::write(&file, text).expect("write");
+    let (ok, stderr, stdout) = run_within(
+        &["check".as_ref(), file.as_os_str()],
+        Duration::from_secs(120),
+    );
+    assert!(ok, "{stderr}");
+    assert!(stdout.contains("1 file(s), 100000 rule(s), OK"), "{stderr}");
+}

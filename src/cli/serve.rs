@@ -228,6 +228,9 @@ fn initial_config(
     force_start: bool,
 ) -> Result<Loaded, String> {
     match config::load_path_with(path, options) {
+        Ok(loaded) if loaded.limits.domains.is_empty() && !force_start => {
+            Err(super::no_domain(path))
+        }
         Ok(loaded) => {
             for warning in &loaded.warnings {
                 tracing::warn!("{warning}");

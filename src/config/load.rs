@@ -126,6 +126,15 @@ pub fn load_path_with(path: &Path, options: LoadOptions) -> Result<Loaded, Confi
     let mut sources = Vec::with_capacity(files.len());
     let mut errors = Vec::new();
     for file in &files {
+        if let Some(message) = not_regular(file) {
+            errors.push(ConfigError {
+                file: file.display().to_string(),
+                line: 0,
+                path: String::new(),
+                message,
+            });
+            continue;
+        }
         match std::fs::read_to_string(file) {
             Ok(text) => sources.push((file.display().to_string(), text)),
             Err(e) => errors.push(ConfigError {
@@ -158,10 +167,36 @@ pub fn load_path_with(path: &Path, options: LoadOptions) -> Result<Loaded, Confi
     }
 }
 
+/// Why `file` (its links followed) is not read, when it is something other than a regular
+/// file: opening a FIFO waits for a writer for ever, and a device or socket is no config.
+/// Checked without opening it.
+fn not_regular(file: &Path) -> Option<String> {
+    use std::os::unix::fs::FileTypeExt as _;
+    // A missing or unreadable entry is left to the read, which reports it.
+    let kind = std::fs::metadata(file).ok()?.file_type();
+    let what = if kind.is_file() || kind.is_dir() {
+        return None;
+    } else if kind.is_fifo() {
+        "a FIFO"
+    } else if kind.is_socket() {
+        "a socket"
+    } else if kind.is_char_device() || kind.is_block_device() {
+        "a device"
+    } else {
+        "not a regular file"
+    };
+    Some(format!(
+        "is {what}, not read: a config entry must be a regular file (or a link to one)"
+    ))
+}
+
 fn config_files(path: &Path) -> Result<Vec<PathBuf>, String> {
     let meta = std::fs::metadata(path).map_err(|e| format!("cannot read config: {e}"))?;
     if meta.is_file() {
         return Ok(vec![path.to_path_buf()]);
+    }
+    if !meta.is_dir() {
+        return Err(not_regular(path).unwrap_or_else(|| "is not a file or directory".into()));
     }
     let mut files = Vec::new();
     let entries =
@@ -321,9 +356,24 @@ fn blank_field(lines: &mut [&str], line: u64) -> bool {
     true
 }
 
+/// The parser's limits for one file of `bytes`: its defaults (which stop inputs that expand,
+/// by aliases or nesting, into far more than they hold), except that the node and event counts
+/// grow with the file, as no node takes less than a byte without an alias: a file of 100,000
+/// rules (about 900,000 nodes) loads as its size allows.
+fn parse_options(bytes: usize) -> serde_saphyr::Options {
+    let defaults = serde_saphyr::Budget::default();
+    serde_saphyr::options! {
+        budget: serde_saphyr::budget! {
+            max_nodes: defaults.max_nodes.max(bytes),
+            max_events: defaults.max_events.max(bytes.saturating_mul(2)),
+        },
+    }
+}
+
 fn parse(file: &str, text: &str) -> Result<RawFile, ConfigError> {
     let mut path = String::new();
-    let parsed = serde_saphyr::with_deserializer_from_str(text, |de| {
+    let options = parse_options(text.len());
+    let parsed = serde_saphyr::with_deserializer_from_str_with_options(text, options, |de| {
         serde_path_to_error::deserialize(de).map_err(|e| {
             path = yaml_path(e.path());
             e.into_inner()
