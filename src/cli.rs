@@ -129,6 +129,19 @@ pub struct ServeArgs {
     /// a third of it, so live ones stay); also the time a client has to send request headers.
     #[arg(long, env = "SLIDEGATE_IDLE_TIMEOUT", default_value = "25s", value_parser = duration_arg)]
     pub idle_timeout: Duration,
+    /// Streams open at once on one HTTP/2 connection; Envoy opens another connection when one
+    /// is full.
+    #[arg(long, env = "SLIDEGATE_MAX_CONCURRENT_STREAMS", default_value_t = ConnectionLimits::default().max_streams, value_parser = clap::value_parser!(u32).range(1..))]
+    pub max_concurrent_streams: u32,
+    /// How long a request's body may take to arrive whole, on both ports.
+    #[arg(long, env = "SLIDEGATE_BODY_TIMEOUT", default_value = "10s", value_parser = duration_arg)]
+    pub body_timeout: Duration,
+    /// Request bytes held at once for one connection's bodies still arriving (e.g. 8MiB).
+    #[arg(long, env = "SLIDEGATE_MAX_BUFFERED_PER_CONNECTION", default_value = "8MiB", value_parser = bytes_arg)]
+    pub max_buffered_per_connection: usize,
+    /// Request bytes held at once over the whole server (e.g. 64MiB).
+    #[arg(long, env = "SLIDEGATE_MAX_BUFFERED", default_value = "64MiB", value_parser = bytes_arg)]
+    pub max_buffered: usize,
     /// After SIGTERM, keep serving with readiness off this long before closing listeners.
     #[arg(long, env = "SLIDEGATE_SHUTDOWN_DELAY", default_value = "0s", value_parser = duration_or_zero_arg)]
     pub shutdown_delay: Duration,
@@ -280,6 +293,27 @@ pub enum LogFormat {
 
 fn duration_arg(text: &str) -> Result<Duration, String> {
     config::duration::parse_ms(text).map(Duration::from_millis)
+}
+
+/// A size in bytes: digits, with an optional `KiB`, `MiB` or `GiB` (powers of 1,024).
+fn bytes_arg(text: &str) -> Result<usize, String> {
+    let text = text.trim();
+    let digits = text.trim_end_matches(|c: char| c.is_ascii_alphabetic());
+    let shift = match &text[digits.len()..] {
+        "" | "B" => 0,
+        "KiB" => 10,
+        "MiB" => 20,
+        "GiB" => 30,
+        _ => u32::MAX,
+    };
+    let amount: Option<usize> = digits.trim().parse().ok();
+    amount
+        .filter(|_| shift != u32::MAX)
+        .and_then(|n| n.checked_mul(1usize.checked_shl(shift)?))
+        .filter(|&n| n > 0)
+        .ok_or_else(|| {
+            format!("'{text}' is not a size: write a positive whole number of bytes, or one with KiB, MiB or GiB (8MiB)")
+        })
 }
 
 fn duration_or_zero_arg(text: &str) -> Result<Duration, String> {
@@ -437,6 +471,18 @@ fn check(path: &std::path::Path, args: &ServeArgs) -> ExitCode {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn sizes_take_binary_units_and_refuse_the_rest() {
+        assert_eq!(bytes_arg("8MiB"), Ok(8 << 20));
+        assert_eq!(bytes_arg("512KiB"), Ok(512 << 10));
+        assert_eq!(bytes_arg("2GiB"), Ok(2 << 30));
+        assert_eq!(bytes_arg("4096"), Ok(4096));
+        for wrong in ["", "0", "8MB", "8 mb", "-1", "MiB", "1.5MiB"] {
+            let message = bytes_arg(wrong).expect_err(wrong);
+            assert!(message.contains("KiB, MiB or GiB"), "{wrong}: {message}");
+        }
+    }
 
     #[test]
     fn a_zero_delay_takes_only_known_units() {

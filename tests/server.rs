@@ -464,8 +464,10 @@ async fn a_message_near_the_size_cap_is_read_and_one_past_it_is_refused() {
     server.stop().await;
 }
 
-/// Envoy multiplexes a worker's calls on one connection: 2,000 calls in flight at once on one
-/// connection are all answered, each exactly (one user each, one call each: all OK).
+/// Envoy multiplexes a worker's calls on one connection: 2,000 calls at once on one
+/// connection of a client that keeps to the server's stream cap (100 open at a time, the rest
+/// queued by the client, as gRPC clients do) are all answered, each exactly (one user each, one
+/// call each: all OK).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn many_streams_on_one_connection_are_all_answered() {
     let server = start().await;

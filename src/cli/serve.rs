@@ -112,6 +112,10 @@ async fn serve_async(args: ServeArgs) -> Result<(), String> {
             connections: ConnectionLimits {
                 max_connections: args.max_connections,
                 idle_timeout: args.idle_timeout,
+                max_streams: args.max_concurrent_streams,
+                body_timeout: args.body_timeout,
+                max_buffered_per_connection: args.max_buffered_per_connection,
+                max_buffered: args.max_buffered,
             },
             tls_reload_interval: args.tls_reload_interval,
             // From xDS without FORCE_START_WITHOUT_INITIAL_CONFIG: not ready before the

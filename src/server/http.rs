@@ -5,6 +5,7 @@
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
 
 use axum::Router;
 use axum::extract::State;
@@ -15,6 +16,7 @@ use axum::routing::{get, post};
 use crate::limiter::{Code, Limiter, LimiterError};
 use crate::metrics::Metrics;
 use crate::proto::RateLimitRequest;
+use crate::server::budget::{Hold, RequestBytes};
 use crate::wire;
 
 /// What the HTTP handlers share.
@@ -29,6 +31,10 @@ pub struct HttpState {
     pub ready_needs_config: bool,
     /// When set, not ready until it is true (the xDS source's first config).
     pub config_arrived: Option<Arc<AtomicBool>>,
+    /// The server's bound on request bytes held while bodies arrive.
+    pub bytes: RequestBytes,
+    /// How long a `POST /json` body may take to arrive whole.
+    pub body_timeout: Duration,
 }
 
 pub fn router(state: HttpState) -> Router {
@@ -137,7 +143,26 @@ async fn config(State(state): State<HttpState>) -> String {
 
 /// `POST /json`: the proto3 JSON form of a `RateLimitRequest` (read by the pbjson mapping
 /// generated from `proto/`, like grpc-gateway's), decided on the same path as a gRPC call.
-async fn json(State(state): State<HttpState>, body: axum::body::Bytes) -> Response {
+async fn json(State(state): State<HttpState>, body: axum::body::Body) -> Response {
+    let account = state.bytes.connection();
+    let read = read_body(body, account.hold());
+    let body = match tokio::time::timeout(state.body_timeout, read).await {
+        Ok(Ok(body)) => body,
+        Ok(Err(refused)) => return refused.into_response(),
+        Err(_) => {
+            let message = format!(
+                "the request's body did not arrive whole within {:?} (--body-timeout)\n",
+                state.body_timeout
+            );
+            // Closes the connection: the rest of the body is not waited for.
+            return (
+                StatusCode::REQUEST_TIMEOUT,
+                [(axum::http::header::CONNECTION, "close")],
+                message,
+            )
+                .into_response();
+        }
+    };
     let request: RateLimitRequest = match serde_json::from_slice(&body) {
         Ok(r) => r,
         Err(e) => {
@@ -162,6 +187,40 @@ async fn json(State(state): State<HttpState>, body: axum::body::Bytes) -> Respon
         }
         Err(e) => (StatusCode::SERVICE_UNAVAILABLE, format!("{e}\n")).into_response(),
     }
+}
+
+/// The largest `POST /json` body taken (axum's default for a body read whole).
+const MAX_JSON_BYTES: usize = 2 << 20;
+
+/// A `POST /json` body, charged to `hold` as it arrives; 413 past [`MAX_JSON_BYTES`] or the
+/// server's bound, 400 when the body fails.
+async fn read_body(
+    body: axum::body::Body,
+    mut hold: Hold<'_>,
+) -> Result<Vec<u8>, (StatusCode, String)> {
+    use http_body_util::BodyExt as _;
+    let too_large = |message: String| Err((StatusCode::PAYLOAD_TOO_LARGE, format!("{message}\n")));
+    let mut body = std::pin::pin!(body);
+    let mut read = Vec::new();
+    while let Some(frame) = body.frame().await {
+        let frame = frame.map_err(|e| {
+            (
+                StatusCode::BAD_REQUEST,
+                format!("cannot read the body: {e}\n"),
+            )
+        })?;
+        let Ok(data) = frame.into_data() else {
+            continue;
+        };
+        if read.len() + data.len() > MAX_JSON_BYTES {
+            return too_large(format!("the body passes {MAX_JSON_BYTES} bytes"));
+        }
+        if let Err(e) = hold.grow(data.len()) {
+            return too_large(e.to_string());
+        }
+        read.extend_from_slice(&data);
+    }
+    Ok(read)
 }
 
 #[cfg(test)]

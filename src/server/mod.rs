@@ -18,10 +18,12 @@ use tonic_health::ServingStatus;
 use tonic_health::pb::health_server::HealthServer;
 use tonic_health::server::HealthReporter;
 
+pub mod budget;
 pub mod grpc;
 pub mod http;
 pub mod net;
 
+use self::budget::RequestBytes;
 use self::grpc::streams::{Served, StreamQueue};
 use self::grpc::tls::{self, GrpcConn, ServerTls};
 use self::grpc::{GrpcBody, GrpcService};
@@ -157,6 +159,7 @@ pub async fn run(
     ));
 
     let limits = app.options.connections;
+    let bytes = RequestBytes::new(limits.max_buffered, limits.max_buffered_per_connection);
     // Aborted when `run` returns.
     let _tls_reloader = listeners
         .grpc_tls
@@ -164,10 +167,11 @@ pub async fn run(
         .map(|tls| AbortOnDrop(tls.spawn_reloader(app.options.tls_reload_interval)));
     let grpc_listener = GuardedListener::new(listeners.grpc, limits);
     let connections = tls::incoming(grpc_listener, listeners.grpc_tls, limits.header_timeout());
+    let service = grpc_service(&app, health_service, &bytes, limits.body_timeout)?;
     let grpc_server = serve_grpc(
         connections,
-        grpc_service(&app, health_service)?,
-        limits.keep_alive(),
+        move || service.for_connection(),
+        limits,
         wait_for(stop.clone()),
     );
     let http_state = HttpState {
@@ -176,6 +180,8 @@ pub async fn run(
         ready: ready.clone(),
         ready_needs_config: app.options.ready_needs_config,
         config_arrived: app.options.config_arrived.clone(),
+        bytes: bytes.clone(),
+        body_timeout: limits.body_timeout,
     };
     let http_server = net::serve_http(
         GuardedListener::new(listeners.http, limits),
@@ -239,6 +245,8 @@ async fn finish_within_grace(
 fn grpc_service(
     app: &App,
     health_service: HealthServer<impl tonic_health::pb::health_server::Health>,
+    bytes: &RequestBytes,
+    body_timeout: Duration,
 ) -> Result<GrpcService<Routes>, ServerError> {
     // Each version also registers the other's descriptors, so both list the same four services
     // whichever one a client (old or new grpcurl) asks.
@@ -256,25 +264,31 @@ fn grpc_service(
         .add_service(reflection_v1)
         .add_service(reflection_v1alpha)
         .prepare();
-    Ok(GrpcService::new(app.limiter.clone(), routes))
+    Ok(GrpcService::new(app.limiter.clone(), routes).with_bounds(bytes.connection(), body_timeout))
 }
 
-/// The HTTP/2 side of a gRPC connection: hyper's server, with keep-alive pings every
-/// `keep_alive`, its streams handed to `queue` (see [`grpc::streams`]).
+/// The HTTP/2 receive window of each gRPC stream.
+const STREAM_WINDOW: u32 = 256 * 1024;
+
+/// The HTTP/2 side of a gRPC connection: hyper's server, with keep-alive pings and a cap on
+/// open streams as `limits` say, its streams handed to `queue` (see [`grpc::streams`]).
 fn grpc_builder(
-    keep_alive: Duration,
+    limits: ConnectionLimits,
     queue: StreamQueue,
 ) -> hyper::server::conn::http2::Builder<StreamQueue> {
     let mut builder = hyper::server::conn::http2::Builder::new(queue);
     builder
         .timer(TokioTimer::new())
-        .keep_alive_interval(keep_alive)
-        .keep_alive_timeout(keep_alive)
-        // No cap on a connection's streams, as tonic's server set (hyper's own default is
-        // 200): Envoy multiplexes a worker's calls on one connection. hyper's other defaults
-        // stay, among them its cap on streams a peer makes the server reset (1,024), which
-        // tonic's server turned off.
-        .max_concurrent_streams(None)
+        .keep_alive_interval(limits.keep_alive())
+        .keep_alive_timeout(limits.keep_alive())
+        // Envoy's pool honours the cap by opening another connection once one is full; a
+        // client without a cap could hold any number of streams' state. hyper's other
+        // defaults stay, among them its cap on streams a peer makes the server reset (1,024).
+        .max_concurrent_streams(limits.max_streams)
+        // What a stream's peer may send ahead of the call reading it. hyper's 1 MiB let a
+        // connection of large messages have several MiB per stream waiting in the server
+        // (tests/bounds.rs); Envoy's calls are a few hundred bytes.
+        .initial_stream_window_size(STREAM_WINDOW)
         // No `date` header: gRPC does not use it (grpc-go's and gRPC core's servers send none),
         // and every response would encode it.
         .auto_date_header(false);
@@ -287,16 +301,15 @@ fn grpc_builder(
 /// what that saves).
 async fn serve_grpc<S>(
     mut connections: Pin<Box<dyn Stream<Item = std::io::Result<GrpcConn>> + Send>>,
-    service: S,
-    keep_alive: Duration,
+    service: impl Fn() -> S,
+    limits: ConnectionLimits,
     shutdown: impl Future<Output = ()>,
 ) where
     S: hyper::service::Service<
             HttpRequest<hyper::body::Incoming>,
             Response = HttpResponse<GrpcBody>,
             Error = Infallible,
-        > + Clone
-        + Send
+        > + Send
         + 'static,
     S::Future: Send + 'static,
 {
@@ -309,8 +322,8 @@ async fn serve_grpc<S>(
                 Some(Ok(io)) => {
                     let queue = StreamQueue::new();
                     let connection = graceful.watch(
-                        grpc_builder(keep_alive, queue.clone())
-                            .serve_connection(TokioIo::new(io), service.clone()),
+                        grpc_builder(limits, queue.clone())
+                            .serve_connection(TokioIo::new(io), service()),
                     );
                     tokio::spawn(log_end(Served::new(connection, &queue)));
                 }

@@ -17,13 +17,22 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio::time::{Instant, Sleep};
 
-/// What one port accepts.
+/// What one port accepts, and what one connection may hold.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct ConnectionLimits {
     /// Connections open at once; past it, new ones wait in the kernel's backlog.
     pub max_connections: usize,
     /// A connection nothing has been read from for this long is closed.
     pub idle_timeout: Duration,
+    /// Streams open at once on one HTTP/2 connection (`SETTINGS_MAX_CONCURRENT_STREAMS`); a
+    /// client that opens more has them refused, and Envoy opens another connection instead.
+    pub max_streams: u32,
+    /// How long a request's body may take to arrive whole, from its headers.
+    pub body_timeout: Duration,
+    /// Request bytes held at once for one connection's bodies that are still arriving.
+    pub max_buffered_per_connection: usize,
+    /// The same over the whole server (every connection of every port).
+    pub max_buffered: usize,
 }
 
 impl Default for ConnectionLimits {
@@ -31,6 +40,10 @@ impl Default for ConnectionLimits {
         ConnectionLimits {
             max_connections: 10_000,
             idle_timeout: Duration::from_secs(25),
+            max_streams: 100,
+            body_timeout: Duration::from_secs(10),
+            max_buffered_per_connection: 8 << 20,
+            max_buffered: 64 << 20,
         }
     }
 }
@@ -226,6 +239,7 @@ pub async fn serve_http(
     builder
         .http2()
         .timer(TokioTimer::new())
+        .max_concurrent_streams(limits.max_streams)
         .keep_alive_interval(limits.keep_alive())
         .keep_alive_timeout(limits.keep_alive());
     let graceful = hyper_util::server::graceful::GracefulShutdown::new();

@@ -23,6 +23,8 @@ use tonic::codegen::http::{HeaderMap, HeaderName, HeaderValue, Request, Response
 use super::{BoxError, GrpcBody, decide};
 use crate::limiter::Limiter;
 use crate::proto::{RateLimitRequest, RateLimitResponse};
+use crate::server::budget::{ConnectionBytes, Exhausted, Hold, RequestBytes};
+use crate::server::net::ConnectionLimits;
 use crate::store;
 
 // The gRPC headers read or written on every call, as names made at compile time: looked up
@@ -40,7 +42,11 @@ const PREFIX: usize = 5;
 /// Answers one `ShouldRateLimit` call, within the caller's `grpc-timeout` when it sends one (as
 /// Envoy does, with its filter timeout): past it the answer is `CANCELLED`, as tonic's server
 /// answers, and whatever the decision still waited for is dropped.
-pub async fn should_rate_limit<B>(limiter: &Limiter, request: Request<B>) -> Response<GrpcBody>
+pub async fn should_rate_limit<B>(
+    limiter: &Limiter,
+    bounds: &BodyBounds,
+    request: Request<B>,
+) -> Response<GrpcBody>
 where
     B: http_body::Body<Data = Bytes>,
     B::Error: Into<BoxError>,
@@ -52,9 +58,9 @@ where
         .and_then(grpc_timeout)
         .and_then(|timeout| tokio::time::Instant::now().checked_add(timeout));
     let answered = match deadline {
-        None => answer(limiter, request).await,
+        None => answer(limiter, bounds, request).await,
         Some(deadline) => {
-            let decided = store::with_caller_deadline(deadline, answer(limiter, request));
+            let decided = store::with_caller_deadline(deadline, answer(limiter, bounds, request));
             let cancelled = || Err(Status::cancelled("Timeout expired"));
             match tokio::time::timeout_at(deadline, decided).await {
                 // A networked store answers by the failure policy a little before the
@@ -92,7 +98,29 @@ fn grpc_timeout(value: &HeaderValue) -> Option<Duration> {
     })
 }
 
-async fn answer<B>(limiter: &Limiter, request: Request<B>) -> Result<Response<GrpcBody>, Status>
+/// What a connection's request bodies may hold ([`ConnectionBytes`]), and how long one may take
+/// to arrive whole from its headers.
+#[derive(Clone, Debug)]
+pub struct BodyBounds {
+    pub bytes: ConnectionBytes,
+    pub timeout: Duration,
+}
+
+impl Default for BodyBounds {
+    /// Bytes bounded only by each message's size; the default body timeout.
+    fn default() -> Self {
+        BodyBounds {
+            bytes: RequestBytes::new(usize::MAX, usize::MAX).connection(),
+            timeout: ConnectionLimits::default().body_timeout,
+        }
+    }
+}
+
+async fn answer<B>(
+    limiter: &Limiter,
+    bounds: &BodyBounds,
+    request: Request<B>,
+) -> Result<Response<GrpcBody>, Status>
 where
     B: http_body::Body<Data = Bytes>,
     B::Error: Into<BoxError>,
@@ -110,53 +138,81 @@ where
         );
         return Err(status);
     }
-    let message = read_message(request.into_body()).await?;
+    let read = read_message(request.into_body(), bounds.bytes.hold());
+    let message = match tokio::time::timeout(bounds.timeout, read).await {
+        Ok(message) => message?,
+        Err(_) => {
+            return Err(Status::deadline_exceeded(format!(
+                "the request's body did not arrive whole within {:?} (--body-timeout)",
+                bounds.timeout
+            )));
+        }
+    };
     // As tonic's protobuf codec maps a decoding error.
     let request = RateLimitRequest::decode(message).map_err(|e| Status::internal(e.to_string()))?;
     Ok(reply(&decide(limiter, request).await?))
 }
 
 /// The request's one message, without its prefix. Reads until the message is whole (a client
-/// that keeps the stream open after it is not waited for) or the body ends.
-async fn read_message<B>(body: B) -> Result<Bytes, Status>
+/// that keeps the stream open after it is not waited for) or the body ends. A message spread
+/// over frames is copied together, charged to `hold`.
+async fn read_message<B>(body: B, mut hold: Hold<'_>) -> Result<Bytes, Status>
 where
     B: http_body::Body<Data = Bytes>,
     B::Error: Into<BoxError>,
 {
     let mut body = std::pin::pin!(body);
-    // Nearly always the whole message arrives in one frame: it is used as it came, and only a
-    // message spread over frames is copied together.
-    let mut first: Option<Bytes> = None;
     let mut joined = BytesMut::new();
+    let exhausted = |e: Exhausted| Status::resource_exhausted(e.to_string());
     while let Some(frame) = body.frame().await {
         // As tonic maps a body's error (a reset stream's reason becomes its status).
         let frame = frame.map_err(|e| Status::from_error(e.into()))?;
         let Ok(data) = frame.into_data() else {
             continue; // trailers: tonic adds them to the metadata, which the service never reads
         };
-        if first.is_none() && joined.is_empty() {
-            first = Some(data);
-        } else {
-            if let Some(earlier) = first.take() {
-                joined.extend_from_slice(&earlier);
+        if joined.is_empty() {
+            // Nearly always the whole message arrives in one frame: it is used where it lies.
+            if let Some(length) = whole_message(&data)? {
+                return Ok(data.slice(PREFIX..PREFIX + length));
             }
+            if data.is_empty() {
+                continue;
+            }
+            // A message spread over frames is copied out at once: kept, a frame would pin
+            // the connection's whole read buffer behind it while the rest arrives. Its declared
+            // size is charged, and its buffer made, up front, so a slow sender holds no more
+            // than it said and nothing regrows.
+            let declared = declared_length(&data).map_or(0, |length| PREFIX + length);
+            let size = declared.max(data.len());
+            hold.grow(size).map_err(exhausted)?;
+            joined = BytesMut::with_capacity(size);
             joined.extend_from_slice(&data);
+            continue;
         }
-        let seen = first.as_deref().unwrap_or(&joined);
-        if let Some(length) = whole_message(seen)? {
-            let message = match first.take() {
-                Some(bytes) => bytes.slice(PREFIX..PREFIX + length),
-                None => joined.freeze().slice(PREFIX..PREFIX + length),
-            };
-            return Ok(message);
+        let past = (joined.len() + data.len()).saturating_sub(joined.capacity());
+        if past > 0 {
+            hold.grow(past).map_err(exhausted)?;
+        }
+        joined.extend_from_slice(&data);
+        if let Some(length) = whole_message(&joined)? {
+            return Ok(joined.freeze().slice(PREFIX..PREFIX + length));
         }
     }
-    let seen = first.as_deref().unwrap_or(&joined);
-    Err(if seen.is_empty() {
+    Err(if joined.is_empty() {
         Status::internal("Missing request message.")
     } else {
         Status::internal("Unexpected EOF decoding stream.")
     })
+}
+
+/// The length the message `seen` starts with declares, when its prefix is there and the
+/// length within [`MAX_REQUEST_BYTES`] (a longer one is refused by [`whole_message`]).
+fn declared_length(seen: &[u8]) -> Option<usize> {
+    let &[_, a, b, c, d] = seen.get(..PREFIX)? else {
+        return None;
+    };
+    let length = usize::try_from(u32::from_be_bytes([a, b, c, d])).ok()?;
+    (length <= MAX_REQUEST_BYTES).then_some(length)
 }
 
 /// The length of the message `seen` starts with, once all of it is there.
@@ -303,7 +359,8 @@ mod tests {
     async fn a_call_ends_cancelled_at_its_grpc_timeout() {
         let limiter = limiter();
         let started = tokio::time::Instant::now();
-        let response = should_rate_limit(&limiter, silent_call(Some("20m"))).await;
+        let response =
+            should_rate_limit(&limiter, &BodyBounds::default(), silent_call(Some("20m"))).await;
         assert_eq!(started.elapsed(), Duration::from_millis(20));
         let (head, body) = response.into_parts();
         assert_eq!(head.status, tonic::codegen::http::StatusCode::OK);
@@ -319,15 +376,21 @@ mod tests {
         assert!(body.is_end_stream());
     }
 
-    /// Without the header nothing ends the call but the caller going away.
+    /// Without the header, a body that does not come ends the call at the body timeout
+    /// (`--body-timeout`), `DEADLINE_EXCEEDED`, and not before.
     #[tokio::test(start_paused = true)]
-    async fn a_call_without_grpc_timeout_waits() {
+    async fn a_call_without_grpc_timeout_ends_at_the_body_timeout() {
         let limiter = limiter();
-        let call = should_rate_limit(&limiter, silent_call(None));
-        assert!(
-            tokio::time::timeout(Duration::from_secs(3600), call)
-                .await
-                .is_err()
+        let bounds = BodyBounds::default();
+        let started = tokio::time::Instant::now();
+        let response = should_rate_limit(&limiter, &bounds, silent_call(None)).await;
+        assert_eq!(started.elapsed(), bounds.timeout);
+        assert_eq!(
+            response
+                .headers()
+                .get("grpc-status")
+                .map(HeaderValue::as_bytes),
+            Some(&b"4"[..])
         );
     }
 }

@@ -11,12 +11,14 @@ use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll};
+use std::time::Duration;
 
 use prost::bytes::Bytes;
 use tonic::codegen::http::{Request, Response};
 
 use crate::limiter::{Limiter, LimiterError};
 use crate::proto::{RateLimitRequest, RateLimitResponse};
+use crate::server::budget::ConnectionBytes;
 use crate::wire;
 
 pub mod direct;
@@ -52,11 +54,39 @@ pub const SHOULD_RATE_LIMIT_PATH: &str =
 pub struct GrpcService<S> {
     limiter: Arc<Limiter>,
     router: S,
+    /// What the connection's request bodies may hold, and how long one may take to arrive.
+    bounds: direct::BodyBounds,
 }
 
 impl<S> GrpcService<S> {
+    /// A service whose request bodies are bounded only by their message size.
     pub fn new(limiter: Arc<Limiter>, router: S) -> Self {
-        GrpcService { limiter, router }
+        GrpcService {
+            limiter,
+            router,
+            bounds: direct::BodyBounds::default(),
+        }
+    }
+
+    /// With `bytes` as the account of the connections it serves and `timeout` for a body.
+    pub fn with_bounds(mut self, bytes: ConnectionBytes, timeout: Duration) -> Self {
+        self.bounds = direct::BodyBounds { bytes, timeout };
+        self
+    }
+}
+
+impl<S: Clone> GrpcService<S> {
+    /// The service for one new connection: its own account of request bytes, under the
+    /// server's.
+    pub fn for_connection(&self) -> Self {
+        GrpcService {
+            limiter: self.limiter.clone(),
+            router: self.router.clone(),
+            bounds: direct::BodyBounds {
+                bytes: self.bounds.bytes.server().connection(),
+                timeout: self.bounds.timeout,
+            },
+        }
     }
 }
 
@@ -81,8 +111,8 @@ where
 
     fn call(&self, request: Request<B>) -> Self::Future {
         if request.uri().path() == SHOULD_RATE_LIMIT_PATH {
-            let limiter = self.limiter.clone();
-            Box::pin(async move { Ok(direct::should_rate_limit(&limiter, request).await) })
+            let (limiter, bounds) = (self.limiter.clone(), self.bounds.clone());
+            Box::pin(async move { Ok(direct::should_rate_limit(&limiter, &bounds, request).await) })
         } else {
             let router = self.router.clone();
             Box::pin(async move {
@@ -339,6 +369,7 @@ mod tests {
             let ours = seen(
                 direct::should_rate_limit(
                     &direct_limiter,
+                    &direct::BodyBounds::default(),
                     request(SHOULD_RATE_LIMIT_PATH, frames.clone(), headers),
                 )
                 .await,
