@@ -3,9 +3,10 @@
 //! of the world), the way Envoy Gateway configures its rate-limit service.
 //!
 //! Each response carries every resource; it is compiled by the file compiler
-//! ([`crate::config::xds`]) and swapped in atomically, then ACKed (its version and nonce). One that
-//! does not compile is NACKed with the errors in `error_detail`, and the rules already serving
-//! stay. When the stream ends or cannot be opened, slidegate reconnects after a delay that
+//! ([`crate::config::xds`]) and swapped in atomically, then ACKed (its version and nonce). A
+//! resource that does not compile is left out (keeping the rules it had) while the others take
+//! effect, and the response is NACKed with the errors in `error_detail`; errors between
+//! resources (one domain twice) refuse the whole response, and the rules already serving stay. When the stream ends or cannot be opened, slidegate reconnects after a delay that
 //! starts at `retry_initial`, doubles up to `retry_max` and is randomised by `jitter`, and
 //! re-subscribes with the version it last applied; a stream that delivered a response resets
 //! the delay.
@@ -18,8 +19,9 @@ use std::time::Duration;
 use tokio::sync::mpsc;
 use tonic::transport::{Channel, Endpoint, Uri};
 
+use crate::config::ConfigErrors;
 use crate::config::LoadOptions;
-use crate::config::xds::{RATE_LIMIT_CONFIG_TYPE, compile_resources};
+use crate::config::xds::{RATE_LIMIT_CONFIG_TYPE, compile_update};
 use crate::limiter::Limiter;
 use crate::metrics::Metrics;
 use crate::proto::envoy::config::core::v3::{Node, node};
@@ -97,6 +99,7 @@ pub fn spawn(options: XdsOptions, limiter: Arc<Limiter>, metrics: Arc<Metrics>) 
         metrics,
         received: received.clone(),
         applied_version: String::new(),
+        applied: Vec::new(),
     };
     XdsClient {
         task: tokio::spawn(state.run()),
@@ -111,6 +114,9 @@ struct Subscription {
     received: Arc<AtomicBool>,
     /// The version of the last config applied, sent again after a reconnect.
     applied_version: String,
+    /// Each resource's document as last applied: what a resource that a later response
+    /// breaks keeps serving.
+    applied: Vec<(String, String)>,
 }
 
 impl Subscription {
@@ -179,14 +185,23 @@ impl Subscription {
             return self.request(self.applied_version.clone(), nonce, Some(message));
         }
         let load = self.options.load;
+        let previous = self.applied.clone();
         let compiled =
-            tokio::task::spawn_blocking(move || compile_resources(&resources, load)).await;
+            tokio::task::spawn_blocking(move || compile_update(&resources, load, &previous)).await;
         match compiled {
-            Ok(Ok(limits)) => {
-                let domains = limits.domains.len();
-                self.limiter.replace_limits(limits);
-                self.metrics.config_loaded(true);
+            Ok(Ok(update)) => {
+                let domains = update.limits.domains.len();
+                self.limiter.replace_limits(update.limits);
+                self.applied = update.sources;
                 self.received.store(true, Ordering::SeqCst);
+                if !update.rejected.is_empty() {
+                    // The others serve; the NACK tells the management server which failed.
+                    self.metrics.config_loaded(false);
+                    let errors = ConfigErrors(update.rejected).to_string();
+                    tracing::error!(version = %version_info, domains, "xDS config rejected for the resources that do not compile, which keep their previous rules; the others apply:\n{errors}");
+                    return self.request(self.applied_version.clone(), nonce, Some(errors));
+                }
+                self.metrics.config_loaded(true);
                 tracing::info!(version = %version_info, domains, "config applied from xDS");
                 self.applied_version = version_info.clone();
                 self.request(version_info, nonce, None)

@@ -44,6 +44,21 @@ fn gateway_request(user: &str) -> RateLimitRequest {
     )
 }
 
+/// The nonce of the response that carried `version`, once the server has sent it.
+async fn sent_nonce(xds: &XdsServer, version: &str) -> String {
+    let end = std::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        if let Some(n) = xds.nonce_of(version) {
+            return n;
+        }
+        assert!(
+            std::time::Instant::now() < end,
+            "version {version} was never sent"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
 async fn admitted(
     client: &mut RateLimitServiceClient<tonic::transport::Channel>,
     r: RateLimitRequest,
@@ -129,14 +144,7 @@ async fn config_over_xds_with_mutual_tls() {
         version: "3".into(),
         configs: vec![gateway_config(DOMAIN, ROUTE, 100, RateLimitUnit::Unknown)],
     });
-    let end = std::time::Instant::now() + Duration::from_secs(10);
-    let nonce = loop {
-        if let Some(n) = xds.nonce_of("3") {
-            break n;
-        }
-        assert!(std::time::Instant::now() < end, "version 3 was never sent");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    };
+    let nonce = sent_nonce(&xds, "3").await;
     let nack = xds
         .wait_for_request("NACK of version 3", |r| r.response_nonce == nonce)
         .await;
@@ -343,5 +351,155 @@ async fn a_required_client_san_is_checked() {
     assert!(
         common::xds::refused_as(grpc_addr, dir, "ratelimit").await,
         "a certificate for another name was served"
+    );
+}
+
+/// The reference's current `RateLimitConfig` (its `rls_conf.proto`): units WEEK, MONTH and YEAR,
+/// `detailed_metric`, `quota_mode` and `metadata` are ACKed and served, the metadata coming
+/// back in the response's dynamic metadata (with `RESPONSE_DYNAMIC_METADATA=true`). A resource
+/// with a unit slidegate cannot read is rejected alone: the others apply, and it keeps the
+/// rules it had.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_references_current_resource_is_served_and_a_bad_one_fails_alone() {
+    use slidegate::proto::ratelimit::config::ratelimit::v3::{
+        RateLimitConfig, RateLimitDescriptor, RateLimitPolicy,
+    };
+    let scratch = temp_dir("xds-api");
+    let dir = scratch.0.as_path();
+    certs(dir);
+    let xds = XdsServer::start("127.0.0.1:0".parse().unwrap(), Some(mtls_files(dir, "xds"))).await;
+    let log = dir.join("slidegate.log");
+    let env = [("RESPONSE_DYNAMIC_METADATA", "true".to_string())];
+    let (grpc, _http, _child) =
+        start_as_gateway_ratelimit(dir, &xds, "envoy-ratelimit", false, &log, &env);
+    let grpc_addr = format!("127.0.0.1:{grpc}").parse().unwrap();
+    let limit = |unit: RateLimitUnit, n: u32| {
+        Some(RateLimitPolicy {
+            unit: unit.into(),
+            requests_per_unit: n,
+            ..Default::default()
+        })
+    };
+    let metadata = pbjson_types::Struct {
+        fields: [(
+            "team".to_string(),
+            pbjson_types::Value {
+                kind: Some(pbjson_types::value::Kind::StringValue("billing".into())),
+            },
+        )]
+        .into(),
+    };
+    let api = RateLimitConfig {
+        name: "api".into(),
+        domain: "api".into(),
+        descriptors: vec![
+            RateLimitDescriptor {
+                key: "week".into(),
+                rate_limit: limit(RateLimitUnit::Week, 2),
+                detailed_metric: true,
+                metadata: Some(metadata),
+                ..Default::default()
+            },
+            RateLimitDescriptor {
+                key: "month".into(),
+                rate_limit: limit(RateLimitUnit::Month, 1),
+                quota_mode: true,
+                ..Default::default()
+            },
+            RateLimitDescriptor {
+                key: "year".into(),
+                rate_limit: limit(RateLimitUnit::Year, 1),
+                ..Default::default()
+            },
+        ],
+    };
+    let other = |n: u32, unit: i32| RateLimitConfig {
+        name: "other".into(),
+        domain: "other".into(),
+        descriptors: vec![RateLimitDescriptor {
+            key: "k".into(),
+            rate_limit: Some(RateLimitPolicy {
+                unit,
+                requests_per_unit: n,
+                ..Default::default()
+            }),
+            ..Default::default()
+        }],
+    };
+    xds.push(Snapshot {
+        version: "1".into(),
+        configs: vec![api.clone(), other(1, RateLimitUnit::Minute.into())],
+    });
+    xds.wait_for_ack("1").await;
+    let channel = tls_channel(grpc_addr, dir, Some("envoy"))
+        .await
+        .expect("mTLS channel");
+    let mut client = RateLimitServiceClient::new(channel);
+    let week = request("api", vec![descriptor(&[("week", "a")])]);
+    let first = client
+        .should_rate_limit(week.clone())
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(first.overall_code, ok());
+    let status = &first.statuses[0];
+    assert_eq!(
+        status
+            .current_limit
+            .as_ref()
+            .map(|l| (l.requests_per_unit, l.unit)),
+        Some((2, 7)),
+        "2 a WEEK (7)"
+    );
+    let meta = first.dynamic_metadata.expect("dynamic metadata");
+    let team = meta.fields.get("metadata").and_then(|m| match &m.kind {
+        Some(pbjson_types::value::Kind::StructValue(s)) => s.fields.get("team").cloned(),
+        _ => None,
+    });
+    assert_eq!(
+        team.and_then(|t| t.kind),
+        Some(pbjson_types::value::Kind::StringValue("billing".into())),
+        "the descriptor's metadata in the dynamic metadata"
+    );
+    // quota_mode: over its limit, the month descriptor alone does not reject.
+    let month = request("api", vec![descriptor(&[("month", "a")])]);
+    let codes = admitted(&mut client, month, 2).await;
+    assert_eq!(
+        codes,
+        vec![ok(), over()],
+        "quota mode alone: all quota descriptors over"
+    );
+    let year = request("api", vec![descriptor(&[("year", "a")])]);
+    assert_eq!(admitted(&mut client, year, 2).await, vec![ok(), over()]);
+
+    // Version 2 breaks `other` (a unit no proto defines) and changes `api`: `api` applies,
+    // `other` keeps its version-1 rules, and the response is NACKed naming `other`.
+    let mut api2 = api.clone();
+    api2.descriptors[2].rate_limit = limit(RateLimitUnit::Year, 3);
+    xds.push(Snapshot {
+        version: "2".into(),
+        configs: vec![api2, other(5, 42)],
+    });
+    let nonce = sent_nonce(&xds, "2").await;
+    let nack = xds
+        .wait_for_request("NACK of version 2", |r| r.response_nonce == nonce)
+        .await;
+    let detail = nack.error_detail.expect("a NACK carries error_detail");
+    assert!(
+        detail.message.contains("xds:other") && detail.message.contains("42"),
+        "{}",
+        detail.message
+    );
+    let year = request("api", vec![descriptor(&[("year", "b")])]);
+    assert_eq!(
+        admitted(&mut client, year, 4).await,
+        vec![ok(), ok(), ok(), over()],
+        "the good resource of version 2 applies"
+    );
+    let k = request("other", vec![descriptor(&[("k", "v")])]);
+    assert_eq!(
+        admitted(&mut client, k, 2).await,
+        vec![ok(), over()],
+        "the bad resource keeps its version-1 rules"
     );
 }

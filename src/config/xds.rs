@@ -17,46 +17,104 @@ use crate::proto::ratelimit::config::ratelimit::v3::{
 pub const RATE_LIMIT_CONFIG_TYPE: &str =
     "type.googleapis.com/ratelimit.config.ratelimit.v3.RateLimitConfig";
 
-/// Compiles the resources of one discovery response (all of them: state of the world).
-/// Resources are decoded, then named `xds:<name>` in errors.
+/// Compiles the resources of one discovery response (all of them: state of the world), all
+/// or nothing. Resources are decoded, then named `xds:<name>` in errors.
 pub fn compile_resources(
     resources: &[pbjson_types::Any],
     options: LoadOptions,
 ) -> Result<Limits, ConfigErrors> {
+    let update = compile_update(resources, options, &[])?;
+    if update.rejected.is_empty() {
+        Ok(update.limits)
+    } else {
+        Err(ConfigErrors(update.rejected))
+    }
+}
+
+/// What one discovery response makes of the rules.
+pub struct Update {
+    pub limits: Limits,
+    /// Each resource's document as compiled: the new one, or for a rejected resource the one
+    /// it had before (see [`compile_update`]).
+    pub sources: Vec<(String, String)>,
+    /// Why resources were rejected; empty when every one compiled.
+    pub rejected: Vec<ConfigError>,
+}
+
+/// Compiles one discovery response resource by resource: a resource that does not compile on
+/// its own (a unit slidegate cannot serve, a broken descriptor) is rejected alone, and keeps
+/// the document it had in `previous` (the [`Update::sources`] last applied), so the other
+/// resources still take effect. Errors between resources (one domain in two of them) refuse
+/// the whole response.
+pub fn compile_update(
+    resources: &[pbjson_types::Any],
+    options: LoadOptions,
+    previous: &[(String, String)],
+) -> Result<Update, ConfigErrors> {
     let mut sources = Vec::with_capacity(resources.len());
-    let mut errors = Vec::new();
+    let mut rejected = Vec::new();
     for (n, any) in resources.iter().enumerate() {
-        let error = |message: String| ConfigError {
-            file: format!("xds:resource[{n}]"),
-            line: 0,
-            path: String::new(),
-            message,
+        let (name, text) = match source(any, n) {
+            Ok(source) => source,
+            Err((name, e)) => {
+                rejected.push(e);
+                sources.extend(
+                    previous
+                        .iter()
+                        .find(|(p, _)| Some(p) == name.as_ref())
+                        .cloned(),
+                );
+                continue;
+            }
         };
-        if any.type_url != RATE_LIMIT_CONFIG_TYPE {
-            errors.push(error(format!(
-                "resource of type {} where {RATE_LIMIT_CONFIG_TYPE} was expected",
-                any.type_url
-            )));
-            continue;
-        }
-        match RateLimitConfig::decode(any.value.as_ref()) {
-            Ok(config) => match document(&config) {
-                Ok(text) => sources.push((source_name(&config, n), text)),
-                Err(message) => errors.push(ConfigError {
-                    file: source_name(&config, n),
-                    ..error(message)
-                }),
-            },
-            Err(e) => errors.push(error(format!("cannot decode RateLimitConfig: {e}"))),
+        let alone = [(name.clone(), text)];
+        match compile_sources_with(&alone, options) {
+            Ok(_) => sources.extend(alone),
+            Err(ConfigErrors(errors)) => {
+                rejected.extend(errors);
+                sources.extend(previous.iter().find(|(p, _)| *p == name).cloned());
+            }
         }
     }
-    match compile_sources_with(&sources, options) {
-        Ok(limits) if errors.is_empty() => Ok(limits),
-        Ok(_) => Err(ConfigErrors(errors)),
-        Err(ConfigErrors(more)) => {
-            errors.extend(more);
-            Err(ConfigErrors(errors))
-        }
+    let limits = compile_sources_with(&sources, options)?;
+    Ok(Update {
+        limits,
+        sources,
+        rejected,
+    })
+}
+
+/// A resource's name and config document; or why not, with its name where it has one.
+fn source(
+    any: &pbjson_types::Any,
+    n: usize,
+) -> Result<(String, String), (Option<String>, ConfigError)> {
+    let error = |file: String, message: String| ConfigError {
+        file,
+        line: 0,
+        path: String::new(),
+        message,
+    };
+    if any.type_url != RATE_LIMIT_CONFIG_TYPE {
+        return Err((
+            None,
+            error(
+                format!("xds:resource[{n}]"),
+                format!(
+                    "resource of type {} where {RATE_LIMIT_CONFIG_TYPE} was expected",
+                    any.type_url
+                ),
+            ),
+        ));
+    }
+    let config = RateLimitConfig::decode(any.value.as_ref()).map_err(|e| {
+        let message = format!("cannot decode RateLimitConfig: {e}");
+        (None, error(format!("xds:resource[{n}]"), message))
+    })?;
+    let name = source_name(&config, n);
+    match document(&config) {
+        Ok(text) => Ok((name, text)),
+        Err(message) => Err((Some(name.clone()), error(name, message))),
     }
 }
 
@@ -99,7 +157,38 @@ fn descriptor(d: &RateLimitDescriptor) -> Result<Value, String> {
     if d.shadow_mode {
         out.insert("shadow_mode".into(), Value::Bool(true));
     }
+    if d.detailed_metric {
+        out.insert("detailed_metric".into(), Value::Bool(true));
+    }
+    if d.quota_mode {
+        out.insert("quota_mode".into(), Value::Bool(true));
+    }
+    if let Some(metadata) = &d.metadata {
+        out.insert("metadata".into(), struct_json(metadata));
+    }
     Ok(Value::Object(out))
+}
+
+/// A `google.protobuf.Struct` as the JSON object it stands for.
+fn struct_json(s: &pbjson_types::Struct) -> Value {
+    Value::Object(
+        s.fields
+            .iter()
+            .map(|(k, v)| (k.clone(), value_json(v)))
+            .collect(),
+    )
+}
+
+fn value_json(v: &pbjson_types::Value) -> Value {
+    use pbjson_types::value::Kind;
+    match &v.kind {
+        None | Some(Kind::NullValue(_)) => Value::Null,
+        Some(Kind::NumberValue(n)) => json!(n),
+        Some(Kind::StringValue(s)) => Value::String(s.clone()),
+        Some(Kind::BoolValue(b)) => Value::Bool(*b),
+        Some(Kind::StructValue(s)) => struct_json(s),
+        Some(Kind::ListValue(l)) => Value::Array(l.values.iter().map(value_json).collect()),
+    }
 }
 
 fn rate_limit(p: &RateLimitPolicy) -> Result<Value, String> {
@@ -109,6 +198,9 @@ fn rate_limit(p: &RateLimitPolicy) -> Result<Value, String> {
         Ok(RateLimitUnit::Minute) => Some("minute"),
         Ok(RateLimitUnit::Hour) => Some("hour"),
         Ok(RateLimitUnit::Day) => Some("day"),
+        Ok(RateLimitUnit::Week) => Some("week"),
+        Ok(RateLimitUnit::Month) => Some("month"),
+        Ok(RateLimitUnit::Year) => Some("year"),
         // Left out, so the compiler reports a missing unit unless the policy is unlimited.
         Ok(RateLimitUnit::Unknown) => None,
         Err(_) => return Err(format!("rate_limit.unit {} is not a known unit", p.unit)),

@@ -230,7 +230,7 @@ impl Limiter {
         let Some(domain) = limits.domain(&request.domain) else {
             self.observer.unknown_domain();
             let statuses = vec![Status::unlimited_by_config(); request.descriptors.len()];
-            return Ok(self.finish(statuses, Code::Ok, Vec::new(), Vec::new));
+            return Ok(self.finish(statuses, Code::Ok, Vec::new(), |_| Vec::new()));
         };
         let debit = domain.debit
             || self
@@ -362,7 +362,8 @@ impl Limiter {
         if self.shadowed(overall) {
             self.observer.global_shadow();
         }
-        self.finish(statuses, overall, headers, || planned.rules())
+        let passed = |statuses: &[Status]| planned.passed_rules(statuses);
+        self.finish(statuses, overall, headers, passed)
     }
 
     /// Whether global shadow mode turns this overall code into OK.
@@ -468,22 +469,24 @@ impl Limiter {
         statuses: Vec<Status>,
         overall: Code,
         response_headers: Vec<(String, String)>,
-        // Asked for only when dynamic metadata is on, so other calls build no list of rules.
-        rules: impl FnOnce() -> Vec<&'r Arc<Rule>>,
+        // The rules of the descriptors that passed, whose metadata the response carries; asked
+        // for only when dynamic metadata is on, so other calls build no list of rules.
+        rules: impl FnOnce(&[Status]) -> Vec<&'r Arc<Rule>>,
     ) -> Decision {
         let overall = if self.options.global_shadow_mode {
             Code::Ok
         } else {
             overall
         };
+        let dynamic_metadata = self
+            .options
+            .dynamic_metadata
+            .then(|| rule_metadata(&rules(&statuses)));
         Decision {
             overall,
             statuses,
             response_headers,
-            dynamic_metadata: self
-                .options
-                .dynamic_metadata
-                .then(|| rule_metadata(&rules())),
+            dynamic_metadata,
         }
     }
 }
@@ -498,13 +501,16 @@ impl<'a> Planned<'a> {
     }
 
     /// The matched rules that were checked, in request order.
-    fn rules(&self) -> Vec<&'a Arc<Rule>> {
+    /// The rules of the checked descriptors whose status is OK, in request order (the
+    /// reference's "passed descriptors": an unlimited one is not among them).
+    fn passed_rules(&self, statuses: &[Status]) -> Vec<&'a Arc<Rule>> {
         self.plans
             .iter()
-            .filter_map(|p| match p {
+            .zip(statuses)
+            .filter_map(|(p, status)| match p {
                 Plan::Check {
                     rule: Some(rule), ..
-                } => Some(*rule),
+                } if status.code == Code::Ok => Some(*rule),
                 _ => None,
             })
             .collect()
@@ -794,17 +800,33 @@ fn clamp_u32(n: u64) -> u32 {
     u32::try_from(n).unwrap_or(u32::MAX)
 }
 
-/// The matched rules' `metadata`, merged (first value wins), for `dynamic_metadata`.
+/// The `metadata` of the rules of the descriptors that passed, merged as the reference merges
+/// it: objects under one key merge, field by field; otherwise the first value wins.
 fn rule_metadata(rules: &[&Arc<Rule>]) -> RuleMetadata {
     let mut merged = serde_json::Map::new();
     for rule in rules {
         if let Some(serde_json::Value::Object(fields)) = &rule.metadata {
-            for (k, v) in fields {
-                merged.entry(k.clone()).or_insert_with(|| v.clone());
-            }
+            merge_metadata(&mut merged, fields);
         }
     }
     RuleMetadata(merged)
+}
+
+fn merge_metadata(
+    into: &mut serde_json::Map<String, serde_json::Value>,
+    from: &serde_json::Map<String, serde_json::Value>,
+) {
+    for (k, v) in from {
+        match (into.get_mut(k), v) {
+            (Some(serde_json::Value::Object(had)), serde_json::Value::Object(more)) => {
+                merge_metadata(had, more);
+            }
+            (Some(_), _) => {}
+            (None, _) => {
+                into.insert(k.clone(), v.clone());
+            }
+        }
+    }
 }
 
 #[cfg(test)]
@@ -964,6 +986,26 @@ mod tests {
         );
         let (off, _) = limiter(CONFIG, LimiterOptions::default());
         assert_eq!(decide(&off, &req(&[&[("ip", "m")]])).dynamic_metadata, None);
+    }
+
+    /// As the reference's `ratelimitToMetadata`: only descriptors that passed give their
+    /// rule's metadata; objects under one key merge, otherwise the first value wins.
+    #[test]
+    fn dynamic_metadata_merges_the_rules_of_descriptors_that_passed() {
+        let yaml = "domain: d\ndescriptors:\n  - key: a\n    rate_limit: {unit: minute, requests_per_unit: 5}\n    metadata: {team: edge, tier: {a: 1}}\n  - key: b\n    rate_limit: {unit: minute, requests_per_unit: 5}\n    metadata: {team: core, tier: {b: 2}}\n  - key: c\n    rate_limit: {unit: minute, requests_per_unit: 1}\n    metadata: {over: yes}\n";
+        let options = LimiterOptions {
+            dynamic_metadata: true,
+            ..LimiterOptions::default()
+        };
+        let (l, _) = limiter(yaml, options);
+        decide(&l, &req(&[&[("c", "x")]]));
+        let d = decide(&l, &req(&[&[("a", "x")], &[("b", "x")], &[("c", "x")]]));
+        assert_eq!(d.statuses[2].code, Code::OverLimit);
+        let meta = d.dynamic_metadata.expect("switched on");
+        assert_eq!(
+            serde_json::Value::Object(meta.0),
+            serde_json::json!({"team": "edge", "tier": {"a": 1, "b": 2}})
+        );
     }
 
     #[test]
