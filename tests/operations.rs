@@ -90,9 +90,10 @@ async fn metrics_count_known_traffic_exactly() {
             ),
         )
     };
-    // api: 10 admitted (hits at counts 1..8 within, 9..10 near the 0.8 ratio), 2 over.
+    // api: 10 admitted (all within the limit, those at counts 9..10 also near the 0.8 ratio),
+    // 2 over: the reference's meaning (`base_limiter.go`).
     assert_eq!(rule("total_hits", "api"), Some(12.0));
-    assert_eq!(rule("within_limit", "api"), Some(8.0));
+    assert_eq!(rule("within_limit", "api"), Some(10.0));
     assert_eq!(rule("near_limit", "api"), Some(2.0));
     assert_eq!(rule("over_limit", "api"), Some(2.0));
     // shadowed (limit 1, near threshold 0): 1 near, 2 over and let through.
@@ -135,6 +136,74 @@ async fn metrics_count_known_traffic_exactly() {
         Some(16.0),
         "18 calls reached the limiter with a rule, 2 answered from the over-limit cache"
     );
+    s.stop().await;
+}
+
+/// The per-rule counters mean what the reference's mean, case by case from its own tests
+/// (`test/redis/fixed_cache_impl_test.go`, `TestNearLimit`, with the near-limit ratio 0.8):
+/// a window already holding `before` hits takes a request of `hits`, and the scrape's
+/// difference is (total, over, near, within). slidegate records nothing for a rejected
+/// request, so a window is at most full: the reference's "27 before, limit 10" is "10 before".
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rule_counters_mean_what_the_references_mean() {
+    // (limit, before, hits) -> (total_hits, over_limit, near_limit, within_limit)
+    let cases: [((u32, u64, u64), (f64, f64, f64, f64)); 6] = [
+        ((20, 2, 3), (3.0, 0.0, 0.0, 3.0)),
+        ((8, 5, 2), (2.0, 0.0, 1.0, 2.0)),
+        ((20, 16, 3), (3.0, 0.0, 3.0, 3.0)),
+        ((20, 19, 3), (3.0, 2.0, 1.0, 0.0)),
+        ((20, 15, 7), (7.0, 2.0, 4.0, 0.0)),
+        ((10, 10, 3), (3.0, 3.0, 0.0, 0.0)),
+    ];
+    let mut config = String::from("domain: r\ndescriptors:\n");
+    for (n, ((limit, _, _), _)) in cases.iter().enumerate() {
+        config.push_str(&format!(
+            "  - key: case{n}\n    rate_limit: {{unit: hour, requests_per_unit: {limit}}}\n"
+        ));
+    }
+    let s = TestServer::start(
+        &config,
+        Arc::new(MemoryStore::new()),
+        LimiterOptions::default(),
+    )
+    .await;
+    let scrape = || async { http_get(s.http_addr, "/metrics").await.1 };
+    let counters = |text: &str, n: usize| {
+        let stat = |name: &str| {
+            sample(
+                text,
+                &format!(
+                    "ratelimit_service_rate_limit_{name}_total{{domain=\"r\",key1=\"case{n}\",key2=\"\"}}"
+                ),
+            )
+            .unwrap_or(0.0)
+        };
+        (
+            stat("total_hits"),
+            stat("over_limit"),
+            stat("near_limit"),
+            stat("within_limit"),
+        )
+    };
+    for (n, ((_, before, hits), expected)) in cases.iter().enumerate() {
+        let call = |hits: u64| {
+            let mut r = request("r", vec![descriptor(&[(&format!("case{n}"), "v")])]);
+            r.hits_addend = u32::try_from(hits).unwrap();
+            r
+        };
+        if *before > 0 {
+            assert_eq!(s.call(call(*before)).await.overall_code, ok(), "case {n}");
+        }
+        let was = counters(&scrape().await, n);
+        s.call(call(*hits)).await;
+        let now = counters(&scrape().await, n);
+        let delta = (now.0 - was.0, now.1 - was.1, now.2 - was.2, now.3 - was.3);
+        assert_eq!(
+            delta, *expected,
+            "case {n}: limit, before, hits {:?}",
+            cases[n].0
+        );
+    }
     s.stop().await;
 }
 

@@ -387,16 +387,16 @@ impl Limiter {
             } = plan
                 && let Some(found) = outcome.items.get(*item)
             {
-                let mut report = report(
+                let from_cache = cached.get(*item).copied().unwrap_or(false);
+                let report = report(
                     &request.domain,
                     rule.map(|r| &**r),
                     segments,
                     &planned.items[*item],
                     found,
-                    outcome.admitted,
+                    from_cache,
                     self.options.near_limit_ratio,
                 );
-                report.from_cache = cached.get(*item).copied().unwrap_or(false);
                 self.observer.descriptor(&report);
             }
         }
@@ -695,13 +695,22 @@ fn value_segments(descriptor: &Descriptor) -> Vec<Segment<'_>> {
 }
 
 /// How one checked descriptor's hits count in metrics (see [`DescriptorReport`]).
+/// What one checked descriptor adds to the per-rule counters, counted as the reference's
+/// `base_limiter.go` counts them: every admitted hit is `within_limit`, and those of them past
+/// the near-limit ratio also `near_limit`; of a descriptor over its limit, the hits past the
+/// limit are `over_limit` (all of them when the window was already full) and those between the
+/// near-limit ratio and the limit `near_limit`; `shadow_mode` counts the over-limit hits of a
+/// shadow rule; the over-limit cache's answers are over the limit in full. The window that
+/// binds is the one with the least room (admitted) or the most hits past its limit (over). A
+/// descriptor whose hits were not recorded because another rejected the request counts where
+/// its hits would have landed, as the reference's counter does.
 fn report<'a>(
     domain: &'a str,
     rule: Option<&'a Rule>,
     segments: &'a [Segment<'a>],
     item: &CheckItem<'_>,
     outcome: &ItemOutcome,
-    admitted: bool,
+    from_cache: bool,
     near_ratio: f64,
 ) -> DescriptorReport<'a> {
     let hits = item.hits;
@@ -715,33 +724,44 @@ fn report<'a>(
         over: 0,
         shadow: 0,
         ban_set: outcome.ban_set,
-        from_cache: false,
+        from_cache,
     };
+    // Each window's count before and after this request's hits.
+    let recorded = outcome.recorded;
+    let counts = item.windows.iter().zip(&outcome.windows).map(|(w, o)| {
+        let before = if recorded {
+            o.count.saturating_sub(hits)
+        } else {
+            o.count
+        };
+        (w, before, before + hits)
+    });
     if !outcome.fits {
-        report.over = hits;
+        let limit = |w: &crate::store::Window| u64::from(w.limit);
+        let binding = counts
+            .filter(|&(w, _, after)| after > limit(w))
+            .max_by_key(|&(w, _, after)| after - limit(w));
+        let (over, near) = match binding {
+            // Banned, answered from the over-limit cache, or already full: every hit is over.
+            Some((w, before, after)) if !from_cache && before < limit(w) => {
+                let threshold = near_threshold(w.limit, near_ratio);
+                (after - limit(w), limit(w) - before.max(threshold))
+            }
+            _ => (hits, 0),
+        };
+        report.over = over;
+        report.near = near;
         if rule.is_some_and(|r| r.shadow_mode) {
-            report.shadow = hits;
+            report.shadow = over;
         }
         return report;
     }
-    // The binding window: least room after this request. Hits not recorded (the request was
-    // rejected by another descriptor) are counted where they would have landed.
-    let recorded = outcome.recorded;
-    let _ = admitted;
-    let after = |count: u64| if recorded { count } else { count + hits };
-    let binding = item
-        .windows
-        .iter()
-        .zip(&outcome.windows)
-        .min_by_key(|(w, o)| u64::from(w.limit).saturating_sub(after(o.count)));
-    let near = binding.map_or(0, |(w, o)| {
+    let binding = counts.min_by_key(|&(w, _, after)| u64::from(w.limit).saturating_sub(after));
+    report.within = hits;
+    report.near = binding.map_or(0, |(w, before, after)| {
         let threshold = near_threshold(w.limit, near_ratio);
-        let after = after(o.count);
-        let before = after.saturating_sub(hits);
         after.saturating_sub(before.max(threshold)).min(hits)
     });
-    report.near = near;
-    report.within = hits - near;
     report
 }
 
