@@ -202,6 +202,10 @@ pub struct ServeArgs {
     /// Fill the response's dynamic_metadata with the request and matched rules' metadata.
     #[arg(long, env = "SLIDEGATE_DYNAMIC_METADATA", action = ArgAction::SetTrue, value_parser = BoolishValueParser::new())]
     pub dynamic_metadata: bool,
+    /// Send duration_until_reset in whole seconds, rounded up, as the reference does (on when
+    /// started with the reference's environment).
+    #[arg(long, env = "SLIDEGATE_WHOLE_SECOND_RESETS", action = ArgAction::SetTrue, value_parser = BoolishValueParser::new())]
+    pub whole_second_resets: bool,
     /// TLS on the gRPC port: the PEM certificate chain (with --grpc-tls-key).
     #[arg(long, env = "SLIDEGATE_GRPC_TLS_CERT", requires = "grpc_tls_key")]
     pub grpc_tls_cert: Option<PathBuf>,

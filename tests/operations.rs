@@ -147,7 +147,9 @@ async fn metrics_count_known_traffic_exactly() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn rule_counters_mean_what_the_references_mean() {
     // (limit, before, hits) -> (total_hits, over_limit, near_limit, within_limit)
-    let cases: [((u32, u64, u64), (f64, f64, f64, f64)); 6] = [
+    type Case = (u32, u64, u64);
+    type Counts = (f64, f64, f64, f64);
+    let cases: [(Case, Counts); 6] = [
         ((20, 2, 3), (3.0, 0.0, 0.0, 3.0)),
         ((8, 5, 2), (2.0, 0.0, 1.0, 2.0)),
         ((20, 16, 3), (3.0, 0.0, 3.0, 3.0)),

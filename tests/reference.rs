@@ -503,6 +503,40 @@ async fn forced_start_without_a_valid_config() {
         &env,
         log.clone(),
     ));
+    // From the moment the gRPC port accepts, gRPC health knows the service: NOT_SERVING (no
+    // config loaded, with HEALTHY_WITH_AT_LEAST_ONE_CONFIG_LOADED), never NOT_FOUND.
+    let grpc_addr = SocketAddr::from(([127, 0, 0, 1], grpc));
+    let accept_by = Instant::now() + Duration::from_secs(20);
+    let channel = loop {
+        if let Ok(c) = tonic::transport::Endpoint::from_shared(format!("http://{grpc_addr}"))
+            .unwrap()
+            .connect()
+            .await
+        {
+            break c;
+        }
+        assert!(Instant::now() < accept_by, "the gRPC port never accepted");
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    };
+    let grpc_health = tonic_health::pb::health_client::HealthClient::new(channel);
+    let status_of = |service: &str| {
+        let mut client = grpc_health.clone();
+        let service = service.to_string();
+        async move {
+            client
+                .check(tonic_health::pb::HealthCheckRequest { service })
+                .await
+                .map(|r| r.into_inner().status)
+                .map_err(|e| e.code())
+        }
+    };
+    let not_serving = tonic_health::pb::health_check_response::ServingStatus::NotServing as i32;
+    let serving = tonic_health::pb::health_check_response::ServingStatus::Serving as i32;
+    for _ in 0..20 {
+        for service in ["ratelimit", ""] {
+            assert_eq!(status_of(service).await, Ok(not_serving), "{service:?}");
+        }
+    }
     let health = || {
         common::redis::command(http, "GET /healthcheck HTTP/1.0\r\n")
             .ok()
@@ -530,10 +564,70 @@ async fn forced_start_without_a_valid_config() {
         assert!(Instant::now() < end, "the valid config never loaded");
         std::thread::sleep(Duration::from_millis(25));
     }
+    // gRPC health follows within its interval (2 s).
+    let end = Instant::now() + Duration::from_secs(10);
+    while status_of("ratelimit").await != Ok(serving) || status_of("").await != Ok(serving) {
+        assert!(Instant::now() < end, "gRPC health never turned SERVING");
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
     assert_eq!(call().await.overall_code, ok());
     assert_eq!(
         call().await.overall_code,
         over(),
         "the published limit applies"
     );
+}
+
+/// The reference's own integration tests start it with a relative runtime root
+/// (`RUNTIME_ROOT=runtime/current`, from the directory they run in): a file added to the config
+/// directory after the start is picked up.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_relative_runtime_root_reloads() {
+    let scratch = common::temp_dir("relative-root");
+    let config = scratch.0.join("runtime/current/ratelimit/config");
+    std::fs::create_dir_all(&config).expect("config dir");
+    std::fs::write(
+        config.join("basic.yaml"),
+        limits(&unique_domain("basic"), 5),
+    )
+    .unwrap();
+    let (grpc, http) = (free_port(), free_port());
+    let env = [
+        ("RUNTIME_ROOT", "runtime/current".to_string()),
+        ("RUNTIME_SUBDIRECTORY", "ratelimit".to_string()),
+        ("HOST", "127.0.0.1".to_string()),
+        ("PORT", http.to_string()),
+        ("GRPC_HOST", "127.0.0.1".to_string()),
+        ("GRPC_PORT", grpc.to_string()),
+    ];
+    let mut command = Command::new(env!("CARGO_BIN_EXE_slidegate"));
+    command.env_clear().current_dir(&scratch.0);
+    let _child = KillOnDrop(
+        command
+            .envs(env.iter().map(|(k, v)| (*k, v.as_str())))
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("start slidegate"),
+    );
+    let end = Instant::now() + Duration::from_secs(20);
+    while !common::redis::command(http, "GET /healthcheck HTTP/1.0\r\n")
+        .is_ok_and(|r| r.contains(" 200 "))
+    {
+        assert!(Instant::now() < end, "not healthy in time");
+        std::thread::sleep(Duration::from_millis(25));
+    }
+    let added = unique_domain("added");
+    std::fs::write(config.join("another.yaml"), limits(&added, 1)).unwrap();
+    let client = connect(SocketAddr::from(([127, 0, 0, 1], grpc))).await;
+    let end = Instant::now() + Duration::from_secs(10);
+    loop {
+        let first = call_user(&client, &added).await;
+        if first.statuses[0].current_limit.is_some() {
+            assert_eq!(call_user(&client, &added).await.overall_code, over());
+            break;
+        }
+        assert!(Instant::now() < end, "the added file was never loaded");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
 }

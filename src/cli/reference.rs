@@ -221,6 +221,16 @@ pub fn apply(
         config_dir(args, env, &mut notes)?;
     }
     redis(args, env, &mut notes)?;
+    // Started as the reference is (its binary name, or its config variables): its clients
+    // compare whole messages, in which a reset is whole seconds.
+    let as_the_reference = as_reference
+        || xds_config(var)
+        || ["RUNTIME_ROOT", "RUNTIME_SUBDIRECTORY"]
+            .iter()
+            .any(|n| var(n).is_some());
+    if as_the_reference && !given("whole_second_resets") {
+        args.whole_second_resets = true;
+    }
     switches(args, env)?;
     logging(args, env)?;
     prometheus(args, env)?;
@@ -895,6 +905,10 @@ mod tests {
             Some("0.0.0.0:9090".into())
         );
         assert!(args.merge_domain_config);
+        assert!(
+            args.whole_second_resets,
+            "resets in the reference's whole seconds"
+        );
         assert_eq!(notes.len(), 1, "{notes:?}");
         assert!(notes[0].starts_with("REDIS_PERSECOND is set"), "{notes:?}");
     }

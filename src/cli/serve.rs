@@ -301,6 +301,7 @@ fn limiter_options(args: &ServeArgs) -> LimiterOptions {
         global_shadow_mode: args.shadow_mode,
         response_headers: args.response_headers,
         dynamic_metadata: args.dynamic_metadata,
+        whole_second_resets: args.whole_second_resets,
         global_quota_mode: args.quota_mode,
         debit_domains: args.debit_domains.clone(),
         bounds: RequestBounds {

@@ -95,6 +95,9 @@ pub fn spawn(
     watch_files: bool,
 ) -> Result<ConfigWatch, notify::Error> {
     let (tx, mut rx) = mpsc::channel::<()>(1);
+    // The watcher reports changes under absolute paths: a relative config path (the reference's
+    // own tests use `RUNTIME_ROOT=runtime/current`) would match none of them.
+    let path = std::path::absolute(&path).unwrap_or(path);
     let dir = if path.is_dir() {
         path.clone()
     } else {

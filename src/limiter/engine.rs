@@ -36,6 +36,8 @@ pub struct LimiterOptions {
     pub response_headers: bool,
     /// Return the matched rules' `metadata` for the response's `dynamic_metadata`.
     pub dynamic_metadata: bool,
+    /// Round each status's time until reset up to whole seconds, as the reference sends it.
+    pub whole_second_resets: bool,
     /// Every rule counts as a `quota_mode` rule (the reference's `QUOTA_MODE`).
     pub global_quota_mode: bool,
     /// The reference's three headers (`LIMIT_RESPONSE_HEADERS_ENABLED`), under these names.
@@ -61,6 +63,7 @@ impl Default for LimiterOptions {
             global_shadow_mode: false,
             response_headers: false,
             dynamic_metadata: false,
+            whole_second_resets: false,
             global_quota_mode: false,
             limit_headers: None,
             debit_domains: Vec::new(),
@@ -478,6 +481,15 @@ impl Limiter {
         } else {
             overall
         };
+        let mut statuses = statuses;
+        if self.options.whole_second_resets {
+            for status in &mut statuses {
+                // Never earlier than the true reset.
+                status.duration_until_reset_ms = status
+                    .duration_until_reset_ms
+                    .map(|ms| ms.div_ceil(1000).saturating_mul(1000));
+            }
+        }
         let dynamic_metadata = self
             .options
             .dynamic_metadata
@@ -1026,6 +1038,25 @@ mod tests {
             serde_json::Value::Object(meta.0),
             serde_json::json!({"team": "edge", "tier": {"a": 1, "b": 2}})
         );
+    }
+
+    /// In the reference's form a reset is whole seconds, rounded up: never earlier than the
+    /// true one.
+    #[test]
+    fn whole_second_resets_round_up() {
+        let yaml = "domain: d\ndescriptors:\n  - key: k\n    rate_limit: {requests_per_unit: 2, window: 2500ms}\n";
+        let exact = |whole_second_resets| {
+            let options = LimiterOptions {
+                whole_second_resets,
+                ..LimiterOptions::default()
+            };
+            let (l, clock) = limiter(yaml, options);
+            decide(&l, &req(&[&[("k", "a")]]));
+            clock.advance(300);
+            decide(&l, &req(&[&[("k", "a")]])).statuses[0].duration_until_reset_ms
+        };
+        assert_eq!(exact(false), Some(2_200));
+        assert_eq!(exact(true), Some(3_000));
     }
 
     #[test]

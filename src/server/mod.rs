@@ -151,11 +151,26 @@ pub async fn run(
         draining_tx,
         stop_tx,
     ));
+    // Every name answers NOT_SERVING from the moment the port accepts, never NOT_FOUND.
+    for name in HEALTH_NAMES {
+        health
+            .set_service_status(name, ServingStatus::NotServing)
+            .await;
+    }
+    let configured = {
+        let (limiter, needs_config) = (app.limiter.clone(), app.options.ready_needs_config);
+        let arrived = app.options.config_arrived.clone();
+        move || {
+            let arrived = arrived.as_ref().is_none_or(|a| a.load(Ordering::SeqCst));
+            arrived && (!needs_config || !limiter.limits().domains.is_empty())
+        }
+    };
     tokio::spawn(follow_store_health(
         health,
         app.limiter.clone(),
         app.options.health_interval,
         draining.clone(),
+        configured,
     ));
 
     let limits = app.options.connections;
@@ -367,16 +382,20 @@ async fn drain_on_shutdown(
     let _ = stop.send(true);
 }
 
-/// gRPC health follows the store: SERVING only while it answers, until draining starts.
+/// gRPC health follows readiness: SERVING only while the store answers and a config is
+/// loaded where one is required (`configured`: `--ready-needs-config`, the reference's
+/// `HEALTHY_WITH_AT_LEAST_ONE_CONFIG_LOADED`, and the xDS source's first config), until
+/// draining starts.
 async fn follow_store_health(
     health: HealthReporter,
     limiter: Arc<Limiter>,
     interval: Duration,
     mut draining: watch::Receiver<bool>,
+    configured: impl Fn() -> bool,
 ) {
-    let mut last = None;
+    let mut last = Some(ServingStatus::NotServing);
     loop {
-        let status = if limiter.store_ready().await {
+        let status = if configured() && limiter.store_ready().await {
             ServingStatus::Serving
         } else {
             ServingStatus::NotServing
