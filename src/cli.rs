@@ -150,7 +150,7 @@ pub struct ServeArgs {
     pub shutdown_grace: Duration,
     /// Threads that serve calls; by default one per CPU this process may use (its CPU affinity
     /// and cgroup quota, e.g. a Kubernetes CPU limit, count).
-    #[arg(long, env = "SLIDEGATE_WORKER_THREADS")]
+    #[arg(long, env = "SLIDEGATE_WORKER_THREADS", value_parser = threads_arg)]
     pub worker_threads: Option<std::num::NonZeroUsize>,
     /// Answer OK overall for every request (statuses still say what would happen).
     #[arg(long, env = "SLIDEGATE_SHADOW_MODE", action = ArgAction::SetTrue, value_parser = BoolishValueParser::new())]
@@ -297,6 +297,41 @@ pub enum LogFormat {
 
 fn duration_arg(text: &str) -> Result<Duration, String> {
     config::duration::parse_ms(text).map(Duration::from_millis)
+}
+
+/// A thread count: 1 or more.
+fn threads_arg(text: &str) -> Result<std::num::NonZeroUsize, String> {
+    text.trim()
+        .parse::<usize>()
+        .ok()
+        .and_then(std::num::NonZeroUsize::new)
+        .ok_or_else(|| {
+            format!("'{text}' is not a thread count: give 1 or more, or leave the flag out for one per CPU")
+        })
+}
+
+/// A log level as the reference and most tools write one, or a tracing filter.
+pub fn log_filter(text: &str, source: &str) -> Result<String, String> {
+    let level = text.trim().to_ascii_lowercase();
+    let level = match level.as_str() {
+        "warning" => "warn",
+        "fatal" | "panic" => "error",
+        other => other,
+    };
+    match level {
+        // slidegate's own logs at that level; the libraries under it (HTTP/2 frames, the Redis
+        // client's internals) stay at warn, where their news is for an operator.
+        "debug" | "trace" => Ok(format!("warn,slidegate={level}")),
+        "info" | "warn" | "error" | "off" => Ok(level.to_string()),
+        _ if text.contains('=') || text.contains("::") || text.contains(',') => {
+            tracing_subscriber::EnvFilter::try_new(text)
+                .map(|_| text.to_string())
+                .map_err(|e| format!("{source}={text:?}: not a log filter ({e}); write error, warn, info, debug or trace, or a filter such as slidegate=debug,fred=info"))
+        }
+        _ => Err(format!(
+            "{source}={text:?}: not a log level; write error, warn, info, debug or trace, or a filter such as slidegate=debug,fred=info"
+        )),
+    }
 }
 
 /// A size in bytes: digits, with an optional `KiB`, `MiB` or `GiB` (powers of 1,024).
@@ -475,6 +510,27 @@ fn check(path: &std::path::Path, args: &ServeArgs) -> ExitCode {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn log_levels_mean_slidegates_own_and_the_rest_are_refused() {
+        assert_eq!(log_filter("debug", "--log-level"), Ok("warn,slidegate=debug".into()));
+        assert_eq!(log_filter("WARNING", "LOG_LEVEL"), Ok("warn".into()));
+        assert_eq!(log_filter("info", "RUST_LOG"), Ok("info".into()));
+        assert_eq!(
+            log_filter("slidegate=debug,fred=info", "RUST_LOG"),
+            Ok("slidegate=debug,fred=info".into())
+        );
+        assert_eq!(
+            log_filter("verbose", "--log-level"),
+            Err("--log-level=\"verbose\": not a log level; write error, warn, info, debug or trace, or a filter such as slidegate=debug,fred=info".into())
+        );
+        assert!(log_filter("slidegate=loud", "RUST_LOG").is_err());
+        assert_eq!(
+            threads_arg("0"),
+            Err("'0' is not a thread count: give 1 or more, or leave the flag out for one per CPU".into())
+        );
+        assert_eq!(threads_arg("3").map(std::num::NonZeroUsize::get), Ok(3));
+    }
 
     #[test]
     fn sizes_take_binary_units_and_refuse_the_rest() {

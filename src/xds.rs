@@ -67,7 +67,7 @@ pub enum XdsError {
     Address(String),
     #[error("xDS TLS: {0}")]
     Tls(#[from] crate::tls::TlsError),
-    #[error("cannot connect to the xDS server: {0}")]
+    #[error("cannot connect to the xDS server (--xds-server, CONFIG_GRPC_XDS_SERVER_URL): {}; slidegate keeps trying", causes(.0))]
     Connect(#[from] tonic::transport::Error),
     #[error("xDS stream: {0}")]
     Stream(#[from] tonic::Status),
@@ -75,6 +75,22 @@ pub enum XdsError {
     Header(String),
     #[error("the xDS server closed the stream")]
     Closed,
+}
+
+/// An error and what caused it, down to the root ("transport error: ... Connection refused"),
+/// where the error alone names only its kind.
+fn causes(error: &dyn std::error::Error) -> String {
+    let mut text = error.to_string();
+    let mut source = error.source();
+    while let Some(cause) = source {
+        let more = cause.to_string();
+        if !text.contains(&more) {
+            text.push_str(": ");
+            text.push_str(&more);
+        }
+        source = cause.source();
+    }
+    text
 }
 
 /// The running client; dropping it stops it.

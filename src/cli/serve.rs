@@ -20,12 +20,18 @@ use slidegate::xds::{XdsOptions, XdsTls};
 
 use super::{ClockArg, FailureArg, LogFormat, MetricNamesArg, ServeArgs};
 
-fn init_logging(args: &ServeArgs) {
+/// Logging as `--log-level` (or `RUST_LOG`) says; a level or filter that means nothing is an
+/// error (it would otherwise turn every log off, store errors included).
+fn init_logging(args: &ServeArgs) -> Result<(), String> {
     use tracing_subscriber::EnvFilter;
-    let filter = match &args.log_level {
-        Some(level) => EnvFilter::new(level),
-        None => EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info")),
+    let filter = match (&args.log_level, std::env::var("RUST_LOG").ok()) {
+        (Some(level), _) => super::log_filter(level, "--log-level")?,
+        (None, Some(filter)) if !filter.trim().is_empty() => {
+            super::log_filter(&filter, "RUST_LOG")?
+        }
+        (None, _) => "info".to_string(),
     };
+    let filter = EnvFilter::try_new(&filter).map_err(|e| format!("log filter {filter:?}: {e}"))?;
     // Colours only on a terminal: escape codes in a container's log file are noise.
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
@@ -35,11 +41,15 @@ fn init_logging(args: &ServeArgs) {
         LogFormat::Text => builder.init(),
         LogFormat::Json => builder.json().init(),
     }
+    Ok(())
 }
 
 /// Serves until SIGTERM; `notes` are what reading the reference's variables had to say.
 pub fn serve(args: ServeArgs, notes: Vec<String>) -> ExitCode {
-    init_logging(&args);
+    if let Err(message) = init_logging(&args) {
+        eprintln!("error: {message}");
+        return ExitCode::from(2);
+    }
     for note in &notes {
         tracing::warn!("{note}");
     }
@@ -266,6 +276,7 @@ async fn open_store(args: &ServeArgs, clock: Arc<SystemClock>) -> Result<Arc<dyn
                 .with_sweeper(MEMORY_SWEEP_EVERY, move || clock.now_ms()),
         ));
     };
+    let url = &slidegate::store::redis::normalize_url(url)?;
     let options = RedisOptions {
         url: url.clone(),
         pool_size: args.redis_pool_size,

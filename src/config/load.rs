@@ -379,12 +379,42 @@ fn parse(file: &str, text: &str) -> Result<RawFile, ConfigError> {
             e.into_inner()
         })
     });
-    parsed.map_err(|e| ConfigError {
-        file: file.to_string(),
-        line: e.location().map_or(0, |l| l.line()),
-        path,
-        message: first_line(&e.to_string()),
+    parsed.map_err(|e| {
+        let location = e.location();
+        let found = location.and_then(|l| scalar_at(text, l.line(), l.column()));
+        ConfigError {
+            file: file.to_string(),
+            line: location.map_or(0, |l| l.line()),
+            path,
+            message: plain(&first_line(&e.to_string()), found),
+        }
     })
+}
+
+/// The parser's terse messages for a number that is not one, said with the accepted form and
+/// what was found.
+fn plain(message: &str, found: Option<&str>) -> String {
+    let range = match message {
+        "invalid u32" => "a whole number from 0 to 4294967295",
+        "invalid u64" => "a whole number from 0 to 18446744073709551615",
+        "invalid u16" => "a whole number from 0 to 65535",
+        "invalid f64" | "invalid f32" => "a number",
+        _ => return message.to_string(),
+    };
+    match found {
+        Some(found) => format!("expected {range}, found `{found}`"),
+        None => format!("expected {range}"),
+    }
+}
+
+/// The plain scalar written at `line` and `column` (1-based) of `text`.
+fn scalar_at(text: &str, line: u64, column: u64) -> Option<&str> {
+    let line = text.lines().nth(usize::try_from(line.checked_sub(1)?).ok()?)?;
+    let from = usize::try_from(column.checked_sub(1)?).ok()?;
+    let rest = line.get(from..)?;
+    let end = rest.find([',', '}', ']', '#']).unwrap_or(rest.len());
+    let scalar = rest[..end].trim();
+    (!scalar.is_empty()).then_some(scalar)
 }
 
 /// The YAML path of a parse error as the user wrote it. The `value` level that `Spanned`

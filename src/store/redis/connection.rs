@@ -188,6 +188,14 @@ pub(super) async fn probe(config: &Config, deadline: Duration) -> Result<bool, S
             tracing::warn!(error = %unavailable(&e), "Redis is not reachable yet; serving by the store-failure policy until it is");
             Ok(false)
         }
+        Err(_) if config.tls.is_some() => {
+            // A plaintext Redis reads a TLS hello as the start of a command and waits for its
+            // end: to the client, a handshake that never finishes.
+            tracing::warn!(
+                "Redis did not finish a TLS handshake within {deadline:?}; the URL asks for TLS (rediss://): if this Redis does not serve TLS, use redis:// (or REDIS_TLS=false); serving by the store-failure policy until it answers"
+            );
+            Ok(false)
+        }
         Err(_) => {
             tracing::warn!(
                 "Redis did not answer within {deadline:?}; serving by the store-failure policy until it does"
@@ -208,9 +216,36 @@ pub(super) fn transient(e: &Error) -> bool {
     }
 }
 
+/// The URL schemes slidegate reads.
+const SCHEMES: [&str; 6] = [
+    "redis",
+    "rediss",
+    "redis-cluster",
+    "rediss-cluster",
+    "redis-sentinel",
+    "rediss-sentinel",
+];
+
+/// `url` as the client reads it: `host:port` (how the reference's `REDIS_URL` is written) is
+/// `redis://host:port`; any other scheme than [`SCHEMES`] is refused with the accepted forms.
+pub fn normalize_url(url: &str) -> Result<String, String> {
+    let Some((scheme, _)) = url.split_once("://") else {
+        return Ok(format!("redis://{url}"));
+    };
+    if SCHEMES.contains(&scheme) {
+        return Ok(url.to_string());
+    }
+    Err(format!(
+        "--redis {}: `{scheme}://` is not a Redis URL slidegate reads; write redis://host:port \
+         (rediss:// for TLS), redis-cluster://h1:port,h2:port, redis-sentinel://host:port?sentinelServiceName=NAME, \
+         or host:port",
+        redact(url)
+    ))
+}
+
 /// The client's configuration from the URL and the TLS files.
 pub(super) fn client_config(options: &RedisOptions) -> Result<Config, StoreError> {
-    let url = client_url(&options.url);
+    let url = client_url(&normalize_url(&options.url).map_err(StoreError::unavailable)?);
     let mut config = Config::from_url(&url).map_err(|e| {
         StoreError::unavailable(format!(
             "invalid Redis URL {}: {}",

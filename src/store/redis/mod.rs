@@ -43,7 +43,7 @@ pub mod packed;
 
 use batch::Batcher;
 use call::{Request, Sender, Slots, not_served};
-pub use connection::redact;
+pub use connection::{normalize_url, redact};
 use connection::{
     HOPELESS_AFTER, HOPELESS_STREAK, Health, PoolRecipe, client_config, lock, probe, start_pool,
 };
