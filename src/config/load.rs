@@ -324,7 +324,7 @@ fn parse_reporting_all(file: &str, text: &str) -> Result<RawFile, Vec<ConfigErro
 fn is_field_error(message: &str) -> bool {
     // serde's own messages, and the YAML parser's for scalars that do not read as the type
     // (`invalid u32`, `invalid boolean`, ...).
-    ["unknown field", "duplicate field", "invalid "]
+    ["unknown field", "duplicate field", "invalid ", "expected a whole number", "expected a number"]
         .iter()
         .any(|start| message.starts_with(start))
 }
@@ -1061,7 +1061,7 @@ descriptors:
             ),
             (
                 "domain: d\ndescriptors:\n  - key: a\n    rate_limit: {unit: day, requests_per_unit: -1}\n",
-                "4: descriptors[0].rate_limit.requests_per_unit: invalid u32",
+                "4: descriptors[0].rate_limit.requests_per_unit: expected a whole number from 0 to 4294967295, found `-1`",
             ),
             (
                 "domain: d\ndescriptors:\n  - key: a\n    rate_limit: {unit: second, requests_per_unit: 1}\n    algorithm: token_bucket\n",
