@@ -3,9 +3,11 @@
 //! pbjson generates the proto3 JSON mapping (`POST /json`) from the same descriptors, so the JSON
 //! and the gRPC forms of a message cannot drift apart.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
+use std::process::Command;
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
+    commit();
     let out = PathBuf::from(std::env::var("OUT_DIR")?);
     // Reflection describes what slidegate serves: the rate-limit service and its types only.
     let served = protox::compile(["envoy/service/ratelimit/v3/rls.proto"], ["proto"])?;
@@ -35,4 +37,38 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         .build(&[".envoy", ".google.rpc", ".ratelimit"])?;
     println!("cargo:rerun-if-changed=proto");
     Ok(())
+}
+
+/// The commit slidegate is built from, for `--version` and `slidegate_build_info`:
+/// `SLIDEGATE_COMMIT` where the build sets it (the container build, which has no `.git`), else
+/// what git says, else `unknown`.
+fn commit() {
+    println!("cargo:rerun-if-env-changed=SLIDEGATE_COMMIT");
+    let git = |args: &[&str]| {
+        let out = Command::new("git").args(args).output().ok()?;
+        let text = String::from_utf8(out.stdout).ok()?;
+        (out.status.success() && !text.trim().is_empty()).then(|| text.trim().to_string())
+    };
+    let commit = std::env::var("SLIDEGATE_COMMIT")
+        .ok()
+        .filter(|c| !c.trim().is_empty())
+        .or_else(|| git(&["rev-parse", "--short=12", "HEAD"]))
+        .unwrap_or_else(|| "unknown".into());
+    println!("cargo:rustc-env=SLIDEGATE_COMMIT={commit}");
+    // Built again when the commit moves: HEAD, and the branch it names (only files that exist,
+    // as cargo reruns every time for one that does not).
+    if let Some(dir) = git(&["rev-parse", "--git-dir"]) {
+        let dir = Path::new(&dir);
+        let head = dir.join("HEAD");
+        let branch = std::fs::read_to_string(&head)
+            .ok()
+            .and_then(|h| h.strip_prefix("ref: ").map(|r| dir.join(r.trim())));
+        for path in [Some(head), branch, Some(dir.join("packed-refs"))]
+            .into_iter()
+            .flatten()
+            .filter(|p| p.exists())
+        {
+            println!("cargo:rerun-if-changed={}", path.display());
+        }
+    }
 }

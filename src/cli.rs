@@ -23,7 +23,7 @@ mod serve;
 #[derive(Debug, Parser)]
 #[command(
     name = "slidegate",
-    version,
+    version = concat!(env!("CARGO_PKG_VERSION"), " (commit ", env!("SLIDEGATE_COMMIT"), ")"),
     about = "Envoy external rate-limit server with exact rolling windows"
 )]
 pub struct Cli {
@@ -513,7 +513,10 @@ mod tests {
 
     #[test]
     fn log_levels_mean_slidegates_own_and_the_rest_are_refused() {
-        assert_eq!(log_filter("debug", "--log-level"), Ok("warn,slidegate=debug".into()));
+        assert_eq!(
+            log_filter("debug", "--log-level"),
+            Ok("warn,slidegate=debug".into())
+        );
         assert_eq!(log_filter("WARNING", "LOG_LEVEL"), Ok("warn".into()));
         assert_eq!(log_filter("info", "RUST_LOG"), Ok("info".into()));
         assert_eq!(
@@ -527,7 +530,10 @@ mod tests {
         assert!(log_filter("slidegate=loud", "RUST_LOG").is_err());
         assert_eq!(
             threads_arg("0"),
-            Err("'0' is not a thread count: give 1 or more, or leave the flag out for one per CPU".into())
+            Err(
+                "'0' is not a thread count: give 1 or more, or leave the flag out for one per CPU"
+                    .into()
+            )
         );
         assert_eq!(threads_arg("3").map(std::num::NonZeroUsize::get), Ok(3));
     }

@@ -18,6 +18,11 @@
 #![forbid(unsafe_code)]
 #![deny(rust_2018_idioms)]
 
+/// The version slidegate is built as.
+pub const VERSION: &str = env!("CARGO_PKG_VERSION");
+/// The commit it is built from (`build.rs`), or `unknown`.
+pub const COMMIT: &str = env!("SLIDEGATE_COMMIT");
+
 pub mod config;
 pub mod limiter;
 pub mod metrics;

@@ -30,6 +30,12 @@ use crate::limiter::{Clock, SystemClock};
 mod process;
 mod reference;
 
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct BuildLabels {
+    version: &'static str,
+    commit: &'static str,
+}
+
 /// How `/metrics` names and encodes the series.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum MetricNames {
@@ -234,6 +240,7 @@ impl Metrics {
         };
         m.register_rule_counters(&mut registry);
         m.register_service_metrics(&mut registry);
+        Self::register_build_info(&mut registry);
         Metrics { registry, ..m }
     }
 
@@ -250,12 +257,12 @@ impl Metrics {
             ),
             (
                 "near_limit",
-                "Admitted hits above the near-limit ratio",
+                "Hits between the near-limit ratio and the limit, admitted or not",
                 &self.near_limit,
             ),
             (
                 "within_limit",
-                "Admitted hits below the near-limit ratio",
+                "Hits within the limit, near ones included",
                 &self.within_limit,
             ),
             (
@@ -272,6 +279,22 @@ impl Metrics {
                 family.clone(),
             );
         }
+    }
+
+    /// The version and commit, as a series whose value is always 1.
+    fn register_build_info(registry: &mut Registry) {
+        let build = Family::<BuildLabels, Gauge>::default();
+        build
+            .get_or_create(&BuildLabels {
+                version: crate::VERSION,
+                commit: crate::COMMIT,
+            })
+            .set(1);
+        registry.register(
+            "slidegate_build_info",
+            "The version and commit slidegate is built from (always 1)",
+            build,
+        );
     }
 
     /// Calls, latencies, the store and the config.

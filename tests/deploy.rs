@@ -264,6 +264,187 @@ fn dockerfile_passes_hadolint_and_builds_a_non_root_image() {
     assert!(text.contains("EXPOSE 8080 8081"));
 }
 
+/// A Dockerfile's instructions, continuation lines joined and comments dropped: (instruction,
+/// arguments).
+fn instructions(text: &str) -> Vec<(String, String)> {
+    let mut out = Vec::new();
+    let mut pending = String::new();
+    for line in text.lines() {
+        let line = line.trim();
+        if line.starts_with('#') || line.is_empty() {
+            continue;
+        }
+        match line.strip_suffix('\\') {
+            Some(part) => pending.push_str(part),
+            None => {
+                pending.push_str(line);
+                let (op, args) = pending.split_once(' ').unwrap_or((&pending, ""));
+                out.push((op.to_ascii_uppercase(), args.trim().to_string()));
+                pending.clear();
+            }
+        }
+    }
+    out
+}
+
+/// Whether `.dockerignore` lets the top-level entry `name` into the build context. It holds
+/// only the forms this reader knows (`*`, then `!name` exceptions), which the test checks.
+fn in_context(ignore: &str, name: &str) -> bool {
+    let mut included = true;
+    for line in ignore.lines().map(str::trim) {
+        match line {
+            "" => {}
+            _ if line.starts_with('#') => {}
+            "*" => included = false,
+            _ => {
+                let exception = line.strip_prefix('!').unwrap_or_else(|| {
+                    panic!(".dockerignore: `{line}` is not a form this test reads (`*` or `!name`)")
+                });
+                assert!(
+                    !exception.contains(['*', '?', '/']),
+                    ".dockerignore: `{line}` is not a top-level name"
+                );
+                if exception == name {
+                    included = true;
+                }
+            }
+        }
+    }
+    included
+}
+
+fn copy_tree(from: &std::path::Path, to: &std::path::Path) {
+    if from.is_dir() {
+        std::fs::create_dir_all(to).unwrap();
+        for entry in std::fs::read_dir(from).unwrap() {
+            let entry = entry.unwrap();
+            copy_tree(&entry.path(), &to.join(entry.file_name()));
+        }
+    } else {
+        std::fs::copy(from, to).unwrap_or_else(|e| panic!("copy {}: {e}", from.display()));
+    }
+}
+
+/// The image's build stage replayed without a container engine: a directory holding exactly
+/// what the build stage copies, each path let into the context by `.dockerignore` (a path the
+/// Dockerfile copies that is missing or ignored fails here, as it would fail `docker build`),
+/// then the stage's build command run there (`cargo check` in place of `cargo build
+/// --release`: the same sources, build script and manifest read, without building every
+/// dependency again). The runtime stage copies the binary the build stage makes and starts it.
+#[test]
+fn the_image_build_replays_from_exactly_what_the_dockerfile_copies() {
+    let dockerfile =
+        std::fs::read_to_string(format!("{MANIFEST}/deploy/Dockerfile")).expect("Dockerfile");
+    let ignore =
+        std::fs::read_to_string(format!("{MANIFEST}/.dockerignore")).expect(".dockerignore");
+    let steps = instructions(&dockerfile);
+    let stages: Vec<usize> = (0..steps.len()).filter(|&i| steps[i].0 == "FROM").collect();
+    assert_eq!(stages.len(), 2, "a build stage and a runtime stage");
+    let (build, runtime) = (&steps[stages[0]..stages[1]], &steps[stages[1]..]);
+    assert!(build[0].1.ends_with(" AS build"), "{:?}", build[0]);
+
+    let scratch = common::temp_dir("docker-replay");
+    let mut workdir = PathBuf::from("/");
+    let mut args = Vec::new();
+    let mut command = None;
+    for (op, rest) in build {
+        match op.as_str() {
+            "FROM" => {}
+            "WORKDIR" => workdir = PathBuf::from(rest),
+            "ARG" => args.push(
+                rest.split_once('=')
+                    .map_or((rest.clone(), String::new()), |(k, v)| {
+                        (k.to_string(), v.to_string())
+                    }),
+            ),
+            "COPY" => {
+                let parts: Vec<&str> = rest.split_whitespace().collect();
+                let (sources, dest) = parts.split_at(parts.len() - 1);
+                let dest = scratch.0.join(dest[0]);
+                for source in sources {
+                    assert!(
+                        in_context(&ignore, source),
+                        "the Dockerfile copies {source}, which .dockerignore leaves out of the context"
+                    );
+                    let from = PathBuf::from(MANIFEST).join(source);
+                    assert!(
+                        from.exists(),
+                        "the Dockerfile copies {source}, which does not exist"
+                    );
+                    let to = if sources.len() > 1 || dest.to_string_lossy().ends_with('/') {
+                        dest.join(source)
+                    } else {
+                        dest.clone()
+                    };
+                    copy_tree(&from, &to);
+                }
+            }
+            "RUN" => command = Some(rest.clone()),
+            other => panic!("the build stage has `{other}`, which this replay does not know"),
+        }
+    }
+    let command = command.expect("the build stage runs the build");
+    let words: Vec<&str> = command.split_whitespace().collect();
+    assert_eq!(
+        words,
+        [
+            "cargo",
+            "build",
+            "--release",
+            "--locked",
+            "--bin",
+            "slidegate"
+        ],
+        "the replay runs this command"
+    );
+    let check = Command::new("cargo")
+        .args(["check", "--locked", "--bin", "slidegate"])
+        .current_dir(&scratch.0)
+        .env(
+            "CARGO_TARGET_DIR",
+            format!("{MANIFEST}/target/dockerfile-replay"),
+        )
+        .envs(args.iter().map(|(k, v)| (k.as_str(), v.as_str())))
+        .output()
+        .expect("run cargo");
+    assert!(
+        check.status.success(),
+        "the build stage fails from what the Dockerfile copies:\n{}",
+        String::from_utf8_lossy(&check.stderr)
+    );
+    assert_eq!(workdir, PathBuf::from("/src"));
+
+    // The runtime stage: the binary the build made, at the paths it starts.
+    let built = format!("{}/target/release/slidegate", workdir.display());
+    let copied: Vec<String> = runtime
+        .iter()
+        .filter(|(op, _)| op == "COPY")
+        .map(|(_, rest)| {
+            let parts: Vec<&str> = rest.split_whitespace().collect();
+            assert_eq!(parts, ["--from=build", built.as_str(), parts[2]], "{rest}");
+            parts[2].to_string()
+        })
+        .collect();
+    assert!(copied.contains(&"/bin/ratelimit".to_string()), "{copied:?}");
+    let entrypoint = runtime
+        .iter()
+        .find(|(op, _)| op == "ENTRYPOINT")
+        .map(|(_, rest)| serde_json::from_str::<Vec<String>>(rest).expect("exec form"))
+        .expect("an ENTRYPOINT");
+    assert!(
+        copied.contains(&entrypoint[0]),
+        "{entrypoint:?} is not {copied:?}"
+    );
+}
+
+#[test]
+fn dockerignore_reader_knows_its_forms() {
+    let ignore = "# comment\n*\n!src\n!Cargo.toml\n";
+    assert!(in_context(ignore, "src") && in_context(ignore, "Cargo.toml"));
+    assert!(!in_context(ignore, "target") && !in_context(ignore, ".cargo"));
+    assert!(in_context("", "anything"));
+}
+
 /// An HTTP GET as the kubelet's probe does it: any status from 200 to 399 is a success.
 fn probe(port: u16, path: &str) -> Option<u16> {
     let reply = common::redis::command(port, &format!("GET {path} HTTP/1.0\r\n")).ok()?;
@@ -402,35 +583,29 @@ fn shared_container_starts_as_its_manifest_says_and_answers_its_probes() {
     run_container("deploy/kubernetes/shared.yaml");
 }
 
-/// deploy/envoy-gateway: the EnvoyGateway configuration swaps the rate-limit image and sets a
-/// Redis backend; the BackendTrafficPolicy is the shape the end-to-end test runs through a real
+/// deploy/envoy-gateway: Envoy Gateway's Helm values swap the rate-limit image for the one the
+/// docs build and set a Redis backend; the BackendTrafficPolicy is the shape the end-to-end test runs through a real
 /// Envoy (tests/fixtures/envoy-gateway.yaml: x-user-id sent as `rule-0-match-0`, 3 per hour).
 #[test]
 fn envoy_gateway_manifests_say_what_the_tests_run() {
-    let file = "deploy/envoy-gateway/envoy-gateway-config.yaml";
-    let out = Command::new(tool("kubernetes-validate"))
-        .args(["--strict", "--quiet", &format!("{MANIFEST}/{file}")])
-        .output()
-        .expect("run kubernetes-validate");
+    // Envoy Gateway's Helm values: the rate-limit image (the chart's global.images.ratelimit)
+    // and the Redis backend, as the chart's values name them.
+    let values: Value = serde_saphyr::from_str(
+        &std::fs::read_to_string(format!("{MANIFEST}/deploy/envoy-gateway/helm-values.yaml"))
+            .expect("helm-values.yaml"),
+    )
+    .expect("the values parse");
+    let image = &values["global"]["images"]["ratelimit"]["image"];
+    let docs = std::fs::read_to_string(format!("{MANIFEST}/docs/deploy.md")).expect("docs");
     assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stdout)
+        image
+            .as_str()
+            .is_some_and(|i| i.ends_with("/slidegate:0.1.0") && docs.contains(i)),
+        "the image the docs build and push: {image}"
     );
-    let map = find(&documents(file), "ConfigMap").clone();
-    assert_eq!(map["metadata"]["namespace"], "envoy-gateway-system");
-    let text = map["data"]["envoy-gateway.yaml"]
-        .as_str()
-        .expect("envoy-gateway.yaml");
-    let config: Value = serde_saphyr::from_str(text).expect("EnvoyGateway parses");
-    assert_eq!(config["kind"], "EnvoyGateway");
-    let image = &config["provider"]["kubernetes"]["rateLimitDeployment"]["container"]["image"];
-    assert!(
-        image.as_str().is_some_and(|i| i.contains("slidegate")),
-        "{image}"
-    );
-    assert_eq!(config["rateLimit"]["backend"]["type"], "Redis");
-    assert!(config["rateLimit"]["backend"]["redis"]["url"].is_string());
+    let backend = &values["config"]["envoyGateway"]["rateLimit"]["backend"];
+    assert_eq!(backend["type"], "Redis");
+    assert!(backend["redis"]["url"].is_string());
 
     let policy = find(
         &documents("deploy/envoy-gateway/backend-traffic-policy.yaml"),

@@ -51,7 +51,10 @@ fn run(args: &[&str], env: &[(&str, &str)]) -> (Option<i32>, String) {
         assert!(Instant::now() < end, "{args:?} did not end");
         std::thread::sleep(Duration::from_millis(20));
     };
-    (status.code(), std::fs::read_to_string(&log).unwrap_or_default())
+    (
+        status.code(),
+        std::fs::read_to_string(&log).unwrap_or_default(),
+    )
 }
 
 /// Waits until the log at `log` holds `text`; its contents then.
@@ -94,7 +97,10 @@ fn a_log_level_that_means_nothing_is_refused() {
     let (_, args) = serve_args(&[]);
     let (code, stderr) = run(&strs(&args), &[("RUST_LOG", "verbose")]);
     assert_eq!(code, Some(2), "{stderr}");
-    assert!(stderr.contains("RUST_LOG=\"verbose\": not a log level"), "{stderr}");
+    assert!(
+        stderr.contains("RUST_LOG=\"verbose\": not a log level"),
+        "{stderr}"
+    );
 }
 
 #[test]
@@ -125,8 +131,12 @@ fn a_number_that_is_not_one_is_named_with_the_accepted_range() {
     let (code, stderr) = run(&["check", &path], &[]);
     assert_eq!(code, Some(1), "{stderr}");
     for expected in [
-        format!("{path}/a.yaml:6: descriptors[0].rate_limit.requests_per_unit: expected a whole number from 0 to 4294967295, found `five`"),
-        format!("{path}/b.yaml:4: descriptors[0].rate_limit.requests_per_unit: expected a whole number from 0 to 4294967295, found `-1`"),
+        format!(
+            "{path}/a.yaml:6: descriptors[0].rate_limit.requests_per_unit: expected a whole number from 0 to 4294967295, found `five`"
+        ),
+        format!(
+            "{path}/b.yaml:4: descriptors[0].rate_limit.requests_per_unit: expected a whole number from 0 to 4294967295, found `-1`"
+        ),
     ] {
         assert!(stderr.contains(&expected), "{expected}\nin\n{stderr}");
     }
@@ -161,7 +171,10 @@ fn redis_urls_are_read_as_the_reference_writes_them_or_refused_with_the_forms() 
 fn tls_to_a_plaintext_redis_says_so() {
     let redis = RedisProcess::start(&[]);
     let (_, mut args) = serve_args(&["--redis-connect-timeout", "500ms"]);
-    args.extend(["--redis".to_string(), format!("rediss://127.0.0.1:{}", redis.port)]);
+    args.extend([
+        "--redis".to_string(),
+        format!("rediss://127.0.0.1:{}", redis.port),
+    ]);
     let dir = temp_dir("errors-tls");
     let log = dir.0.join("log");
     let _child = spawn(&strs(&args), &[], &log);
@@ -217,7 +230,10 @@ async fn the_references_debug_level_is_slidegates_own() {
     ];
     let (grpc_port, http_port) = (grpc.to_string(), http.to_string());
     let mut env = env.to_vec();
-    env.extend([("GRPC_PORT", grpc_port.as_str()), ("PORT", http_port.as_str())]);
+    env.extend([
+        ("GRPC_PORT", grpc_port.as_str()),
+        ("PORT", http_port.as_str()),
+    ]);
     let _child = spawn(&[], &env, &log);
     wait_until("healthy", Duration::from_secs(20), || {
         command(http, "GET /healthcheck HTTP/1.0\r\n").is_ok_and(|r| r.contains(" 200 "))
@@ -238,5 +254,8 @@ async fn the_references_debug_level_is_slidegates_own() {
         .lines()
         .filter(|l| (l.contains("DEBUG") || l.contains("TRACE")) && !l.contains(" slidegate"))
         .collect();
-    assert!(foreign.is_empty(), "other crates' debug lines: {foreign:#?}");
+    assert!(
+        foreign.is_empty(),
+        "other crates' debug lines: {foreign:#?}"
+    );
 }

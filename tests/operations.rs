@@ -125,6 +125,18 @@ async fn metrics_count_known_traffic_exactly() {
         Some(1.0)
     );
     assert_eq!(
+        sample(
+            &text,
+            &format!(
+                "slidegate_build_info{{version=\"{}\",commit=\"{}\"}}",
+                env!("CARGO_PKG_VERSION"),
+                slidegate::COMMIT
+            )
+        ),
+        Some(1.0)
+    );
+    assert_ne!(slidegate::COMMIT, "unknown", "built from a git checkout");
+    assert_eq!(
         sample(&text, "slidegate_request_duration_seconds_count"),
         Some(20.0)
     );

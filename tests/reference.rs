@@ -243,7 +243,17 @@ async fn behaves_as_the_reference(binary: &Path, redis: &[(&str, String)]) {
             "ratelimit_service_rate_limit_within_limit",
             rule.clone()
         ),
-        Some(2.0)
+        Some(3.0),
+        "every admitted hit, as the reference counts it"
+    );
+    assert_eq!(
+        sample(
+            &rows,
+            "slidegate_build_info",
+            serde_json::json!({"version": env!("CARGO_PKG_VERSION"), "commit": slidegate::COMMIT})
+        ),
+        Some(1.0),
+        "{text}"
     );
     assert_eq!(
         sample(&rows, "ratelimit_service_rate_limit_near_limit", rule),

@@ -187,6 +187,29 @@ async fn http_endpoints() {
     s.stop().await;
 }
 
+/// `--version` names the commit the binary is built from.
+#[test]
+fn version_names_the_commit() {
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_slidegate"))
+        .arg("--version")
+        .output()
+        .expect("run --version");
+    assert!(out.status.success());
+    assert_eq!(
+        String::from_utf8_lossy(&out.stdout).trim(),
+        format!(
+            "slidegate {} (commit {})",
+            env!("CARGO_PKG_VERSION"),
+            slidegate::COMMIT
+        )
+    );
+    assert!(
+        slidegate::COMMIT.len() == 12 && slidegate::COMMIT.bytes().all(|b| b.is_ascii_hexdigit()),
+        "a commit, not {:?}",
+        slidegate::COMMIT
+    );
+}
+
 #[test]
 fn check_command_validates_configs() {
     let bin = env!("CARGO_BIN_EXE_slidegate");

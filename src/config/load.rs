@@ -324,9 +324,15 @@ fn parse_reporting_all(file: &str, text: &str) -> Result<RawFile, Vec<ConfigErro
 fn is_field_error(message: &str) -> bool {
     // serde's own messages, and the YAML parser's for scalars that do not read as the type
     // (`invalid u32`, `invalid boolean`, ...).
-    ["unknown field", "duplicate field", "invalid ", "expected a whole number", "expected a number"]
-        .iter()
-        .any(|start| message.starts_with(start))
+    [
+        "unknown field",
+        "duplicate field",
+        "invalid ",
+        "expected a whole number",
+        "expected a number",
+    ]
+    .iter()
+    .any(|start| message.starts_with(start))
 }
 
 /// Blanks the field at 1-based `line` and the lines nested under it; false when that is not a
@@ -409,7 +415,9 @@ fn plain(message: &str, found: Option<&str>) -> String {
 
 /// The plain scalar written at `line` and `column` (1-based) of `text`.
 fn scalar_at(text: &str, line: u64, column: u64) -> Option<&str> {
-    let line = text.lines().nth(usize::try_from(line.checked_sub(1)?).ok()?)?;
+    let line = text
+        .lines()
+        .nth(usize::try_from(line.checked_sub(1)?).ok()?)?;
     let from = usize::try_from(column.checked_sub(1)?).ok()?;
     let rest = line.get(from..)?;
     let end = rest.find([',', '}', ']', '#']).unwrap_or(rest.len());

@@ -43,10 +43,10 @@ pub mod packed;
 
 use batch::Batcher;
 use call::{Request, Sender, Slots, not_served};
-pub use connection::{normalize_url, redact};
 use connection::{
     HOPELESS_AFTER, HOPELESS_STREAK, Health, PoolRecipe, client_config, lock, probe, start_pool,
 };
+pub use connection::{normalize_url, redact};
 use decide::{Call, Entry, Group, GroupReply};
 use encode::{call_failed, request_failed};
 pub use library::Library;
