@@ -83,6 +83,9 @@ pub struct ServeArgs {
     /// Accept a Redis certificate signed for another name (the chain is still verified).
     #[arg(long, env = "SLIDEGATE_REDIS_TLS_SKIP_HOSTNAME_VERIFICATION", action = ArgAction::SetTrue, value_parser = BoolishValueParser::new())]
     pub redis_tls_skip_hostname_verification: bool,
+    /// Put before every Redis key, so installations sharing one Redis keep apart.
+    #[arg(long, env = "SLIDEGATE_REDIS_KEY_PREFIX", default_value = "")]
+    pub redis_key_prefix: String,
     /// Redis connections in the pool.
     #[arg(long, env = "SLIDEGATE_REDIS_POOL_SIZE", default_value_t = 4)]
     pub redis_pool_size: usize,

@@ -202,6 +202,7 @@ fn answer_alike(url: &str) {
                 connect_timeout: Duration::from_secs(5),
                 clock: ClockSource::Server,
                 tls: Default::default(),
+                key_prefix: String::new(),
             })
             .await
             .expect("connect to the test Redis"),

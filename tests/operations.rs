@@ -1005,6 +1005,7 @@ async fn health_follows_the_store() {
             connect_timeout: Duration::from_secs(5),
             clock: slidegate::store::ClockSource::Server,
             tls: Default::default(),
+            key_prefix: String::new(),
         })
         .await
         .expect("connect"),

@@ -76,10 +76,6 @@ const WARNED: &[(&str, &str)] = &[
         "keys expire exactly when no window needs them",
     ),
     (
-        "CACHE_KEY_PREFIX",
-        "keys are rl:{<tag>}:..., one key space per Redis",
-    ),
-    (
         "REDIS_PIPELINE_WINDOW",
         "calls are sent as they come, on a pool of connections",
     ),
@@ -562,6 +558,11 @@ fn redis(args: &mut ServeArgs, env: Env<'_>, notes: &mut Vec<String>) -> Result<
         given,
         as_reference,
     } = env;
+    if !given("redis_key_prefix")
+        && let Some(prefix) = var("CACHE_KEY_PREFIX")
+    {
+        args.redis_key_prefix = prefix;
+    }
     if !given("redis_pool_size")
         && let Some(size) = var("REDIS_POOL_SIZE")
     {
@@ -889,9 +890,11 @@ mod tests {
                 ("USE_PROMETHEUS", "true"),
                 ("MERGE_DOMAIN_CONFIG", "yes"),
                 ("REDIS_PERSECOND", "true"),
+                ("CACHE_KEY_PREFIX", "team-a:"),
             ],
         )
         .expect("accepted");
+        assert_eq!(args.redis_key_prefix, "team-a:");
         assert_eq!(args.http_addr.to_string(), "0.0.0.0:9000");
         assert_eq!(args.grpc_addr.to_string(), "127.0.0.1:8081");
         assert_eq!(args.config, Some(PathBuf::from("/data/ratelimit/config")));

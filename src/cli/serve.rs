@@ -292,6 +292,7 @@ async fn open_store(args: &ServeArgs, clock: Arc<SystemClock>) -> Result<Arc<dyn
             key: args.redis_tls_key.clone(),
             skip_hostname_verification: args.redis_tls_skip_hostname_verification,
         },
+        key_prefix: args.redis_key_prefix.clone(),
     };
     let store = RedisStore::connect(options)
         .await

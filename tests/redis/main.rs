@@ -42,6 +42,7 @@ fn options(url: String, timeout: Duration) -> RedisOptions {
         connect_timeout: Duration::from_secs(5),
         clock: ClockSource::Server,
         tls: Default::default(),
+        key_prefix: String::new(),
     }
 }
 

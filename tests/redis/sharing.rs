@@ -168,3 +168,48 @@ async fn callers_that_give_up_do_not_stall_the_queue() {
     assert_eq!(answered, 20, "the store answers after callers gave up");
     server.stop().await;
 }
+
+/// `--redis-key-prefix` (`CACHE_KEY_PREFIX`): two installations on one Redis, with the same
+/// domain and rule, keep apart (each admits its own limit) and every key starts with its
+/// prefix; on a cluster, a request over several slots is still decided (the prefix leaves the
+/// hash tag, so the slot, as it was).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn key_prefixes_keep_installations_on_one_redis_apart() {
+    for url in [shared_standalone().url(), shared_cluster().url()] {
+        let domain = unique_domain("prefix");
+        let config = format!(
+            "domain: {domain}\ndescriptors:\n  - key: a\n    rate_limit: {{unit: hour, requests_per_unit: 1}}\n  - key: b\n    rate_limit: {{unit: hour, requests_per_unit: 1}}\n"
+        );
+        let mut servers = Vec::new();
+        for prefix in ["team-a:", "team-b:"] {
+            let mut opts = options(url.clone(), TEST_TIMEOUT);
+            opts.key_prefix = prefix.into();
+            let store: Arc<dyn Store> = Arc::new(RedisStore::connect(opts).await.expect("connect"));
+            servers.push(TestServer::start(&config, store, LimiterOptions::default()).await);
+        }
+        // Two descriptors in slots of their own: a spread call on a cluster.
+        let both = || {
+            request(
+                &domain,
+                vec![descriptor(&[("a", "x")]), descriptor(&[("b", "y")])],
+            )
+        };
+        for server in &servers {
+            assert_eq!(server.call(both()).await.overall_code, ok(), "{url}");
+            assert_eq!(server.call(both()).await.overall_code, over(), "{url}");
+        }
+        let store = RedisStore::connect(options(url.clone(), TEST_TIMEOUT))
+            .await
+            .expect("connect");
+        let client = store.client();
+        use fred::prelude::SortedSetsInterface as _;
+        for prefix in ["team-a:", "team-b:"] {
+            let key = format!("{prefix}rl:{{{domain}:a=x}}:log");
+            let held: i64 = client.zcard(&key).await.expect("ZCARD");
+            assert_eq!(held, 1, "{key} on {url}");
+        }
+        for server in servers {
+            server.stop().await;
+        }
+    }
+}

@@ -172,11 +172,9 @@ impl RedisStore {
                         // "<cum>:<weight>:<time>:<prefix>:<i>", i 1-based per call.
                         let member =
                             format!("{cum:020}:{}:{at_ms}:{prefix}:{}", item.hits, position + 1);
+                        let log = self.key(item.key.log());
                         removals.push(Box::pin(async move {
-                            client
-                                .zrem::<i64, _, _>(item.key.log(), member)
-                                .await
-                                .map(|_| ())
+                            client.zrem::<i64, _, _>(log, member).await.map(|_| ())
                         }) as UndoFuture<'_>);
                     }
                     Algorithm::SlidingCounter { buckets } => {
@@ -192,10 +190,11 @@ impl RedisStore {
                         sizes.dedup();
                         for size in sizes {
                             let field = format!("{size}:{}", now_ms / size);
-                            let client = client.clone();
+                            let (client, counters) =
+                                (client.clone(), self.key(item.key.counters()));
                             removals.push(Box::pin(async move {
                                 client
-                                    .hincrby::<i64, _, _>(item.key.counters(), field, -hits)
+                                    .hincrby::<i64, _, _>(counters, field, -hits)
                                     .await
                                     .map(|_| ())
                             }));

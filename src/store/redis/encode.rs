@@ -61,12 +61,12 @@ impl RedisStore {
         for &i in group {
             let item = &items[i];
             let ban_ms = item.ban_ms.unwrap_or(0);
-            keys.push(Key::from(match item.algorithm {
+            keys.push(self.key(match item.algorithm {
                 Algorithm::SlidingLog => item.key.log(),
                 Algorithm::SlidingCounter { .. } => item.key.counters(),
             }));
             if ban_ms > 0 {
-                keys.push(Key::from(item.key.ban()));
+                keys.push(self.key(item.key.ban()));
             }
             args.push(number(item.hits));
             args.push(rule_arg(item, ban_ms));
@@ -87,6 +87,16 @@ impl RedisStore {
             slots,
             lane: call.lane,
             answer_by: call.answer_by,
+        }
+    }
+
+    /// A key as Redis holds it: after `--redis-key-prefix` (`CACHE_KEY_PREFIX`), if any.
+    pub(super) fn key(&self, name: String) -> Key {
+        let prefix = &self.recipe.options.key_prefix;
+        if prefix.is_empty() {
+            Key::from(name)
+        } else {
+            Key::from(format!("{prefix}{name}"))
         }
     }
 

@@ -86,6 +86,9 @@ pub struct RedisOptions {
     pub clock: ClockSource,
     /// CA, client certificate and hostname policy for `rediss://`; empty: system CAs.
     pub tls: TlsFiles,
+    /// Put before every key (the reference's `CACHE_KEY_PREFIX`), so installations sharing a
+    /// Redis keep apart; it comes before the hash tag, so slots are as without it.
+    pub key_prefix: String,
 }
 
 /// Script calls out at once from the store to a Redis (on a cluster, to each master), whatever
