@@ -136,6 +136,13 @@ pub struct ServeArgs {
     /// is full.
     #[arg(long, env = "SLIDEGATE_MAX_CONCURRENT_STREAMS", default_value_t = ConnectionLimits::default().max_streams, value_parser = clap::value_parser!(u32).range(1..))]
     pub max_concurrent_streams: u32,
+    /// Ask a gRPC connection this old to finish (GOAWAY; within 10% either way), so clients
+    /// reconnect and spread over replicas added since; unset, connections are kept.
+    #[arg(long, env = "SLIDEGATE_GRPC_MAX_CONNECTION_AGE", value_parser = duration_arg)]
+    pub grpc_max_connection_age: Option<Duration>,
+    /// Then close it this long after, if calls still hold it.
+    #[arg(long, env = "SLIDEGATE_GRPC_MAX_CONNECTION_AGE_GRACE", default_value = "1h", value_parser = duration_arg)]
+    pub grpc_max_connection_age_grace: Duration,
     /// How long a request's body may take to arrive whole, on both ports.
     #[arg(long, env = "SLIDEGATE_BODY_TIMEOUT", default_value = "10s", value_parser = duration_arg)]
     pub body_timeout: Duration,

@@ -365,3 +365,79 @@ fn a_json_body_past_its_cap_is_refused() {
     assert!(answer.starts_with("HTTP/1.1 413"), "{answer}");
     assert!(answer.contains("passes 2097152 bytes"), "{answer}");
 }
+
+/// Reads one HTTP/2 frame: (type, flags, stream, payload).
+fn read_frame(socket: &mut TcpStream) -> std::io::Result<(u8, u8, u32, Vec<u8>)> {
+    let mut head = [0u8; 9];
+    socket.read_exact(&mut head)?;
+    let length = u32::from_be_bytes([0, head[0], head[1], head[2]]) as usize;
+    let stream = u32::from_be_bytes([head[5], head[6], head[7], head[8]]) & 0x7fff_ffff;
+    let mut payload = vec![0u8; length];
+    socket.read_exact(&mut payload)?;
+    Ok((head[3], head[4], stream, payload))
+}
+
+/// `GRPC_MAX_CONNECTION_AGE=2s` (the reference's variable): a connection receives GOAWAY about
+/// 2 s after it opened (10% either way), and a call in flight on it then still completes.
+#[test]
+fn an_old_connection_is_asked_to_go_and_its_calls_complete() {
+    let (grpc, http) = (common::redis::free_port(), common::redis::free_port());
+    let _child = KillOnDrop(
+        std::process::Command::new(env!("CARGO_BIN_EXE_slidegate"))
+            .args(["--config", EXAMPLE])
+            .args(["--grpc-addr", &format!("127.0.0.1:{grpc}")])
+            .args(["--http-addr", &format!("127.0.0.1:{http}")])
+            .env("GRPC_MAX_CONNECTION_AGE", "2s")
+            .env("GRPC_MAX_CONNECTION_AGE_GRACE", "20s")
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .expect("start slidegate"),
+    );
+    wait_until("ready", Duration::from_secs(20), || {
+        command(http, "GET /readyz HTTP/1.0\r\n").is_ok_and(|r| r.contains("200 OK"))
+    });
+    let mut socket = TcpStream::connect(("127.0.0.1", grpc)).expect("connect");
+    let opened = Instant::now();
+    socket
+        .write_all(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n")
+        .unwrap();
+    socket.write_all(&frame(0x4, 0, 0, &[])).unwrap();
+    // A call in flight: its headers now, its message only after the GOAWAY.
+    socket
+        .write_all(&frame(HEADERS, END_HEADERS, 1, &call_headers()))
+        .unwrap();
+    socket
+        .set_read_timeout(Some(Duration::from_secs(10)))
+        .unwrap();
+    let goaway_after = loop {
+        let (kind, flags, _, _) = read_frame(&mut socket).expect("a frame before GOAWAY");
+        match kind {
+            0x4 if flags & 0x1 == 0 => socket.write_all(&frame(0x4, 0x1, 0, &[])).unwrap(),
+            0x6 if flags & 0x1 == 0 => {} // a ping: the server's keep-alive, unanswered here
+            0x7 => break opened.elapsed(),
+            _ => {}
+        }
+    };
+    assert!(
+        goaway_after >= Duration::from_millis(1_700) && goaway_after < Duration::from_secs(4),
+        "GOAWAY after {goaway_after:?}"
+    );
+    use prost::Message as _;
+    let message = request("example", vec![descriptor(&[("to_number", "aged")])]).encode_to_vec();
+    let mut body = vec![0u8];
+    body.extend(u32::try_from(message.len()).unwrap().to_be_bytes());
+    body.extend(message);
+    socket.write_all(&frame(0x0, 0x1, 1, &body)).unwrap();
+    let answered = loop {
+        match read_frame(&mut socket) {
+            Ok((0x0, _, 1, payload)) if payload.len() > 5 => break true,
+            Ok(_) => {}
+            Err(_) => break false,
+        }
+    };
+    assert!(
+        answered,
+        "the call in flight got no answer after the GOAWAY"
+    );
+}

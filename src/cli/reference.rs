@@ -44,14 +44,6 @@ const WARNED: &[(&str, &str)] = &[
         "there is no debug port; /config on the HTTP port lists the rules",
     ),
     (
-        "GRPC_MAX_CONNECTION_AGE",
-        "connections are kept until the client or shutdown closes them",
-    ),
-    (
-        "GRPC_MAX_CONNECTION_AGE_GRACE",
-        "connections are kept until the client or shutdown closes them",
-    ),
-    (
         "USE_DOG_STATSD",
         "no statsd: scrape /metrics (USE_PROMETHEUS=true gives the reference's names)",
     ),
@@ -227,6 +219,7 @@ pub fn apply(
     if as_the_reference && !given("whole_second_resets") {
         args.whole_second_resets = true;
     }
+    connection_age(args, env, as_the_reference)?;
     switches(args, env)?;
     logging(args, env)?;
     prometheus(args, env)?;
@@ -768,6 +761,32 @@ fn switches(args: &mut ServeArgs, env: Env<'_>) -> Result<(), String> {
     Ok(())
 }
 
+/// `GRPC_MAX_CONNECTION_AGE` and `GRPC_MAX_CONNECTION_AGE_GRACE`, with the reference's defaults
+/// (24h and 1h) when started as the reference.
+fn connection_age(
+    args: &mut ServeArgs,
+    Env { var, given, .. }: Env<'_>,
+    as_the_reference: bool,
+) -> Result<(), String> {
+    let read = |name: &str, default: &str| -> Result<Option<std::time::Duration>, String> {
+        let Some(text) = var(name).or_else(|| as_the_reference.then(|| default.to_string())) else {
+            return Ok(None);
+        };
+        super::duration_arg(&text)
+            .map(Some)
+            .map_err(|e| format!("{name}={text:?}: {e}"))
+    };
+    if !given("grpc_max_connection_age") {
+        args.grpc_max_connection_age = read("GRPC_MAX_CONNECTION_AGE", "24h")?;
+    }
+    if !given("grpc_max_connection_age_grace")
+        && let Some(grace) = read("GRPC_MAX_CONNECTION_AGE_GRACE", "1h")?
+    {
+        args.grpc_max_connection_age_grace = grace;
+    }
+    Ok(())
+}
+
 /// `LOG_LEVEL` (the reference's default is WARN) and `LOG_FORMAT`.
 fn logging(args: &mut ServeArgs, env: Env<'_>) -> Result<(), String> {
     let Env {
@@ -891,10 +910,20 @@ mod tests {
                 ("MERGE_DOMAIN_CONFIG", "yes"),
                 ("REDIS_PERSECOND", "true"),
                 ("CACHE_KEY_PREFIX", "team-a:"),
+                ("GRPC_MAX_CONNECTION_AGE", "1h30m"),
             ],
         )
         .expect("accepted");
         assert_eq!(args.redis_key_prefix, "team-a:");
+        assert_eq!(
+            args.grpc_max_connection_age,
+            Some(std::time::Duration::from_secs(5400))
+        );
+        assert_eq!(
+            args.grpc_max_connection_age_grace,
+            std::time::Duration::from_secs(3600),
+            "the reference's default grace"
+        );
         assert_eq!(args.http_addr.to_string(), "0.0.0.0:9000");
         assert_eq!(args.grpc_addr.to_string(), "127.0.0.1:8081");
         assert_eq!(args.config, Some(PathBuf::from("/data/ratelimit/config")));

@@ -126,6 +126,8 @@ async fn serve_async(args: ServeArgs) -> Result<(), String> {
                 body_timeout: args.body_timeout,
                 max_buffered_per_connection: args.max_buffered_per_connection,
                 max_buffered: args.max_buffered,
+                max_connection_age: args.grpc_max_connection_age,
+                max_connection_age_grace: args.grpc_max_connection_age_grace,
             },
             tls_reload_interval: args.tls_reload_interval,
             // From xDS without FORCE_START_WITHOUT_INITIAL_CONFIG: not ready before the

@@ -328,7 +328,9 @@ async fn serve_grpc<S>(
         + 'static,
     S::Future: Send + 'static,
 {
-    let graceful = hyper_util::server::graceful::GracefulShutdown::new();
+    // Each connection's task holds a sender: once all have ended, `ended` yields nothing.
+    let (alive, mut ended) = tokio::sync::mpsc::channel::<()>(1);
+    let (drain, draining) = watch::channel(false);
     tokio::pin!(shutdown);
     // Ends on shutdown, dropping the incoming stream (the TLS acceptor behind it stops with it).
     loop {
@@ -336,11 +338,14 @@ async fn serve_grpc<S>(
             accepted = connections.next() => match accepted {
                 Some(Ok(io)) => {
                     let queue = StreamQueue::new();
-                    let connection = graceful.watch(
-                        grpc_builder(limits, queue.clone())
-                            .serve_connection(TokioIo::new(io), service()),
-                    );
-                    tokio::spawn(log_end(Served::new(connection, &queue)));
+                    let connection =
+                        grpc_builder(limits, queue.clone()).serve_connection(TokioIo::new(io), service());
+                    let served = Served::new(connection, &queue);
+                    let (alive, draining) = (alive.clone(), draining.clone());
+                    tokio::spawn(async move {
+                        serve_one(served, limits, draining).await;
+                        drop(alive);
+                    });
                 }
                 Some(Err(e)) => tracing::debug!("gRPC connection not accepted: {e}"),
                 None => break,
@@ -348,14 +353,63 @@ async fn serve_grpc<S>(
             () = &mut shutdown => break,
         }
     }
-    graceful.shutdown().await;
+    let _ = drain.send(true);
+    drop(alive);
+    let _ = ended.recv().await;
 }
 
-/// Waits for a served connection to end, and says why at debug if it failed.
-async fn log_end(connection: impl Future<Output = Result<(), hyper::Error>>) {
-    if let Err(e) = connection.await {
-        tracing::debug!("gRPC connection ended: {e}");
+/// Serves one connection until it ends. It is asked to finish (`GOAWAY`: no new streams, the
+/// open ones complete) on shutdown (`draining`), or once it is `--grpc-max-connection-age` old
+/// (within 10% either way, so connections opened together do not all leave together: clients
+/// such as Envoy then open new connections, which reach replicas added since), and closed
+/// `--grpc-max-connection-age-grace` after that if calls still hold it.
+async fn serve_one<I, S>(
+    mut served: Served<hyper::server::conn::http2::Connection<I, S, StreamQueue>>,
+    limits: ConnectionLimits,
+    mut draining: watch::Receiver<bool>,
+) where
+    I: hyper::rt::Read + hyper::rt::Write + Unpin + Send + 'static,
+    S: hyper::service::HttpService<hyper::body::Incoming, ResBody = GrpcBody> + Send,
+    S::Future: Send + 'static,
+{
+    let far = tokio::time::Instant::now() + Duration::from_secs(100 * 365 * 86_400);
+    let aged = limits
+        .max_connection_age
+        .map_or(far, |age| tokio::time::Instant::now() + jittered(age));
+    let mut close_at = far;
+    let mut asked = false;
+    loop {
+        tokio::select! {
+            ended = &mut served => {
+                if let Err(e) = ended {
+                    tracing::debug!("gRPC connection ended: {e}");
+                }
+                return;
+            }
+            _ = draining.wait_for(|d| *d), if !asked => {
+                served.connection().graceful_shutdown();
+                asked = true;
+            }
+            () = tokio::time::sleep_until(aged), if !asked => {
+                served.connection().graceful_shutdown();
+                asked = true;
+                close_at = tokio::time::Instant::now() + limits.max_connection_age_grace;
+            }
+            () = tokio::time::sleep_until(close_at) => {
+                tracing::debug!("gRPC connection closed: past its age and grace");
+                return;
+            }
+        }
     }
+}
+
+/// `age`, 10% shorter or longer at random.
+fn jittered(age: Duration) -> Duration {
+    use std::hash::BuildHasher as _;
+    let random = std::collections::hash_map::RandomState::new().hash_one(0u8);
+    // A fraction in [0.9, 1.1): 2,000 steps of 0.01%.
+    let permille = 900 + random % 200;
+    age.mul_f64(permille as f64 / 1000.0)
 }
 
 /// On the shutdown signal: readiness and health off at once, then after `delay` stop taking

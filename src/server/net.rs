@@ -33,6 +33,11 @@ pub struct ConnectionLimits {
     pub max_buffered_per_connection: usize,
     /// The same over the whole server (every connection of every port).
     pub max_buffered: usize,
+    /// A gRPC connection this old is asked to finish (`GOAWAY`), so that clients reconnect and
+    /// spread over replicas added since; `None`: kept for as long as the client likes.
+    pub max_connection_age: Option<Duration>,
+    /// How long such a connection may still serve its open calls before it is closed.
+    pub max_connection_age_grace: Duration,
 }
 
 impl Default for ConnectionLimits {
@@ -44,6 +49,8 @@ impl Default for ConnectionLimits {
             body_timeout: Duration::from_secs(10),
             max_buffered_per_connection: 8 << 20,
             max_buffered: 64 << 20,
+            max_connection_age: None,
+            max_connection_age_grace: Duration::from_secs(3600),
         }
     }
 }

@@ -169,6 +169,16 @@ impl<F: Future> Served<F> {
     }
 }
 
+impl<F> Served<F> {
+    /// The connection whose streams it runs (to ask it to drain). It is polled on the next
+    /// poll, as what was asked of it may have work for it (a `GOAWAY` to write) without any
+    /// wake-up of its own.
+    pub fn connection(&mut self) -> Pin<&mut F> {
+        self.shared.connection_ready.store(true, Ordering::SeqCst);
+        self.connection.as_mut()
+    }
+}
+
 impl<F: Future> Future for Served<F> {
     type Output = F::Output;
 
