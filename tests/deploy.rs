@@ -16,7 +16,7 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use common::KillOnDrop;
-use common::redis::{free_port, shared_standalone};
+use common::redis::free_port;
 use serde_json::Value;
 
 const MANIFEST: &str = env!("CARGO_MANIFEST_DIR");
@@ -139,14 +139,22 @@ fn shared_service_carries_what_the_readme_promises() {
     let env = container(deployment, "slidegate")["env"]
         .as_array()
         .expect("env");
-    let redis = env
-        .iter()
-        .find(|e| e["name"] == "SLIDEGATE_REDIS_URL")
-        .expect("Redis URL variable");
+    let var = |name: &str| {
+        env.iter()
+            .find(|e| e["name"] == name)
+            .unwrap_or_else(|| panic!("no {name}"))
+            .clone()
+    };
+    // The password from the Secret, into the URL by Kubernetes' $(VAR) expansion (a variable
+    // defined before the one that names it).
     assert_eq!(
-        redis["valueFrom"]["secretKeyRef"]["name"],
-        "slidegate-redis"
+        var("REDIS_PASSWORD")["valueFrom"]["secretKeyRef"],
+        serde_json::json!({"name": "slidegate-redis", "key": "password"})
     );
+    let url = var("SLIDEGATE_REDIS_URL")["value"]
+        .as_str()
+        .expect("a URL")
+        .to_string();
     let service = find(&docs, "Service");
     let ports: Vec<i64> = service["spec"]["ports"]
         .as_array()
@@ -159,25 +167,125 @@ fn shared_service_carries_what_the_readme_promises() {
         find(&docs, "PodDisruptionBudget")["spec"]["minAvailable"],
         1
     );
+    let spread = deployment["spec"]["template"]["spec"]["topologySpreadConstraints"]
+        .as_array()
+        .expect("topology spread");
+    let keys: Vec<&str> = spread
+        .iter()
+        .filter_map(|c| c["topologyKey"].as_str())
+        .collect();
+    assert_eq!(
+        keys,
+        ["topology.kubernetes.io/zone", "kubernetes.io/hostname"]
+    );
+    // The NetworkPolicy lets in both ports and out to Redis and DNS.
+    let policy = find(&docs, "NetworkPolicy");
+    let ingress: Vec<i64> = policy["spec"]["ingress"]
+        .as_array()
+        .expect("ingress")
+        .iter()
+        .flat_map(|r| r["ports"].as_array().cloned().unwrap_or_default())
+        .filter_map(|p| p["port"].as_i64())
+        .collect();
+    assert_eq!(ingress, [8081, 8080]);
+    let egress = policy["spec"]["egress"].to_string();
+    assert!(egress.contains("6379") && egress.contains("53"), "{egress}");
+
     let secret = find(&documents("deploy/kubernetes/redis-secret.yaml"), "Secret").clone();
-    let url = secret["stringData"]["url"].as_str().expect("url");
-    // The Redis the Secret names is one redis.yaml deploys: its Service, on its port.
+    assert!(secret["stringData"]["password"].is_string());
+    // The Redis the URL names is one redis.yaml deploys: its Service, on its port, with the
+    // Secret's password required.
     let redis = documents("deploy/kubernetes/redis.yaml");
     let redis_service = find(&redis, "Service");
     let port = redis_service["spec"]["ports"][0]["port"]
         .as_i64()
         .expect("port");
     let host = format!(
-        "redis://{}.ratelimit.svc.cluster.local:{port}",
+        "redis://:$(REDIS_PASSWORD)@{}.ratelimit.svc.cluster.local:{port}",
         redis_service["metadata"]["name"].as_str().expect("name")
     );
     assert_eq!(url, host);
-    let args = find(&redis, "StatefulSet")["spec"]["template"]["spec"]["containers"][0]["args"]
-        .to_string();
+    let redis_container = &find(&redis, "StatefulSet")["spec"]["template"]["spec"]["containers"][0];
+    let args = redis_container["args"].to_string();
     assert!(
-        args.contains("noeviction") && args.contains("appendonly"),
+        args.contains("noeviction")
+            && args.contains("appendonly")
+            && args.contains(r#""--requirepass","$(REDIS_PASSWORD)""#),
         "{args}"
     );
+    assert!(
+        redis_container["env"].to_string().contains("REDISCLI_AUTH"),
+        "the readiness probe's redis-cli authenticates"
+    );
+    let redis_policy = find(&redis, "NetworkPolicy");
+    assert_eq!(
+        redis_policy["spec"]["ingress"][0]["from"][0]["podSelector"]["matchLabels"]["app.kubernetes.io/name"],
+        "slidegate",
+        "only slidegate reaches Redis"
+    );
+}
+
+/// Every pod of deploy/kubernetes meets Pod Security "restricted"
+/// (<https://kubernetes.io/docs/concepts/security/pod-security-standards/>): non-root, no
+/// privilege escalation, every capability dropped, the runtime's default seccomp profile, no
+/// host namespaces or host paths.
+#[test]
+fn every_pod_meets_restricted_pod_security() {
+    let mut pods = 0;
+    for file in ["redis.yaml", "shared.yaml", "sidecar.yaml"] {
+        for doc in documents(&format!("deploy/kubernetes/{file}")) {
+            let spec = &doc["spec"]["template"]["spec"];
+            if spec.is_null() {
+                continue;
+            }
+            pods += 1;
+            let pod = &spec["securityContext"];
+            for host in ["hostNetwork", "hostPID", "hostIPC"] {
+                assert_ne!(spec[host], true, "{file}: {host}");
+            }
+            assert!(
+                spec["volumes"]
+                    .as_array()
+                    .into_iter()
+                    .flatten()
+                    .all(|v| v["hostPath"].is_null()),
+                "{file}: a hostPath volume"
+            );
+            for c in spec["containers"].as_array().expect("containers") {
+                let name = c["name"].as_str().unwrap_or("?");
+                let own = &c["securityContext"];
+                let either = |key: &str| {
+                    if own[key].is_null() {
+                        pod[key].clone()
+                    } else {
+                        own[key].clone()
+                    }
+                };
+                assert_eq!(either("runAsNonRoot"), true, "{file}/{name}: runAsNonRoot");
+                assert_ne!(either("runAsUser"), 0, "{file}/{name}: runAsUser 0");
+                assert_eq!(
+                    either("seccompProfile")["type"],
+                    "RuntimeDefault",
+                    "{file}/{name}: seccompProfile"
+                );
+                assert_eq!(
+                    own["allowPrivilegeEscalation"], false,
+                    "{file}/{name}: allowPrivilegeEscalation"
+                );
+                assert_ne!(own["privileged"], true, "{file}/{name}: privileged");
+                assert_eq!(
+                    own["capabilities"]["drop"],
+                    serde_json::json!(["ALL"]),
+                    "{file}/{name}: capabilities.drop"
+                );
+                assert!(
+                    own["capabilities"]["add"].is_null(),
+                    "{file}/{name}: capabilities.add"
+                );
+            }
+        }
+    }
+    assert_eq!(pods, 3, "redis, shared and sidecar");
 }
 
 #[test]
@@ -499,15 +607,52 @@ fn run_container(file: &str) {
         .collect();
     let mut command = Command::new(env!("CARGO_BIN_EXE_slidegate"));
     command.env_clear().args(&args);
+    // A Redis with the Secret's password required, reached where the manifest's URL points.
+    let secret = find(&documents("deploy/kubernetes/redis-secret.yaml"), "Secret").clone();
+    let password = secret["stringData"]["password"]
+        .as_str()
+        .expect("password")
+        .to_string();
+    let redis = c["env"].to_string().contains("slidegate-redis").then(|| {
+        let required = password.clone();
+        common::redis::RedisProcess::start_with(
+            move |_| vec!["--requirepass".into(), required.clone()],
+            |port| {
+                common::redis::command(port, "PING")
+                    .is_ok_and(|r| r.starts_with("-NOAUTH") || r.starts_with("+PONG"))
+            },
+        )
+    });
+    let mut defined: Vec<(String, String)> = Vec::new();
     for var in c["env"].as_array().into_iter().flatten() {
         let name = var["name"].as_str().expect("name");
-        let value = match &var["value"] {
-            Value::String(v) => v.clone(),
-            _ if var["valueFrom"]["secretKeyRef"]["name"] == "slidegate-redis" => {
-                shared_standalone().url()
+        let value = match (&var["value"], &var["valueFrom"]["secretKeyRef"]) {
+            (Value::String(v), _) => {
+                // Kubernetes' expansion: $(NAME) of a variable defined before this one.
+                let mut v = v.clone();
+                for (earlier, value) in &defined {
+                    v = v.replace(&format!("$({earlier})"), value);
+                }
+                assert!(
+                    !v.contains("$("),
+                    "{file}: env {name}: {v} names no earlier variable"
+                );
+                match &redis {
+                    Some(redis) => v.replace(
+                        "redis.ratelimit.svc.cluster.local:6379",
+                        &format!("127.0.0.1:{}", redis.port),
+                    ),
+                    None => v,
+                }
             }
-            other => panic!("{file}: env {name} from {other} is not understood"),
+            (_, key) if key["name"] == "slidegate-redis" => secret["stringData"]
+                [key["key"].as_str().expect("key")]
+            .as_str()
+            .unwrap_or_else(|| panic!("{file}: env {name}: the Secret has no {key}"))
+            .to_string(),
+            (other, _) => panic!("{file}: env {name} from {other} is not understood"),
         };
+        defined.push((name.to_string(), value.clone()));
         command.env(name, value);
     }
     for (flag, var, port) in [
