@@ -31,6 +31,11 @@ mod process;
 mod reference;
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct PolicyLabels {
+    policy: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct BuildLabels {
     version: &'static str,
     commit: &'static str,
@@ -106,6 +111,8 @@ pub struct Metrics {
     store_keys: Gauge,
     /// 1 while ready (as `/readyz` answers), set when scraped.
     ready: Gauge,
+    /// 1, labelled with Redis's `maxmemory-policy`, when it evicts keys.
+    evicting: Family<PolicyLabels, Gauge>,
     store_resent: Counter,
     /// The store's own count of `store_resent` when last scraped.
     store_resent_seen: AtomicU64,
@@ -228,6 +235,7 @@ impl Metrics {
             config_age: Gauge::default(),
             store_keys: Gauge::default(),
             ready: Gauge::default(),
+            evicting: Family::default(),
             store_resent: Counter::default(),
             store_resent_seen: AtomicU64::new(0),
             config_loaded_ms: AtomicU64::new(0),
@@ -244,6 +252,7 @@ impl Metrics {
         m.register_rule_counters(&mut registry);
         m.register_service_metrics(&mut registry);
         Self::register_build_info(&mut registry);
+        m.register_state(&mut registry);
         Metrics { registry, ..m }
     }
 
@@ -300,6 +309,20 @@ impl Metrics {
         );
     }
 
+    /// What is read at each scrape: readiness and Redis's memory policy.
+    fn register_state(&self, registry: &mut Registry) {
+        registry.register(
+            "slidegate_redis_evicting",
+            "1 when Redis's maxmemory-policy evicts keys (an evicted window is forgotten and its requests admitted again); set noeviction",
+            self.evicting.clone(),
+        );
+        registry.register(
+            "slidegate_ready",
+            "1 while slidegate can decide (as /readyz answers: serving, the store answering, a config loaded where one is required), else 0",
+            self.ready.clone(),
+        );
+    }
+
     /// Calls, latencies, the store and the config.
     fn register_service_metrics(&self, registry: &mut Registry) {
         registry.register(
@@ -347,11 +370,6 @@ impl Metrics {
         for (name, help, counter) in counters {
             registry.register(name, help, counter.clone());
         }
-        registry.register(
-            "slidegate_ready",
-            "1 while slidegate can decide (as /readyz answers: serving, the store answering, a config loaded where one is required), else 0",
-            self.ready.clone(),
-        );
         registry.register(
             "slidegate_store_keys",
             "Descriptors holding state in the embedded store (bounded by --memory-max-keys)",
@@ -411,6 +429,15 @@ impl Metrics {
                 ("text/plain; version=0.0.4; charset=utf-8", text)
             }
         }
+    }
+
+    /// Redis's evicting memory policy, read at connect.
+    pub fn set_evicting(&self, policy: &str) {
+        self.evicting
+            .get_or_create(&PolicyLabels {
+                policy: policy.to_string(),
+            })
+            .set(1);
     }
 
     /// Readiness as it stands when the metrics are scraped.

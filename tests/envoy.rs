@@ -512,11 +512,11 @@ async fn failure_mode_when_the_store_fails() {
     );
 }
 
-/// A domain's own `store_failure` reaches Envoy's users through Envoy's shipped 50 ms filter
-/// timeout and `failure_mode_deny: true`: with Redis dead and slidegate's `--redis-timeout`
-/// far longer (2 s), slidegate still answers by each domain's policy before Envoy's deadline,
-/// so a request to the open domain passes and one to the closed domain gets 429 (Envoy's own
-/// failure mode would answer 500 to both).
+/// A domain's own `store_failure` reaches Envoy's users through Envoy's filter timeout (1 s
+/// here, so a loaded test machine keeps the two moments apart) and `failure_mode_deny: true`:
+/// with Redis dead and slidegate's `--redis-timeout` longer (5 s), slidegate still answers by
+/// each domain's policy before Envoy's deadline, so a request to the open domain passes and one
+/// to the closed domain gets 429 (Envoy's own failure mode would answer 500 to both).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn each_domains_store_failure_reaches_envoy_before_its_timeout() {
     let mut redis = common::redis::RedisProcess::start(&[]);
@@ -537,17 +537,22 @@ async fn each_domains_store_failure_reaches_envoy_before_its_timeout() {
     }
     let url = redis.url();
     let config = dir.0.to_str().expect("a UTF-8 path");
-    let slidegate = start_slidegate_with(config, &["--redis", &url, "--redis-timeout", "2s"]);
+    let slidegate = start_slidegate_with(config, &["--redis", &url, "--redis-timeout", "5s"]);
     let upstream = start_upstream().await;
     let deny = (
         "failure_mode_deny: false",
         "failure_mode_deny: true".to_string(),
     );
-    let open = start_envoy_edited(upstream, slidegate.grpc, std::slice::from_ref(&deny));
+    let timeout = ("timeout: 0.05s", "timeout: 1s".to_string());
+    let open = start_envoy_edited(upstream, slidegate.grpc, &[deny.clone(), timeout.clone()]);
     let closed = start_envoy_edited(
         upstream,
         slidegate.grpc,
-        &[deny, ("domain: edge", "domain: closed".to_string())],
+        &[
+            deny,
+            timeout,
+            ("domain: edge", "domain: closed".to_string()),
+        ],
     );
     for envoy in [&open, &closed] {
         assert_eq!(
@@ -561,12 +566,12 @@ async fn each_domains_store_failure_reaches_envoy_before_its_timeout() {
         assert_eq!(
             get(open.port, "/api", Some("f")).await.status,
             200,
-            "store_failure: allow, answered before Envoy's 50 ms"
+            "store_failure: allow, answered before Envoy's timeout"
         );
         assert_eq!(
             get(closed.port, "/api", Some("f")).await.status,
             429,
-            "store_failure: deny, answered before Envoy's 50 ms"
+            "store_failure: deny, answered before Envoy's timeout"
         );
     }
 }

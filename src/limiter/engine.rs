@@ -172,6 +172,11 @@ impl Limiter {
         self.store.live_keys()
     }
 
+    /// The store's evicting memory policy, if it has one (see `Store::evicting`).
+    pub fn store_evicting(&self) -> Option<String> {
+        self.store.evicting()
+    }
+
     /// Requests a Redis Cluster master refused and the store sent again (see `Store::resent`).
     pub fn store_resent(&self) -> Option<u64> {
         self.store.resent()

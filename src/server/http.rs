@@ -110,7 +110,13 @@ const DRAIN_CHECK: std::time::Duration = std::time::Duration::from_millis(20);
 
 async fn readyz(State(state): State<HttpState>) -> Response {
     if is_ready(&state).await {
-        (StatusCode::OK, "ready\n").into_response()
+        let mut body = String::from("ready\n");
+        if let Some(policy) = state.limiter.store_evicting() {
+            body.push_str(&format!(
+                "warning: Redis evicts keys (maxmemory-policy {policy}): an evicted window is forgotten and its requests admitted again; set maxmemory-policy noeviction\n"
+            ));
+        }
+        (StatusCode::OK, body).into_response()
     } else {
         (StatusCode::SERVICE_UNAVAILABLE, "not ready\n").into_response()
     }
@@ -134,6 +140,9 @@ async fn metrics(State(state): State<HttpState>) -> Response {
 fn exposition(limiter: &Limiter, metrics: &Metrics) -> Response {
     if let Some(keys) = limiter.store_keys() {
         metrics.set_store_keys(keys);
+    }
+    if let Some(policy) = limiter.store_evicting() {
+        metrics.set_evicting(&policy);
     }
     if let Some(resent) = limiter.store_resent() {
         metrics.set_store_resent(resent);

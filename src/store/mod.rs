@@ -341,9 +341,10 @@ pub fn caller_deadline() -> Option<tokio::time::Instant> {
 }
 
 /// How long before its caller's deadline a decision the store could not make is answered by
-/// the failure policy (a quarter of the time left, where that is less): room for the answer to
-/// travel back, so that the caller (Envoy, with its 20 ms filter timeout) receives the policy's
-/// answer and not its own timeout.
+/// the failure policy, at least: room for the answer to travel back, so that the caller (Envoy,
+/// with its 20 ms filter timeout) receives the policy's answer and not its own timeout. A tenth
+/// of the time left where that is more (a caller's clock started before it sent), half of it
+/// where that is less.
 pub const ANSWER_MARGIN: Duration = Duration::from_millis(3);
 
 /// When a decision that reaches a networked store at `now` is answered by the failure policy
@@ -355,9 +356,8 @@ pub fn answer_by(now: tokio::time::Instant, timeout: Duration) -> tokio::time::I
     match caller_deadline() {
         Some(deadline) => {
             let left = deadline.saturating_duration_since(now);
-            let early = deadline
-                .checked_sub(ANSWER_MARGIN.min(left / 4))
-                .unwrap_or(now);
+            let margin = ANSWER_MARGIN.max(left / 10).min(left / 2);
+            let early = deadline.checked_sub(margin).unwrap_or(now);
             own.min(early.max(now))
         }
         None => own,
@@ -404,6 +404,12 @@ pub trait Store: Send + Sync + 'static {
     fn resent(&self) -> Option<u64> {
         None
     }
+
+    /// The `maxmemory-policy` of a store that evicts keys under memory pressure (which forgets
+    /// windows and lets their requests through again), where the store knows it.
+    fn evicting(&self) -> Option<String> {
+        None
+    }
 }
 
 /// The admission rule both stores share: every enforcing item fits, and if there are quota
@@ -437,6 +443,33 @@ mod tests {
         assert!(admits([(Quota, false), (Quota, true)]));
         assert!(!admits([(Quota, false), (Quota, false)]));
         assert!(!admits([(Quota, true), (Enforce, false)]));
+    }
+
+    /// A decision is answered by the policy at `--redis-timeout`, or a little before its
+    /// caller's deadline where that comes first.
+    #[tokio::test(start_paused = true)]
+    async fn the_policy_answers_at_the_redis_timeout_or_a_little_before_the_callers_deadline() {
+        let now = tokio::time::Instant::now();
+        let ms = Duration::from_millis;
+        let at = |deadline: Option<u64>, timeout: u64| async move {
+            let answer = async { answer_by(now, ms(timeout)) };
+            let by = match deadline {
+                Some(d) => with_caller_deadline(now + ms(d), answer).await,
+                None => answer.await,
+            };
+            by.duration_since(now).as_millis()
+        };
+        assert_eq!(at(None, 15).await, 15, "no deadline: --redis-timeout");
+        assert_eq!(
+            at(Some(20), 15).await,
+            15,
+            "Envoy's 20 ms: --redis-timeout first"
+        );
+        assert_eq!(at(Some(20), 100).await, 17, "3 ms before Envoy's 20 ms");
+        assert_eq!(at(Some(50), 10_000).await, 45, "a tenth of 50 ms");
+        assert_eq!(at(Some(1_000), 10_000).await, 900);
+        assert_eq!(at(Some(4), 10_000).await, 2, "half of what is left");
+        assert_eq!(at(Some(0), 15).await, 0, "a deadline already passed");
     }
 
     /// A decision knows its caller's deadline inside its own future only: not outside it, and

@@ -372,6 +372,36 @@ async fn a_full_redis_refuses_the_script_and_the_policy_answers() {
         );
     }
     assert_eq!(redis.cmd("DBSIZE"), keys_before, "no new log was written");
+    // A store refusing most writes is not ready, though Redis answers PING.
+    assert!(
+        !errors.limiter.store_ready().await,
+        "ready while refusing writes"
+    );
+
+    // A slidegate started while Redis is full (the library already loaded, as after a pod
+    // restart) starts, serves by the policy and is not ready, rather than exiting.
+    let started = RedisStore::connect(options(redis.url(), TEST_TIMEOUT)).await;
+    let late: Arc<dyn Store> = Arc::new(started.expect("starts against a full Redis"));
+    let late = TestServer::start(
+        config,
+        late,
+        LimiterOptions {
+            failure_policy: FailurePolicy::Deny,
+            ..LimiterOptions::default()
+        },
+    )
+    .await;
+    assert_eq!(
+        late.call(call(99)).await.overall_code,
+        over(),
+        "by the policy"
+    );
+    assert!(!late.limiter.store_ready().await, "not ready while full");
+    // Room again: decided, and ready.
+    assert!(redis.cmd("CONFIG SET maxmemory 0").starts_with("+OK"));
+    assert_eq!(late.call(call(100)).await.overall_code, ok());
+    assert!(late.limiter.store_ready().await, "ready once writes pass");
+    late.stop().await;
     errors.stop().await;
     denies.stop().await;
 }
@@ -504,4 +534,35 @@ async fn a_foreign_key_fails_only_its_own_decision_in_a_shared_call() {
         "the decisions shared calls"
     );
     server.stop().await;
+}
+
+/// A Redis whose `maxmemory-policy` evicts keys would forget windows under memory pressure:
+/// slidegate says so at connect, in `/readyz` (still ready) and in a metric; `noeviction` says
+/// nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_evicting_redis_is_warned_about() {
+    let redis = RedisProcess::start(&["--maxmemory-policy", "allkeys-lru"]);
+    let store = RedisStore::connect(options(redis.url(), TEST_TIMEOUT))
+        .await
+        .expect("connect");
+    assert_eq!(store.evicting().as_deref(), Some("allkeys-lru"));
+    let config = "domain: d\ndescriptors:\n  - key: k\n    rate_limit: {unit: minute, requests_per_unit: 5}\n";
+    let server = TestServer::start(config, Arc::new(store), LimiterOptions::default()).await;
+    let (code, body) = common::http(server.http_addr, "GET", "/readyz", "").await;
+    assert_eq!(code, 200, "{body}");
+    assert!(
+        body.contains("warning: Redis evicts keys (maxmemory-policy allkeys-lru)"),
+        "{body}"
+    );
+    let (_, metrics) = common::http(server.http_addr, "GET", "/metrics", "").await;
+    assert!(
+        metrics.contains("slidegate_redis_evicting{policy=\"allkeys-lru\"} 1"),
+        "{metrics}"
+    );
+    server.stop().await;
+    let quiet = RedisProcess::start(&["--maxmemory-policy", "noeviction"]);
+    let store = RedisStore::connect(options(quiet.url(), TEST_TIMEOUT))
+        .await
+        .expect("connect");
+    assert_eq!(store.evicting(), None);
 }

@@ -205,6 +205,14 @@ pub(super) async fn probe(config: &Config, deadline: Duration) -> Result<bool, S
     }
 }
 
+/// Whether Redis's answer says it refuses writes for now: full (`OOM`, past `maxmemory` with
+/// `noeviction`), or a replica or a paused master that takes no writes.
+pub(super) fn refuses_writes(details: &str) -> bool {
+    ["OOM", "READONLY", "MISCONF"]
+        .iter()
+        .any(|code| details.starts_with(code))
+}
+
 /// Errors that go away by themselves: Redis not up yet, a network blip, a cluster forming. A
 /// TLS handshake refused (an alert, a certificate for another name) arrives as an I/O error of
 /// kind `InvalidData`, and waiting will not fix it.
@@ -290,6 +298,12 @@ pub(super) async fn start_pool(
                 Err(e) if transient(&e) => tracing::warn!(
                     error = %unavailable(&e),
                     "the script was not loaded into Redis at start; the first call loads it"
+                ),
+                // Waiting fixes a full Redis (keys expire): serve by the failure policy, not
+                // ready, meanwhile; a library loaded before still decides once writes pass.
+                Err(e) if refuses_writes(e.details()) => tracing::warn!(
+                    error = %unavailable(&e),
+                    "Redis refuses writes (used memory is past maxmemory): serving by the store-failure policy, not ready, until it takes them again"
                 ),
                 Err(e) => return Err(unavailable(&e)),
             },

@@ -44,7 +44,8 @@ pub mod packed;
 use batch::Batcher;
 use call::{Request, Sender, Slots, not_served};
 use connection::{
-    HOPELESS_AFTER, HOPELESS_STREAK, Health, PoolRecipe, client_config, lock, probe, start_pool,
+    HOPELESS_AFTER, HOPELESS_STREAK, Health, PoolRecipe, client_config, lock, probe,
+    refuses_writes, start_pool,
 };
 pub use connection::{normalize_url, redact};
 use decide::{Call, Entry, Group, GroupReply};
@@ -110,6 +111,12 @@ pub struct RedisStore {
     /// Makes members unique across replicas: a random id per process plus a call counter.
     instance: String,
     calls: AtomicU64,
+    /// Decisions Redis refused because it takes no writes (full, read-only), and the call
+    /// count and refusals when readiness last looked: a store refusing most writes is not ready.
+    refused: AtomicU64,
+    looked: Mutex<(u64, u64)>,
+    /// Redis's `maxmemory-policy` when it evicts keys, as read at connect.
+    evicting: Option<String>,
     /// Standalone Redis: gathers requests that wait into one call (`batch.rs`).
     batcher: Option<Arc<Batcher>>,
     /// Redis Cluster: the same per master (`nodes.rs`).
@@ -157,6 +164,11 @@ impl RedisStore {
         });
         let library = Library::new();
         let pool = start_pool(&recipe, &library, reachable).await?;
+        let evicting = if reachable {
+            evicting_policy(pool.next()).await
+        } else {
+            None
+        };
         Ok(RedisStore {
             sender: Sender {
                 pool: Arc::new(ArcSwap::from_pointee(pool)),
@@ -180,6 +192,9 @@ impl RedisStore {
                 )
             ),
             calls: AtomicU64::new(0),
+            refused: AtomicU64::new(0),
+            looked: Mutex::new((0, 0)),
+            evicting,
         })
     }
 
@@ -206,12 +221,56 @@ impl RedisStore {
     ) -> Result<CheckOutcome, StoreError> {
         let groups = self.groups(items);
         let result = self.decide(items, groups, now_ms, rejected).await;
+        if let Err(StoreError::Unavailable { context, .. }) = &result
+            && refuses_writes(context.split(": ").nth(1).unwrap_or(context))
+        {
+            self.refused.fetch_add(1, Ordering::Relaxed);
+        }
         // A protocol error is an answer: the client works.
         self.note(!matches!(
             result,
             Err(StoreError::Timeout(_) | StoreError::Unavailable { .. })
         ));
         result
+    }
+}
+
+/// Redis's `maxmemory-policy` if it evicts keys (anything but `noeviction`), warned about: an
+/// evicted log forgets its window, and a second replica admits its requests again. `None` too
+/// where `CONFIG GET` is refused (managed Redis often renames it): nothing is known then.
+async fn evicting_policy(client: &Client) -> Option<String> {
+    let config =
+        fred::types::CustomCommand::new_static("CONFIG", fred::types::ClusterHash::Random, false);
+    let reply: Result<Vec<String>, Error> =
+        client.custom(config, vec!["GET", "maxmemory-policy"]).await;
+    let policy = reply.ok()?.get(1)?.to_ascii_lowercase();
+    if policy == "noeviction" {
+        return None;
+    }
+    tracing::warn!(
+        policy = %policy,
+        "Redis evicts keys under memory pressure (maxmemory-policy {policy}): an evicted window is forgotten and its requests admitted again; set maxmemory-policy noeviction"
+    );
+    Some(policy)
+}
+
+impl RedisStore {
+    /// Whether most decisions since readiness last looked were refused because Redis takes no
+    /// writes (none since: not refusing).
+    fn refusing_most_writes(&self) -> bool {
+        let (calls, refused) = (
+            self.calls.load(Ordering::Relaxed),
+            self.refused.load(Ordering::Relaxed),
+        );
+        // Two counters: one left by a panicking holder is still usable.
+        let mut looked = self
+            .looked
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        let (new_calls, new_refused) =
+            (calls - looked.0.min(calls), refused - looked.1.min(refused));
+        *looked = (calls, refused);
+        new_calls > 0 && new_refused * 2 > new_calls
     }
 }
 
@@ -237,6 +296,10 @@ impl Store for RedisStore {
             .then(|| self.sender.resent.load(Ordering::Relaxed))
     }
 
+    fn evicting(&self) -> Option<String> {
+        self.evicting.clone()
+    }
+
     fn alive(&self) -> bool {
         let health = lock(&self.health);
         let streak = health
@@ -247,6 +310,9 @@ impl Store for RedisStore {
 
     fn ready(&self) -> super::ReadyFuture<'_> {
         Box::pin(async move {
+            if self.refusing_most_writes() {
+                return false;
+            }
             let ping: Result<Result<String, Error>, _> = tokio::time::timeout(
                 self.sender.timeout.max(Duration::from_millis(200)),
                 self.sender.pool.load().next().ping(None),
