@@ -83,6 +83,10 @@ pub struct ServeArgs {
     /// Accept a Redis certificate signed for another name (the chain is still verified).
     #[arg(long, env = "SLIDEGATE_REDIS_TLS_SKIP_HOSTNAME_VERIFICATION", action = ArgAction::SetTrue, value_parser = BoolishValueParser::new())]
     pub redis_tls_skip_hostname_verification: bool,
+    /// Answer a call only once this many replicas hold its writes (Redis WAIT), so a failover
+    /// loses no admitted hit; fewer in time: the failure policy answers.
+    #[arg(long, env = "SLIDEGATE_REDIS_WAIT_REPLICAS", default_value_t = 0)]
+    pub redis_wait_replicas: u32,
     /// Put before every Redis key, so installations sharing one Redis keep apart.
     #[arg(long, env = "SLIDEGATE_REDIS_KEY_PREFIX", default_value = "")]
     pub redis_key_prefix: String,

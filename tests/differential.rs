@@ -203,6 +203,7 @@ fn answer_alike(url: &str) {
                 clock: ClockSource::Server,
                 tls: Default::default(),
                 key_prefix: String::new(),
+                wait_replicas: 0,
             })
             .await
             .expect("connect to the test Redis"),

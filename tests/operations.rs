@@ -1006,6 +1006,7 @@ async fn health_follows_the_store() {
             clock: slidegate::store::ClockSource::Server,
             tls: Default::default(),
             key_prefix: String::new(),
+            wait_replicas: 0,
         })
         .await
         .expect("connect"),

@@ -295,6 +295,7 @@ async fn open_store(args: &ServeArgs, clock: Arc<SystemClock>) -> Result<Arc<dyn
             skip_hostname_verification: args.redis_tls_skip_hostname_verification,
         },
         key_prefix: args.redis_key_prefix.clone(),
+        wait_replicas: args.redis_wait_replicas,
     };
     let store = RedisStore::connect(options)
         .await

@@ -566,3 +566,83 @@ async fn an_evicting_redis_is_warned_about() {
         .expect("connect");
     assert_eq!(store.evicting(), None);
 }
+
+/// The failover probe: the replica cut off from its master (as by a network partition: it is
+/// made a master of its own, so nothing more reaches it) while the master takes 30 more calls,
+/// then the master killed and the replica serving. Returns the calls admitted over the limit
+/// across both (the master's before, the promoted replica's after). (A replica frozen with
+/// SIGSTOP loses nothing: the kernel buffers the replication stream for it.)
+async fn failover_probe(wait_replicas: u32) -> u64 {
+    let master = RedisProcess::start(&[]);
+    let replica = RedisProcess::start(&["--replicaof", "127.0.0.1", &master.port.to_string()]);
+    wait_until("the replica in sync", Duration::from_secs(20), || {
+        replica
+            .cmd("INFO replication")
+            .contains("master_link_status:up")
+    });
+    let limit = 40;
+    let domain = unique_domain("failover");
+    let config = format!(
+        "domain: {domain}\ndescriptors:\n  - key: k\n    rate_limit: {{unit: hour, requests_per_unit: {limit}}}\n"
+    );
+    let deny = LimiterOptions {
+        failure_policy: FailurePolicy::Deny,
+        ..LimiterOptions::default()
+    };
+    let mut opts = options(master.url(), Duration::from_millis(100));
+    opts.wait_replicas = wait_replicas;
+    let store: Arc<dyn Store> = Arc::new(RedisStore::connect(opts).await.expect("connect"));
+    let server = TestServer::start(&config, store, deny.clone()).await;
+    let call = || request(&domain, vec![descriptor(&[("k", "v")])]);
+    let mut admitted = 0u64;
+    for _ in 0..20 {
+        assert_eq!(
+            server.call(call()).await.overall_code,
+            ok(),
+            "room, replica up"
+        );
+        admitted += 1;
+    }
+    assert!(replica.cmd("REPLICAOF NO ONE").starts_with("+OK"));
+    for _ in 0..30 {
+        if server.call(call()).await.overall_code == ok() {
+            admitted += 1;
+        }
+    }
+    server.stop().await;
+    // The master dies with what the replica never got; the replica takes over.
+    let mut master = master;
+    master.stop();
+    let store: Arc<dyn Store> = Arc::new(
+        RedisStore::connect(options(replica.url(), TEST_TIMEOUT))
+            .await
+            .expect("connect to the promoted replica"),
+    );
+    let server = TestServer::start(&config, store, deny).await;
+    for _ in 0..60 {
+        if server.call(call()).await.overall_code == ok() {
+            admitted += 1;
+        }
+    }
+    server.stop().await;
+    admitted.saturating_sub(limit)
+}
+
+/// `--redis-wait-replicas 1`: a failover that loses the master's unreplicated writes admits
+/// nothing over the limit, where answering at the master's word over-admits.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn waiting_for_a_replica_keeps_a_failover_exact() {
+    let without = failover_probe(0).await;
+    eprintln!(
+        "failover probe: {without} admitted over a limit of 40 without --redis-wait-replicas"
+    );
+    assert!(
+        without > 0,
+        "the probe loses unreplicated hits without waiting"
+    );
+    assert_eq!(
+        failover_probe(1).await,
+        0,
+        "over-admitted with --redis-wait-replicas 1"
+    );
+}

@@ -43,6 +43,7 @@ fn options(url: String, timeout: Duration) -> RedisOptions {
         clock: ClockSource::Server,
         tls: Default::default(),
         key_prefix: String::new(),
+        wait_replicas: 0,
     }
 }
 

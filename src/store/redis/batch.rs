@@ -199,6 +199,7 @@ mod tests {
             load_timeout: Duration::from_secs(2),
             resent: Arc::default(),
             timeout: Duration::from_millis(15),
+            wait_replicas: 0,
         };
         let request = || Request {
             now_ms: None,

@@ -82,6 +82,8 @@ pub(super) struct Sender {
     /// How long a decision waits for Redis from the moment it reaches the store
     /// (`--redis-timeout`; its caller's deadline may end it sooner).
     pub timeout: Duration,
+    /// Replicas that must hold a call's writes before it is answered (`--redis-wait-replicas`).
+    pub wait_replicas: u32,
 }
 
 impl Sender {
@@ -245,7 +247,21 @@ impl Sender {
                 )
                 .await;
             match sent {
-                Ok(reply) => return Ok(reply),
+                Ok(reply) if self.wait_replicas == 0 => return Ok(reply),
+                Ok(reply) => {
+                    let client = client_of(&pool, lane);
+                    // Boxed: the client's future for WAIT would otherwise be part of every
+                    // call's, and of every decision's that awaits one.
+                    let replicas = self.wait_replicas;
+                    Box::pin(super::replicas::confirm(
+                        client,
+                        keys.first(),
+                        replicas,
+                        until,
+                    ))
+                    .await?;
+                    return Ok(reply);
+                }
                 Err(e) if e.details().starts_with("TRYAGAIN") => {
                     tokio::time::sleep_until(until.min(Instant::now() + TRY_AGAIN_AFTER)).await;
                 }

@@ -40,6 +40,7 @@ mod encode;
 mod library;
 mod nodes;
 pub mod packed;
+mod replicas;
 
 use batch::Batcher;
 use call::{Request, Sender, Slots, not_served};
@@ -90,6 +91,9 @@ pub struct RedisOptions {
     /// Put before every key (the reference's `CACHE_KEY_PREFIX`), so installations sharing a
     /// Redis keep apart; it comes before the hash tag, so slots are as without it.
     pub key_prefix: String,
+    /// Replicas that must hold a call's writes before its requests are answered (`WAIT`);
+    /// 0: answered as soon as the master has them.
+    pub wait_replicas: u32,
 }
 
 /// Script calls out at once from the store to a Redis (on a cluster, to each master), whatever
@@ -176,6 +180,7 @@ impl RedisStore {
                 load_timeout: options.connect_timeout,
                 resent: Arc::default(),
                 timeout: options.timeout,
+                wait_replicas: options.wait_replicas,
             },
             batcher: (!cluster).then(|| Batcher::new(CALLS_OUT)),
             nodes: cluster.then(|| Nodes::new(CALLS_OUT)),
