@@ -113,6 +113,9 @@ pub struct Metrics {
     ready: Gauge,
     /// 1, labelled with Redis's `maxmemory-policy`, when it evicts keys.
     evicting: Family<PolicyLabels, Gauge>,
+    /// Times the store was found to have lost its data, and the count last read.
+    data_losses: Counter,
+    data_losses_seen: AtomicU64,
     store_resent: Counter,
     /// The store's own count of `store_resent` when last scraped.
     store_resent_seen: AtomicU64,
@@ -236,6 +239,8 @@ impl Metrics {
             store_keys: Gauge::default(),
             ready: Gauge::default(),
             evicting: Family::default(),
+            data_losses: Counter::default(),
+            data_losses_seen: AtomicU64::new(0),
             store_resent: Counter::default(),
             store_resent_seen: AtomicU64::new(0),
             config_loaded_ms: AtomicU64::new(0),
@@ -309,8 +314,13 @@ impl Metrics {
         );
     }
 
-    /// What is read at each scrape: readiness and Redis's memory policy.
+    /// What is read at each scrape: readiness, Redis's memory policy and its data losses.
     fn register_state(&self, registry: &mut Registry) {
+        registry.register(
+            "slidegate_store_data_losses",
+            "Times Redis was found to have lost its data (restarted without persistence, flushed): the marker slidegate keeps there was gone",
+            self.data_losses.clone(),
+        );
         registry.register(
             "slidegate_redis_evicting",
             "1 when Redis's maxmemory-policy evicts keys (an evicted window is forgotten and its requests admitted again); set noeviction",
@@ -456,6 +466,14 @@ impl Metrics {
         let seen = self.store_resent_seen.fetch_max(resent, Ordering::Relaxed);
         if resent > seen {
             self.store_resent.inc_by(resent - seen);
+        }
+    }
+
+    /// The store's count of data losses, read when the metrics are scraped.
+    pub fn set_data_losses(&self, losses: u64) {
+        let seen = self.data_losses_seen.fetch_max(losses, Ordering::Relaxed);
+        if losses > seen {
+            self.data_losses.inc_by(losses - seen);
         }
     }
 

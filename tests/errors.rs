@@ -166,7 +166,9 @@ fn redis_urls_are_read_as_the_reference_writes_them_or_refused_with_the_forms() 
     });
 }
 
-/// `rediss://` pointed at a plaintext Redis: the warning says TLS is what does not answer.
+/// `rediss://` pointed at a plaintext Redis: the message says TLS is what does not answer,
+/// whether Redis waits for the rest of the hello (a warning, serving by the policy) or answers
+/// it with an error line (the start fails).
 #[test]
 fn tls_to_a_plaintext_redis_says_so() {
     let redis = RedisProcess::start(&[]);
@@ -178,10 +180,9 @@ fn tls_to_a_plaintext_redis_says_so() {
     let dir = temp_dir("errors-tls");
     let log = dir.0.join("log");
     let _child = spawn(&strs(&args), &[], &log);
-    let seen = log_shows(&log, "TLS handshake");
-    assert!(
-        seen.contains("the URL asks for TLS (rediss://): if this Redis does not serve TLS, use redis:// (or REDIS_TLS=false)"),
-        "{seen}"
+    log_shows(
+        &log,
+        "the URL asks for TLS (rediss://): if this Redis does not serve TLS, use redis:// (or REDIS_TLS=false)",
     );
 }
 

@@ -282,6 +282,17 @@ pub fn compile_sources_with(
         ctx.domain_file(&raw, &domain, entry);
     }
     if errors.is_empty() {
+        let mut longest: HashMap<String, u64> = HashMap::new();
+        for (domain, rule) in limits.rules() {
+            if let Limit::Windows { windows, .. } = &rule.limit {
+                let most = windows.iter().map(|w| w.length_ms).max().unwrap_or(0);
+                let at = longest.entry(domain.to_string()).or_default();
+                *at = (*at).max(most);
+            }
+        }
+        for (name, domain) in &mut limits.domains {
+            domain.longest_window_ms = longest.get(name).copied().unwrap_or(0);
+        }
         Ok(limits)
     } else {
         Err(ConfigErrors(errors))
@@ -498,6 +509,18 @@ impl Compiler<'_> {
             }
         }
         into.debit |= raw.debit;
+        if let Some(reset) = &raw.store_reset {
+            let line = reset.referenced.line();
+            match reset.value.as_str() {
+                "open" => {}
+                "closed" => into.store_reset_closed = true,
+                other => {
+                    let message =
+                        format!("unknown store_reset '{other}': use open (the default) or closed");
+                    self.error(line, "store_reset", message);
+                }
+            }
+        }
         self.descriptors(
             &raw.descriptors,
             "descriptors",
@@ -1136,6 +1159,10 @@ descriptors:
         assert_eq!(
             only_error("domain: d\nstore_failure: maybe\n"),
             "2: store_failure: unknown store_failure 'maybe': use error, allow or deny"
+        );
+        assert_eq!(
+            only_error("domain: d\nstore_reset: later\n"),
+            "2: store_reset: unknown store_reset 'later': use open (the default) or closed"
         );
     }
 

@@ -19,6 +19,10 @@ pub struct RawFile {
     /// Extension: every rule of the domain records usage already spent (token budgets).
     #[serde(default)]
     pub debit: bool,
+    /// Extension: after the store lost its data (`open`, the default: decide as usual;
+    /// `closed`: answer by the failure policy for one longest window of the domain's rules).
+    #[serde(default)]
+    pub store_reset: Option<Spanned<String>>,
 }
 
 #[derive(Debug, Deserialize)]

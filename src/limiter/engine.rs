@@ -83,6 +83,10 @@ pub struct Limiter {
     store_errors: AtomicU64,
     /// When a store error was last logged: failures are logged once per burst, not per call.
     last_error_log_ms: AtomicU64,
+    /// The store's data losses seen so far, and when the last was first seen (ms): domains
+    /// with `store_reset: closed` answer by their policy for a window from then.
+    losses_seen: AtomicU64,
+    lost_at_ms: AtomicU64,
     /// Descriptors known to be over, answered without the store.
     cache: OverLimitCache,
 }
@@ -136,6 +140,8 @@ impl Limiter {
             observer: Arc::new(NoObserver),
             store_errors: AtomicU64::new(0),
             last_error_log_ms: AtomicU64::new(0),
+            losses_seen: AtomicU64::new(0),
+            lost_at_ms: AtomicU64::new(0),
         }
     }
 
@@ -170,6 +176,11 @@ impl Limiter {
     /// Descriptors holding state in the store, where it counts them (the embedded store).
     pub fn store_keys(&self) -> Option<u64> {
         self.store.live_keys()
+    }
+
+    /// How many times the store lost its data (see `Store::data_losses`).
+    pub fn store_data_losses(&self) -> Option<u64> {
+        self.store.data_losses()
     }
 
     /// The store's evicting memory policy, if it has one (see `Store::evicting`).
@@ -259,7 +270,13 @@ impl Limiter {
             (none, Vec::new())
         } else {
             let policy = domain.store_failure.unwrap_or(self.options.failure_policy);
-            self.check_cached(&planned.items, now_ms, policy).await?
+            match self.closed_after_reset(domain, now_ms) {
+                Some(error) => {
+                    let outcome = self.by_policy(&planned.items, error, now_ms, policy)?;
+                    (outcome, vec![false; planned.items.len()])
+                }
+                None => self.check_cached(&planned.items, now_ms, policy).await?,
+            }
         };
         Ok(self.respond(request, &planned, &outcome, &cached))
     }
@@ -436,10 +453,47 @@ impl Limiter {
         now_ms: u64,
         policy: FailurePolicy,
     ) -> Result<CheckOutcome, LimiterError> {
-        let error = match self.ask_store(items, now_ms, false).await {
-            Ok(outcome) => return Ok(outcome),
-            Err(e) => e,
-        };
+        match self.ask_store(items, now_ms, false).await {
+            Ok(outcome) => Ok(outcome),
+            Err(error) => self.by_policy(items, error, now_ms, policy),
+        }
+    }
+
+    /// Why a domain with `store_reset: closed` is not decided by the store now: the store lost
+    /// its data less than one longest window of the domain's rules before (from when this
+    /// limiter first saw the loss).
+    fn closed_after_reset(&self, domain: &super::rules::Domain, now_ms: u64) -> Option<StoreError> {
+        if !domain.store_reset_closed {
+            return None;
+        }
+        let losses = self.store.data_losses()?;
+        let seen = self.losses_seen.load(Ordering::Relaxed);
+        if losses > seen
+            && self
+                .losses_seen
+                .compare_exchange(seen, losses, Ordering::Relaxed, Ordering::Relaxed)
+                .is_ok()
+        {
+            self.lost_at_ms.store(now_ms, Ordering::Relaxed);
+        }
+        let lost_at = self.lost_at_ms.load(Ordering::Relaxed);
+        (losses > 0 && now_ms < lost_at.saturating_add(domain.longest_window_ms)).then(|| {
+            StoreError::unavailable(format!(
+                "the store lost its data {} ms ago; store_reset: closed answers by the failure policy until {} ms have passed",
+                now_ms - lost_at,
+                domain.longest_window_ms
+            ))
+        })
+    }
+
+    /// The answer of the failure policy for a store failure.
+    fn by_policy(
+        &self,
+        items: &[CheckItem<'_>],
+        error: StoreError,
+        now_ms: u64,
+        policy: FailurePolicy,
+    ) -> Result<CheckOutcome, LimiterError> {
         self.note_store_error(&error, now_ms, policy);
         let admitted = match policy {
             FailurePolicy::Error => return Err(error.into()),

@@ -210,6 +210,11 @@ pub struct Domain {
     pub store_failure: Option<FailurePolicy>,
     /// Every rule of the domain takes debits.
     pub debit: bool,
+    /// After the store lost its data, answer by the failure policy (`store_reset: closed`)
+    /// for [`Domain::longest_window_ms`] from when the loss was found.
+    pub store_reset_closed: bool,
+    /// The longest window of the domain's rules.
+    pub longest_window_ms: u64,
 }
 
 /// How one level of a matched descriptor enters the log's identity.

@@ -141,6 +141,9 @@ fn exposition(limiter: &Limiter, metrics: &Metrics) -> Response {
     if let Some(keys) = limiter.store_keys() {
         metrics.set_store_keys(keys);
     }
+    if let Some(losses) = limiter.store_data_losses() {
+        metrics.set_data_losses(losses);
+    }
     if let Some(policy) = limiter.store_evicting() {
         metrics.set_evicting(&policy);
     }

@@ -405,6 +405,12 @@ pub trait Store: Send + Sync + 'static {
         None
     }
 
+    /// How many times the store was found to have lost its data (a Redis restarted without
+    /// persistence, or flushed), where the store can tell.
+    fn data_losses(&self) -> Option<u64> {
+        None
+    }
+
     /// The `maxmemory-policy` of a store that evicts keys under memory pressure (which forgets
     /// windows and lets their requests through again), where the store knows it.
     fn evicting(&self) -> Option<String> {

@@ -304,13 +304,14 @@ async fn requests_past_a_bound_never_reach_redis() {
         assert_eq!(status.code(), tonic::Code::InvalidArgument);
         assert!(status.message().contains(bound), "{}", status.message());
     }
-    assert_eq!(redis.cmd("DBSIZE").trim(), ":0", "nothing reached Redis");
+    // (Only slidegate's marker, `slidegate:marker`, is there: no rate-limit key.)
+    assert_eq!(redis.cmd("KEYS rl:*").trim(), "*0", "nothing reached Redis");
     // Within the bounds, the same shapes are decided and recorded.
     let decided = server
         .call(request("DOMAIN", vec![descriptor(&[("k", "v")])]))
         .await;
     assert_eq!(decided.overall_code, ok());
-    assert_eq!(redis.cmd("DBSIZE").trim(), ":1");
+    assert!(redis.cmd("KEYS rl:*").starts_with("*1"));
     server.stop().await;
 }
 
@@ -644,5 +645,90 @@ async fn waiting_for_a_replica_keeps_a_failover_exact() {
         failover_probe(1).await,
         0,
         "over-admitted with --redis-wait-replicas 1"
+    );
+}
+
+/// Redis restarted empty (no persistence): each replica finds its marker gone or written again,
+/// and counts the loss; a domain with `store_reset: closed` answers by its failure policy for
+/// one longest window of its rules (2 s here), on every replica, where an open domain admits the
+/// forgotten requests again at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_redis_that_lost_its_data_is_found_and_closed_domains_wait_a_window() {
+    let mut redis = RedisProcess::start(&[]);
+    let domain = unique_domain("reset");
+    let config = format!(
+        "domain: {domain}\nstore_failure: deny\nstore_reset: closed\ndescriptors:\n  - key: k\n    rate_limit: {{requests_per_unit: 3, window: 2s}}\n"
+    );
+    let open = unique_domain("open");
+    let open_config = format!(
+        "domain: {open}\ndescriptors:\n  - key: k\n    rate_limit: {{unit: hour, requests_per_unit: 3}}\n"
+    );
+    let mut replicas = Vec::new();
+    for _ in 0..2 {
+        let store = connect(redis.url(), TEST_TIMEOUT).await;
+        let limits = slidegate::config::compile_sources(&[
+            ("closed.yaml".into(), config.clone()),
+            ("open.yaml".into(), open_config.clone()),
+        ])
+        .expect("config");
+        let limiter = slidegate::limiter::Limiter::new(
+            limits,
+            store,
+            Arc::new(slidegate::limiter::SystemClock),
+            LimiterOptions::default(),
+        );
+        assert!(limiter.store_ready().await, "the marker written");
+        replicas.push(limiter);
+    }
+    let call = |d: &str| slidegate::wire::from_proto(request(d, vec![descriptor(&[("k", "v")])]));
+    let code =
+        |decision: Result<slidegate::limiter::Decision, _>| decision.expect("decided").overall;
+    use slidegate::limiter::Code::{Ok as Admitted, OverLimit};
+    for d in [&domain, &open] {
+        for _ in 0..3 {
+            assert_eq!(
+                code(replicas[0].should_rate_limit(&call(d)).await),
+                Admitted
+            );
+        }
+        assert_eq!(
+            code(replicas[1].should_rate_limit(&call(d)).await),
+            OverLimit
+        );
+    }
+    redis.restart();
+    let end = Instant::now() + Duration::from_secs(20);
+    for replica in &replicas {
+        while !(replica.store_ready().await && replica.store_data_losses() == Some(1)) {
+            assert!(Instant::now() < end, "the loss was not found");
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+    let found = Instant::now();
+    // Forgotten: the open domain admits again (on the replica that never refused it: the
+    // other's over-limit cache still knows it was over); the closed one answers by its policy.
+    assert_eq!(
+        code(replicas[0].should_rate_limit(&call(&open)).await),
+        Admitted
+    );
+    for replica in &replicas {
+        assert_eq!(
+            code(replica.should_rate_limit(&call(&domain)).await),
+            OverLimit
+        );
+    }
+    let mut reopened = None;
+    while reopened.is_none() {
+        assert!(found.elapsed() < Duration::from_secs(10), "never reopened");
+        if code(replicas[0].should_rate_limit(&call(&domain)).await) == Admitted {
+            reopened = Some(found.elapsed());
+        } else {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+    let reopened = reopened.unwrap_or_default();
+    assert!(
+        reopened >= Duration::from_millis(1_900),
+        "reopened {reopened:?} after the loss was found, before its 2 s window"
     );
 }

@@ -169,6 +169,9 @@ pub(super) fn client_url(url: &str) -> String {
     out
 }
 
+/// What a TLS handshake that a Redis does not finish most likely means.
+const PLAINTEXT: &str = "the URL asks for TLS (rediss://): if this Redis does not serve TLS, use redis:// (or REDIS_TLS=false)";
+
 /// Tries one connection with `config`: `Ok(true)` when Redis answers, `Ok(false)` when it cannot
 /// be reached yet (refused, timed out, a cluster not ready), and an error for what waiting will
 /// not fix (a wrong password, a bad TLS set-up, a bad URL).
@@ -183,7 +186,22 @@ pub(super) async fn probe(config: &Config, deadline: Duration) -> Result<bool, S
             let _ = client.quit().await;
             Ok(true)
         }
+        Ok(Err(e))
+            if !transient(&e) && config.tls.is_some() && e.details().contains("InvalidData") =>
+        {
+            // A plaintext Redis answered the TLS hello with an error line: no TLS record.
+            Err(StoreError::unavailable(format!(
+                "{}: {PLAINTEXT}",
+                unavailable(&e)
+            )))
+        }
         Ok(Err(e)) if !transient(&e) => Err(unavailable(&e)),
+        Ok(Err(e)) if config.tls.is_some() && *e.kind() == ErrorKind::Timeout => {
+            tracing::warn!(
+                "Redis did not finish a TLS handshake within {deadline:?}; {PLAINTEXT}; serving by the store-failure policy until it answers"
+            );
+            Ok(false)
+        }
         Ok(Err(e)) => {
             tracing::warn!(error = %unavailable(&e), "Redis is not reachable yet; serving by the store-failure policy until it is");
             Ok(false)
@@ -192,7 +210,7 @@ pub(super) async fn probe(config: &Config, deadline: Duration) -> Result<bool, S
             // A plaintext Redis reads a TLS hello as the start of a command and waits for its
             // end: to the client, a handshake that never finishes.
             tracing::warn!(
-                "Redis did not finish a TLS handshake within {deadline:?}; the URL asks for TLS (rediss://): if this Redis does not serve TLS, use redis:// (or REDIS_TLS=false); serving by the store-failure policy until it answers"
+                "Redis did not finish a TLS handshake within {deadline:?}; {PLAINTEXT}; serving by the store-failure policy until it answers"
             );
             Ok(false)
         }

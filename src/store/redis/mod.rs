@@ -38,6 +38,7 @@ mod connection;
 mod decide;
 mod encode;
 mod library;
+mod marker;
 mod nodes;
 pub mod packed;
 mod replicas;
@@ -121,6 +122,8 @@ pub struct RedisStore {
     looked: Mutex<(u64, u64)>,
     /// Redis's `maxmemory-policy` when it evicts keys, as read at connect.
     evicting: Option<String>,
+    /// The markers that tell when Redis lost its data.
+    markers: marker::Markers,
     /// Standalone Redis: gathers requests that wait into one call (`batch.rs`).
     batcher: Option<Arc<Batcher>>,
     /// Redis Cluster: the same per master (`nodes.rs`).
@@ -200,6 +203,13 @@ impl RedisStore {
             refused: AtomicU64::new(0),
             looked: Mutex::new((0, 0)),
             evicting,
+            markers: marker::Markers::new(format!(
+                "{:016x}",
+                std::hash::BuildHasher::hash_one(
+                    &std::collections::hash_map::RandomState::new(),
+                    "marker"
+                )
+            )),
         })
     }
 
@@ -318,13 +328,22 @@ impl Store for RedisStore {
             if self.refusing_most_writes() {
                 return false;
             }
-            let ping: Result<Result<String, Error>, _> = tokio::time::timeout(
-                self.sender.timeout.max(Duration::from_millis(200)),
-                self.sender.pool.load().next().ping(None),
-            )
-            .await;
-            matches!(ping, Ok(Ok(_)))
+            let wait = self.sender.timeout.max(Duration::from_millis(200));
+            let client = self.sender.pool.load().next().clone();
+            let ping: Result<Result<String, Error>, _> =
+                tokio::time::timeout(wait, client.ping(None)).await;
+            let up = matches!(ping, Ok(Ok(_)));
+            if up {
+                let prefix = &self.recipe.options.key_prefix;
+                let check = self.markers.check(&client, prefix, self.cluster);
+                let _ = tokio::time::timeout(wait, check).await;
+            }
+            up
         })
+    }
+
+    fn data_losses(&self) -> Option<u64> {
+        Some(self.markers.losses.load(Ordering::Relaxed))
     }
 }
 
