@@ -38,16 +38,18 @@ impl Markers {
 
     /// Checks (and writes where missing) the marker of every master `client` reaches; counts a
     /// loss where one was seen before and is now gone or changed. A marker that cannot be read
-    /// (Redis down, read-only) is left for the next check.
-    pub(super) async fn check(&self, client: &Client, prefix: &str, cluster: bool) {
+    /// is left for the next check. Returns false when a master refuses the write because it
+    /// takes no writes now (full, read-only): the check is also a write probe.
+    pub(super) async fn check(&self, client: &Client, prefix: &str, cluster: bool) -> bool {
         let keys = if cluster {
             match client.cached_cluster_state() {
                 Some(routing) => keys_per_master(&routing, prefix),
-                None => return,
+                None => return true,
             }
         } else {
             vec![format!("{prefix}{NAME}")]
         };
+        let mut writable = true;
         for key in keys {
             let write = self.writes.fetch_add(1, Ordering::Relaxed);
             let mine = format!("{}-{write}", self.token);
@@ -56,7 +58,13 @@ impl Markers {
                 .custom(command, vec![key.as_str(), mine.as_str(), "NX", "GET"])
                 .await;
             // SET NX GET: the value there before, or nil when it was missing (now ours).
-            let Ok(before) = set else { continue };
+            let before = match set {
+                Ok(before) => before,
+                Err(e) => {
+                    writable &= !super::connection::refuses_writes(e.details());
+                    continue;
+                }
+            };
             let now = before.unwrap_or(mine);
             let mut seen = self
                 .seen
@@ -73,6 +81,7 @@ impl Markers {
                 None => seen.push((key, Some(now))),
             }
         }
+        writable
     }
 }
 

@@ -46,8 +46,7 @@ mod replicas;
 use batch::Batcher;
 use call::{Request, Sender, Slots, not_served};
 use connection::{
-    HOPELESS_AFTER, HOPELESS_STREAK, Health, PoolRecipe, client_config, lock, probe,
-    refuses_writes, start_pool,
+    HOPELESS_AFTER, HOPELESS_STREAK, Health, PoolRecipe, client_config, lock, probe, start_pool,
 };
 pub use connection::{normalize_url, redact};
 use decide::{Call, Entry, Group, GroupReply};
@@ -116,10 +115,6 @@ pub struct RedisStore {
     /// Makes members unique across replicas: a random id per process plus a call counter.
     instance: String,
     calls: AtomicU64,
-    /// Decisions Redis refused because it takes no writes (full, read-only), and the call
-    /// count and refusals when readiness last looked: a store refusing most writes is not ready.
-    refused: AtomicU64,
-    looked: Mutex<(u64, u64)>,
     /// Redis's `maxmemory-policy` when it evicts keys, as read at connect.
     evicting: Option<String>,
     /// The markers that tell when Redis lost its data.
@@ -200,8 +195,6 @@ impl RedisStore {
                 )
             ),
             calls: AtomicU64::new(0),
-            refused: AtomicU64::new(0),
-            looked: Mutex::new((0, 0)),
             evicting,
             markers: marker::Markers::new(format!(
                 "{:016x}",
@@ -236,11 +229,6 @@ impl RedisStore {
     ) -> Result<CheckOutcome, StoreError> {
         let groups = self.groups(items);
         let result = self.decide(items, groups, now_ms, rejected).await;
-        if let Err(StoreError::Unavailable { context, .. }) = &result
-            && refuses_writes(context.split(": ").nth(1).unwrap_or(context))
-        {
-            self.refused.fetch_add(1, Ordering::Relaxed);
-        }
         // A protocol error is an answer: the client works.
         self.note(!matches!(
             result,
@@ -267,26 +255,6 @@ async fn evicting_policy(client: &Client) -> Option<String> {
         "Redis evicts keys under memory pressure (maxmemory-policy {policy}): an evicted window is forgotten and its requests admitted again; set maxmemory-policy noeviction"
     );
     Some(policy)
-}
-
-impl RedisStore {
-    /// Whether most decisions since readiness last looked were refused because Redis takes no
-    /// writes (none since: not refusing).
-    fn refusing_most_writes(&self) -> bool {
-        let (calls, refused) = (
-            self.calls.load(Ordering::Relaxed),
-            self.refused.load(Ordering::Relaxed),
-        );
-        // Two counters: one left by a panicking holder is still usable.
-        let mut looked = self
-            .looked
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner());
-        let (new_calls, new_refused) =
-            (calls - looked.0.min(calls), refused - looked.1.min(refused));
-        *looked = (calls, refused);
-        new_calls > 0 && new_refused * 2 > new_calls
-    }
 }
 
 impl Store for RedisStore {
@@ -325,20 +293,18 @@ impl Store for RedisStore {
 
     fn ready(&self) -> super::ReadyFuture<'_> {
         Box::pin(async move {
-            if self.refusing_most_writes() {
-                return false;
-            }
             let wait = self.sender.timeout.max(Duration::from_millis(200));
             let client = self.sender.pool.load().next().clone();
             let ping: Result<Result<String, Error>, _> =
                 tokio::time::timeout(wait, client.ping(None)).await;
-            let up = matches!(ping, Ok(Ok(_)));
-            if up {
-                let prefix = &self.recipe.options.key_prefix;
-                let check = self.markers.check(&client, prefix, self.cluster);
-                let _ = tokio::time::timeout(wait, check).await;
+            if !matches!(ping, Ok(Ok(_))) {
+                return false;
             }
-            up
+            // The markers' check writes: a Redis that answers PING but takes no writes (full,
+            // read-only) cannot decide, and is not ready.
+            let prefix = &self.recipe.options.key_prefix;
+            let check = self.markers.check(&client, prefix, self.cluster);
+            tokio::time::timeout(wait, check).await.unwrap_or(true)
         })
     }
 
