@@ -80,12 +80,11 @@ async fn healthz(State(state): State<HttpState>) -> Response {
 /// Able to decide now: serving, the store answers, and a config is loaded if one is required.
 async fn is_ready(state: &HttpState) -> bool {
     let serving = || state.ready.load(Ordering::SeqCst);
-    let arrived = state
-        .config_arrived
-        .as_ref()
-        .is_none_or(|a| a.load(Ordering::SeqCst));
-    let configured =
-        arrived && (!state.ready_needs_config || !state.limiter.limits().domains.is_empty());
+    let configured = super::config_ready(
+        &state.limiter,
+        state.ready_needs_config,
+        state.config_arrived.as_deref(),
+    );
     if !serving() || !configured {
         return false;
     }

@@ -151,27 +151,7 @@ pub async fn run(
         draining_tx,
         stop_tx,
     ));
-    // Every name answers NOT_SERVING from the moment the port accepts, never NOT_FOUND.
-    for name in HEALTH_NAMES {
-        health
-            .set_service_status(name, ServingStatus::NotServing)
-            .await;
-    }
-    let configured = {
-        let (limiter, needs_config) = (app.limiter.clone(), app.options.ready_needs_config);
-        let arrived = app.options.config_arrived.clone();
-        move || {
-            let arrived = arrived.as_ref().is_none_or(|a| a.load(Ordering::SeqCst));
-            arrived && (!needs_config || !limiter.limits().domains.is_empty())
-        }
-    };
-    tokio::spawn(follow_store_health(
-        health,
-        app.limiter.clone(),
-        app.options.health_interval,
-        draining.clone(),
-        configured,
-    ));
+    start_health(&app, health, draining.clone()).await;
 
     let limits = app.options.connections;
     let bytes = RequestBytes::new(limits.max_buffered, limits.max_buffered_per_connection);
@@ -214,6 +194,35 @@ pub async fn run(
         tokio::join!(grpc_server, http_server);
     };
     finish_within_grace(servers, stop, app.options.shutdown_grace).await
+}
+
+/// gRPC health: NOT_SERVING under every name from the moment the port accepts (never
+/// NOT_FOUND), then following readiness until draining starts.
+async fn start_health(app: &App, health: HealthReporter, draining: watch::Receiver<bool>) {
+    for name in HEALTH_NAMES {
+        health
+            .set_service_status(name, ServingStatus::NotServing)
+            .await;
+    }
+    let configured = {
+        let (limiter, needs_config) = (app.limiter.clone(), app.options.ready_needs_config);
+        let arrived = app.options.config_arrived.clone();
+        move || config_ready(&limiter, needs_config, arrived.as_deref())
+    };
+    tokio::spawn(follow_store_health(
+        health,
+        app.limiter.clone(),
+        app.options.health_interval,
+        draining,
+        configured,
+    ));
+}
+
+/// Whether the config readiness asks for is there: the xDS source's first config (`arrived`,
+/// where there is one), and a domain where one is required (`--ready-needs-config`).
+fn config_ready(limiter: &Limiter, needs_config: bool, arrived: Option<&AtomicBool>) -> bool {
+    let arrived = arrived.is_none_or(|a| a.load(Ordering::SeqCst));
+    arrived && (!needs_config || !limiter.limits().domains.is_empty())
 }
 
 /// The metrics alone on their own listener (the reference's `PROMETHEUS_ADDR`), until `stop`.

@@ -52,9 +52,15 @@ pub const SHOULD_RATE_LIMIT_PATH: &str =
 /// around each call.
 #[derive(Clone)]
 pub struct GrpcService<S> {
-    limiter: Arc<Limiter>,
+    /// What answering `ShouldRateLimit` needs, in one shared piece: a call clones one `Arc`.
+    direct: Arc<Direct>,
     router: S,
-    /// What the connection's request bodies may hold, and how long one may take to arrive.
+}
+
+/// The limiter, and what the connection's request bodies may hold and how long one may take
+/// to arrive.
+struct Direct {
+    limiter: Arc<Limiter>,
     bounds: direct::BodyBounds,
 }
 
@@ -62,16 +68,23 @@ impl<S> GrpcService<S> {
     /// A service whose request bodies are bounded only by their message size.
     pub fn new(limiter: Arc<Limiter>, router: S) -> Self {
         GrpcService {
-            limiter,
+            direct: Arc::new(Direct {
+                limiter,
+                bounds: direct::BodyBounds::default(),
+            }),
             router,
-            bounds: direct::BodyBounds::default(),
         }
     }
 
     /// With `bytes` as the account of the connections it serves and `timeout` for a body.
-    pub fn with_bounds(mut self, bytes: ConnectionBytes, timeout: Duration) -> Self {
-        self.bounds = direct::BodyBounds { bytes, timeout };
-        self
+    pub fn with_bounds(self, bytes: ConnectionBytes, timeout: Duration) -> Self {
+        GrpcService {
+            direct: Arc::new(Direct {
+                limiter: self.direct.limiter.clone(),
+                bounds: direct::BodyBounds { bytes, timeout },
+            }),
+            router: self.router,
+        }
     }
 }
 
@@ -79,14 +92,9 @@ impl<S: Clone> GrpcService<S> {
     /// The service for one new connection: its own account of request bytes, under the
     /// server's.
     pub fn for_connection(&self) -> Self {
-        GrpcService {
-            limiter: self.limiter.clone(),
-            router: self.router.clone(),
-            bounds: direct::BodyBounds {
-                bytes: self.bounds.bytes.server().connection(),
-                timeout: self.bounds.timeout,
-            },
-        }
+        let bounds = &self.direct.bounds;
+        let bytes = bounds.bytes.server().connection();
+        self.clone().with_bounds(bytes, bounds.timeout)
     }
 }
 
@@ -111,8 +119,10 @@ where
 
     fn call(&self, request: Request<B>) -> Self::Future {
         if request.uri().path() == SHOULD_RATE_LIMIT_PATH {
-            let (limiter, bounds) = (self.limiter.clone(), self.bounds.clone());
-            Box::pin(async move { Ok(direct::should_rate_limit(&limiter, &bounds, request).await) })
+            let direct = self.direct.clone();
+            Box::pin(async move {
+                Ok(direct::should_rate_limit(&direct.limiter, &direct.bounds, request).await)
+            })
         } else {
             let router = self.router.clone();
             Box::pin(async move {
