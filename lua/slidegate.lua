@@ -1192,16 +1192,16 @@ local function decide_call(keys, args, spread)
   return cmsgpack.pack(out)
 end
 
--- The same for requests whose keys sit in several hash slots of one Redis Cluster master:
--- FCALL slidegate_VERSION_spread 1 <any one of the keys> <key count> <keys...> <request count>
--- <requests...>. The one declared key routes the call to the master; the others are not
--- declared (Redis refuses declared keys of several slots), and the flag lets the function reach
+-- The same for requests whose keys sit in hash slots of one Redis Cluster master:
+-- FCALL slidegate_VERSION_spread 0 <key count> <keys...> <request count> <requests...>, sent to
+-- that master by name. No key is declared (Redis would refuse declared keys of several slots,
+-- and redirect the whole call for one slot that moved), and the flag lets the function reach
 -- them while this master serves their slots. A key it no longer serves (a slot moved, or
 -- mid-migration and the key already gone) fails the request that reached for it with "Script
 -- attempted to access a non local key" before that request recorded a hit (every key of a
 -- request is read before any hit is written; what it did before is stale entries trimmed and a
 -- ban set on a descriptor over its limit, which deciding it again does alike), and the caller
--- sends that request again on its own, keys declared (a call per slot where they sit in
--- several), where the client follows the cluster's redirection.
+-- sends that request again (a call per slot where they sit in several) to the master serving
+-- its slot now, or, mid-migration, keys declared after ASKING to the master importing it.
 redis.register_function{function_name = 'slidegate_VERSION_spread', callback = function(keys, args) return decide_call(keys, args, true) end, flags = { 'allow-cross-slot-keys' }}
 redis.register_function('slidegate_VERSION', decide_call)

@@ -16,6 +16,7 @@ mod common;
 mod conformance;
 
 mod faults;
+mod moves;
 mod script;
 mod sharing;
 mod slots;
@@ -482,38 +483,21 @@ fn owner_of(cluster: &RedisCluster, slot: u16) -> u16 {
 }
 
 /// Moves `slot` from the master that holds it to another, the way `redis-cli --cluster
-/// reshard` does: IMPORTING, MIGRATING, MIGRATE of its keys in batches, then SETSLOT NODE on
-/// every master. Returns the ports (from, to).
+/// reshard` does: IMPORTING, MIGRATING, MIGRATE of its keys, then SETSLOT NODE on every master.
+/// Returns the ports (from, to).
 fn migrate_slot(cluster: &RedisCluster, slot: u16) -> (u16, u16) {
-    let ports: Vec<u16> = cluster.nodes.iter().map(|n| n.port).collect();
-    let id = |port: u16| node_cli(port, &["CLUSTER", "MYID"])[0].clone();
-    let owner = owner_of(cluster, slot);
-    let target = *ports.iter().find(|p| **p != owner).expect("another master");
-    let (owner_id, target_id) = (id(owner), id(target));
-    let s = slot.to_string();
-    node_cli(target, &["CLUSTER", "SETSLOT", &s, "IMPORTING", &owner_id]);
-    node_cli(owner, &["CLUSTER", "SETSLOT", &s, "MIGRATING", &target_id]);
-    loop {
-        let keys = node_cli(owner, &["CLUSTER", "GETKEYSINSLOT", &s, "10"]);
-        let keys: Vec<&str> = keys
-            .iter()
-            .map(String::as_str)
-            .filter(|k| !k.is_empty())
-            .collect();
-        if keys.is_empty() {
-            break;
-        }
-        let mut args = vec!["MIGRATE", "127.0.0.1"];
-        let target_port = target.to_string();
-        args.push(&target_port);
-        args.extend_from_slice(&["", "0", "5000", "KEYS"]);
-        args.extend_from_slice(&keys);
-        node_cli(owner, &args);
-    }
-    for port in &ports {
-        node_cli(*port, &["CLUSTER", "SETSLOT", &s, "NODE", &target_id]);
-    }
-    (owner, target)
+    moves::migrate_slot_over(cluster, slot, Duration::ZERO)
+}
+
+/// `slidegate_redis_cluster_resent_total` as the server's metrics say it.
+async fn resent(server: &TestServer) -> u64 {
+    let (status, metrics) = http(server.http_addr, "GET", "/metrics", "").await;
+    assert_eq!(status, 200);
+    metrics
+        .lines()
+        .find_map(|l| l.strip_prefix("slidegate_redis_cluster_resent_total "))
+        .and_then(|n| n.trim().parse().ok())
+        .expect("the resent counter")
 }
 
 /// Calls every 50 ms until `done` holds or `deadline` passes; whether it held.

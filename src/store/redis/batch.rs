@@ -11,6 +11,7 @@
 use std::collections::VecDeque;
 use std::sync::{Arc, Mutex};
 
+use fred::prelude::Server;
 use tokio::sync::oneshot;
 use tokio::time::Instant;
 
@@ -37,16 +38,30 @@ struct Waiting {
 pub(super) struct Batcher {
     queue: Mutex<Queue>,
     max_calls: usize,
+    /// On a cluster, the master its calls go to (`nodes.rs`).
+    master: Option<Server>,
 }
 
 impl Batcher {
+    /// The batcher of a standalone Redis.
     pub fn new(max_calls: usize) -> Arc<Batcher> {
+        Batcher::of(max_calls, None)
+    }
+
+    /// The cluster master its calls go to.
+    pub fn master(&self) -> Option<&Server> {
+        self.master.as_ref()
+    }
+
+    /// The batcher of a cluster master.
+    pub fn of(max_calls: usize, master: Option<Server>) -> Arc<Batcher> {
         Arc::new(Batcher {
             queue: Mutex::new(Queue {
                 calls: 0,
                 waiting: VecDeque::new(),
             }),
             max_calls: max_calls.max(1),
+            master,
         })
     }
 
@@ -81,7 +96,7 @@ impl Batcher {
                     batcher: self.clone(),
                     sender: sender.clone(),
                 };
-                sender.call_one(request).await
+                sender.call_one(self.master.as_ref(), request).await
             }
             Turn::Later(later, since, until) => match tokio::time::timeout_at(until, later).await {
                 Ok(answer) => answer.unwrap_or_else(|_| {
@@ -140,7 +155,7 @@ impl Batcher {
             }
             return;
         };
-        let (batcher, sender) = (self.clone(), sender.clone());
+        let (batcher, sender, master) = (self.clone(), sender.clone(), self.master.clone());
         // The guard is made inside the task: a task dropped unstarted hands nothing on.
         runtime.spawn(async move {
             let _out = CallOut {
@@ -149,7 +164,7 @@ impl Batcher {
             };
             let (requests, answers): (Vec<_>, Vec<_>) =
                 batch.into_iter().map(|w| (w.request, w.answer)).unzip();
-            let replies = sender.call(requests).await;
+            let replies = sender.call(master.as_ref(), requests).await;
             for (answer, reply) in answers.into_iter().zip(replies) {
                 let _ = answer.send(reply);
             }
@@ -200,6 +215,9 @@ mod tests {
             resent: Arc::default(),
             timeout: Duration::from_millis(15),
             wait_replicas: 0,
+            redirect: false,
+            stale: Arc::default(),
+            read_at: Arc::default(),
         };
         let request = || Request {
             now_ms: None,
@@ -209,7 +227,7 @@ mod tests {
             lane: 0,
             answer_by: Instant::now(),
         };
-        let call = sender.call_one(request());
+        let call = sender.call_one(None, request());
         let batcher = Batcher::new(1);
         let submit = batcher.submit(request(), &sender);
         let (call, submit) = (std::mem::size_of_val(&call), std::mem::size_of_val(&submit));

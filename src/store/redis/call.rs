@@ -8,6 +8,8 @@ use std::time::Duration;
 
 use arc_swap::ArcSwap;
 use fred::prelude::*;
+use fred::types::config::Options;
+use fred::types::{ClusterHash, CustomCommand};
 use futures_util::future::join_all;
 use tokio::time::Instant;
 
@@ -84,30 +86,154 @@ pub(super) struct Sender {
     pub timeout: Duration,
     /// Replicas that must hold a call's writes before it is answered (`--redis-wait-replicas`).
     pub wait_replicas: u32,
+    /// Redis Cluster: the pool's last client is the redirect client, which carries requests
+    /// with their keys declared, routed by the client, following the cluster's redirections
+    /// (`MOVED`, `ASK`, `TRYAGAIN`); its view of the slots is the store's (`nodes.rs`). The
+    /// other clients send each call to a master named (see [`Via::Master`]), which Redis never
+    /// redirects: a redirection makes a client stop all its other calls while it follows it
+    /// (it reads the cluster's slots again, or sends `ASKING` and waits for its reply), so a
+    /// request of a moving slot would hold up the calls of every slot sharing its client.
+    pub redirect: bool,
+    /// Set when a master refused a request (its slot moved): the routing copy is read again.
+    pub stale: Arc<std::sync::atomic::AtomicBool>,
+    /// When the redirect client last read the cluster's slots ([`Sender::refresh`]).
+    pub read_at: Arc<tokio::sync::Mutex<Option<Instant>>>,
+}
+
+/// How soon after a read of the cluster's slots another is not made: the callers refused
+/// meanwhile take that one.
+const READ_AGAIN_AFTER: Duration = Duration::from_millis(20);
+
+/// Which client carries a call, and where it goes.
+#[derive(Clone, Copy)]
+enum Via<'a> {
+    /// The pool's client of this lane ([`Request::lane`]), routed by the call's keys.
+    Lane(usize),
+    /// The pool's client of this lane, to this cluster master: the spread function with no
+    /// key declared, which Redis runs where it is sent; a key the master does not serve fails
+    /// only the request that reached for it.
+    Master(usize, &'a Server),
+    /// [`Sender::redirect`].
+    Redirect,
 }
 
 impl Sender {
-    /// One call carrying one request alone (its keys declared, unless they sit in several
-    /// slots).
-    pub async fn call_one(&self, request: Request) -> Answer {
-        self.call(vec![request])
+    /// One call carrying one request alone, to `master` where known (see [`Sender::call`]).
+    pub async fn call_one(&self, master: Option<&Server>, request: Request) -> Answer {
+        self.call(master, vec![request])
             .await
             .pop()
             .unwrap_or_else(|| Err(StoreError::Protocol("script reply is empty".into())))
     }
 
-    /// One call carrying `requests`; an answer per request, in order. Requests of several
-    /// cluster slots (one master's: see [`Batcher`]) go by the spread function; a request of
-    /// one slot that its master no longer serves is sent again on its own, and one of several
-    /// slots is answered [`NotServed`], for the caller to send a call per slot.
-    pub async fn call(&self, requests: Vec<Request>) -> Vec<Answer> {
-        if !over_several_slots(&requests) {
-            self.call_declared(requests).await
-        } else if self.library.spreads() {
-            self.call_spread(requests).await
-        } else {
-            self.each_alone(requests).await
+    /// One call carrying `requests`; an answer per request, in order. On a cluster, requests
+    /// of one master's slots (see [`Batcher`]) go to that master by the spread function; a
+    /// request of one slot that the master does not serve is sent again on its own, keys
+    /// declared, by [`Sender::redirect`], and one of several slots is answered [`NotServed`],
+    /// for the caller to send a call per slot. Without a master (not known yet), or by
+    /// `EVALSHA` (no spread function), each request's keys are declared.
+    pub async fn call(&self, master: Option<&Server>, requests: Vec<Request>) -> Vec<Answer> {
+        match master {
+            Some(master) if self.library.spreads() => self.call_master(master, requests).await,
+            _ if !over_several_slots(&requests) => self.call_declared(requests).await,
+            _ => self.each_alone(requests).await,
         }
+    }
+
+    /// `request` alone, its keys declared, to `importer`, the master a slot is migrating to,
+    /// after `ASKING` on the same connection (one pipeline: nothing comes between them): a
+    /// request whose keys have left the master serving the slot, or are new. The importing
+    /// master decides it when it holds every key of it, and answers `TRYAGAIN` while they
+    /// are split between the two (sent again shortly). A request of one key goes there safely:
+    /// the serving master refused it because that key has left it, so it is at the importer or
+    /// nowhere. By `EVALSHA` (no function) it is not sent: a script's `ASKING` pipeline would
+    /// need the script loaded on the importer, which a call by `EVALSHA` cannot load.
+    pub async fn call_asking(&self, importer: &Server, request: Request) -> Answer {
+        let requests = [request];
+        let Some((_, until)) = self.terms(&requests) else {
+            return Err(StoreError::Timeout(Duration::ZERO));
+        };
+        if self.library.by_script() {
+            return Err(not_served_error(
+                "the slot is migrating and calls go by EVALSHA",
+            ));
+        }
+        let now = call_now(&requests);
+        let [request] = requests;
+        let mut args = Vec::with_capacity(2 + request.args.len());
+        args.push(int(1));
+        args.push(now);
+        args.extend(request.args);
+        loop {
+            let wait = until.saturating_duration_since(Instant::now());
+            if wait.is_zero() {
+                return Err(StoreError::Timeout(self.timeout));
+            }
+            let pool = self.pool.load();
+            let client = redirect_client(&pool);
+            let pipeline = client.pipeline().with_options(&Options {
+                timeout: Some(wait),
+                cluster_node: Some(importer.clone()),
+                max_redirections: Some(0),
+                ..Options::default()
+            });
+            let asking = CustomCommand::new_static("ASKING", ClusterHash::Random, false);
+            let function = self.library.function.clone();
+            let queued: Result<(), Error> = async {
+                pipeline.custom::<(), Value>(asking, Vec::new()).await?;
+                pipeline
+                    .fcall::<(), _, _, _>(function, request.keys.clone(), args.clone())
+                    .await
+            }
+            .await;
+            if let Err(e) = queued {
+                return Err(call_failed(&e));
+            }
+            let reply = pipeline.try_all::<Value>().await.pop();
+            match reply {
+                Some(Ok(reply)) => {
+                    if self.wait_replicas > 0 {
+                        let to = super::replicas::To::Master(importer);
+                        Box::pin(super::replicas::confirm(
+                            client,
+                            to,
+                            self.wait_replicas,
+                            until,
+                        ))
+                        .await?;
+                    }
+                    return split(reply, 1).pop().unwrap_or_else(|| {
+                        Err(StoreError::Protocol("script reply is empty".into()))
+                    });
+                }
+                Some(Err(e)) if e.details().starts_with("TRYAGAIN") => {
+                    tokio::time::sleep_until(until.min(Instant::now() + TRY_AGAIN_AFTER)).await;
+                }
+                Some(Err(e)) if elsewhere(&e) => return Err(not_served_error(e.details())),
+                Some(Err(e)) => return Err(call_failed(&e)),
+                None => return Err(StoreError::Protocol("no reply to ASKING's call".into())),
+            }
+        }
+    }
+
+    /// Reads the cluster's slots again, by the redirect client (the one client that stops for
+    /// it), waiting at most until `until`; one read at a time, and none again within
+    /// [`READ_AGAIN_AFTER`] of the last; the store's routing copy is read again after it.
+    pub async fn refresh(&self, until: Instant) {
+        let client = redirect_client(&self.pool.load()).clone();
+        let read_at = self.read_at.clone();
+        let read = async move {
+            let mut last = read_at.lock().await;
+            if last.is_some_and(|at| at.elapsed() < READ_AGAIN_AFTER) {
+                return; // read meanwhile
+            }
+            if let Err(e) = client.sync_cluster().await {
+                tracing::debug!(error = %e, "reading the cluster's slots failed");
+            }
+            *last = Some(Instant::now());
+        };
+        let _ = tokio::time::timeout_at(until, read).await;
+        self.stale.store(true, Ordering::Relaxed);
     }
 
     /// By `EVALSHA` a call's keys must share a slot: each request of one slot alone, and those
@@ -116,7 +242,7 @@ impl Sender {
         join_all(requests.into_iter().map(|r| async move {
             match r.slots {
                 Slots::Several => Err(not_served_error("the script goes by EVALSHA")),
-                _ => self.call_one(r).await,
+                _ => self.call_one(None, r).await,
             }
         }))
         .await
@@ -144,16 +270,22 @@ impl Sender {
             keys.extend(request.keys);
             args.extend(request.args);
         }
-        match self.send(lane, until, keys, args, false).await {
+        let via = if self.redirect {
+            Via::Redirect
+        } else {
+            Via::Lane(lane)
+        };
+        match self.send(via, until, keys, args, false).await {
             Ok(reply) => split(reply, count),
             Err(e) => vec![Err(e); count],
         }
     }
 
-    /// One call of the spread function: the keys first, after their number, and the first
-    /// declared (it routes the call). The requests are kept (their parts are shared buffers) to
-    /// send again any the master refuses.
-    async fn call_spread(&self, requests: Vec<Request>) -> Vec<Answer> {
+    /// One call of the spread function to `master`: the keys first in `ARGV`, after their
+    /// number, none declared. A request the master refuses (not its slot now) is answered
+    /// [`NotServed`] at once, like the others, so that the call's place is free again: its
+    /// caller finds where the slot went (`RedisStore::call_group`).
+    async fn call_master(&self, master: &Server, requests: Vec<Request>) -> Vec<Answer> {
         let count = requests.len();
         let Some((lane, until)) = self.terms(&requests) else {
             return vec![Err(StoreError::Timeout(Duration::ZERO)); count];
@@ -170,49 +302,11 @@ impl Sender {
         for request in &requests {
             args.extend(request.args.iter().cloned());
         }
-        let routing: Vec<Key> = requests
-            .iter()
-            .flat_map(|r| r.keys.first())
-            .take(1)
-            .cloned()
-            .collect();
-        let answers = match self.send(lane, until, routing, args, true).await {
+        let via = Via::Master(lane, master);
+        match self.send(via, until, Vec::new(), args, true).await {
             Ok(reply) => split(reply, count),
             Err(e) => vec![Err(e); count],
-        };
-        self.resend_refused(requests, answers).await
-    }
-
-    /// Requests of one slot the master no longer serves, each again on its own (nothing of
-    /// theirs was recorded: see the script's end); the others' answers as they are.
-    async fn resend_refused(
-        &self,
-        requests: Vec<Request>,
-        mut answers: Vec<Answer>,
-    ) -> Vec<Answer> {
-        let again: Vec<usize> = (0..answers.len())
-            .filter(|&i| requests[i].slots != Slots::Several && not_served(&answers[i]))
-            .collect();
-        if again.is_empty() {
-            return answers;
         }
-        tracing::debug!(
-            requests = again.len(),
-            "a master no longer serves a slot it was sent; sending those requests on their own"
-        );
-        self.resent.fetch_add(again.len() as u64, Ordering::Relaxed);
-        let mut requests: Vec<Option<Request>> = requests.into_iter().map(Some).collect();
-        let resent = join_all(
-            again
-                .iter()
-                .filter_map(|&i| requests[i].take())
-                .map(|request| self.call_one(request)),
-        )
-        .await;
-        for (i, answer) in again.into_iter().zip(resent) {
-            answers[i] = answer;
-        }
-        answers
     }
 
     /// Sends until Redis answers, or `until`. TRYAGAIN: a slot is being migrated and this
@@ -222,7 +316,7 @@ impl Sender {
     /// cheap.
     async fn send(
         &self,
-        lane: usize,
+        via: Via<'_>,
         until: Instant,
         keys: Vec<Key>,
         args: Vec<Value>,
@@ -236,10 +330,16 @@ impl Sender {
                 return Err(StoreError::Timeout(self.timeout));
             }
             let pool = self.pool.load();
+            let (client, master) = match via {
+                Via::Master(lane, master) => (client_of(&pool, lane, self.redirect), Some(master)),
+                Via::Lane(lane) => (client_of(&pool, lane, self.redirect), None),
+                Via::Redirect => (redirect_client(&pool), None),
+            };
             let sent = self
                 .library
                 .call_as(
-                    client_of(&pool, lane),
+                    client,
+                    master,
                     Some(wait),
                     keys.clone(),
                     args.clone(),
@@ -249,18 +349,18 @@ impl Sender {
             match sent {
                 Ok(reply) if self.wait_replicas == 0 => return Ok(reply),
                 Ok(reply) => {
-                    let client = client_of(&pool, lane);
                     // Boxed: the client's future for WAIT would otherwise be part of every
                     // call's, and of every decision's that awaits one.
                     let replicas = self.wait_replicas;
-                    Box::pin(super::replicas::confirm(
-                        client,
-                        keys.first(),
-                        replicas,
-                        until,
-                    ))
-                    .await?;
+                    let to = match master {
+                        Some(master) => super::replicas::To::Master(master),
+                        None => super::replicas::To::SlotOf(keys.first()),
+                    };
+                    Box::pin(super::replicas::confirm(client, to, replicas, until)).await?;
                     return Ok(reply);
+                }
+                Err(e) if self.redirect && elsewhere(&e) => {
+                    return Err(not_served_error(e.details()));
                 }
                 Err(e) if e.details().starts_with("TRYAGAIN") => {
                     tokio::time::sleep_until(until.min(Instant::now() + TRY_AGAIN_AFTER)).await;
@@ -307,14 +407,26 @@ fn call_until(requests: &[Request], now: Instant) -> Option<Instant> {
         .filter(|&until| until > now)
 }
 
-/// The client of `pool` for `lane` (see [`Request::lane`]). The pool is read at each try, so
-/// a pool replaced meanwhile is the one used.
-pub(super) fn client_of(pool: &Pool, lane: usize) -> &Client {
+/// Whether a cluster call failed because its keys are not where it was sent: a replica since a
+/// failover (`READONLY`), a node the client has no connection to (left the cluster), or a
+/// redirection the client was told not to follow ([`Library::call_as`]).
+fn elsewhere(e: &Error) -> bool {
+    e.details().starts_with("READONLY") || e.kind() == &ErrorKind::Routing
+}
+
+/// The client of `pool` for `lane` (see [`Request::lane`]), leaving out the last where it is
+/// the `redirect` client ([`Sender::redirect`]). The pool is read at each try, so a pool
+/// replaced meanwhile is the one used.
+pub(super) fn client_of(pool: &Pool, lane: usize, redirect: bool) -> &Client {
     let clients = pool.clients();
+    let lanes = clients.len().saturating_sub(usize::from(redirect)).max(1);
     // A pool always has a client (built with at least one); `next` covers the impossible.
-    clients
-        .get(lane % clients.len().max(1))
-        .unwrap_or_else(|| pool.next())
+    clients.get(lane % lanes).unwrap_or_else(|| pool.next())
+}
+
+/// A cluster pool's redirect client: its last ([`Sender::redirect`]).
+pub(super) fn redirect_client(pool: &Pool) -> &Client {
+    pool.clients().last().unwrap_or_else(|| pool.next())
 }
 
 /// Whether `requests` sit in more than one cluster slot (one of several slots, or several of
@@ -449,7 +561,7 @@ mod tests {
         let pool = fred::types::Builder::default_centralized()
             .build_pool(3)
             .expect("a pool builds without connecting");
-        let id = |lane| client_of(&pool, lane).id().to_string();
+        let id = |lane| client_of(&pool, lane, false).id().to_string();
         let ids: Vec<String> = pool.clients().iter().map(|c| c.id().to_string()).collect();
         assert_eq!(ids.len(), 3);
         for lane in 0..9 {

@@ -80,7 +80,8 @@ impl PoolRecipe {
             .with_performance_config(|p| p.default_command_timeout = options.timeout)
             // Retries at most every half second, so calls resume soon after Redis returns.
             .set_policy(ReconnectPolicy::new_exponential(0, 50, 500, 2))
-            .build_pool(options.pool_size.max(1))
+            // On a cluster one more: the redirect client (`call.rs`, `Sender::redirect`).
+            .build_pool(options.pool_size.max(1) + usize::from(self.config.server.is_clustered()))
             .map_err(|e| unavailable(&e))
     }
 

@@ -6,6 +6,11 @@ use super::encode::{parse_reply, unavailable};
 use super::*;
 
 impl RedisStore {
+    /// One group's call: by its master's batcher (the store's on standalone Redis), or by the
+    /// redirect client where its cluster master is not known yet. A group of one slot whose
+    /// master refused it (the slot moved) goes again to the master the cluster names now; if
+    /// that is still the one that refused, the slot is mid-migration and this request's keys
+    /// have left (or are new): it is answered by the failure policy until the slot has moved.
     pub(super) async fn call_group(
         &self,
         items: &[CheckItem<'_>],
@@ -16,14 +21,79 @@ impl RedisStore {
     ) -> Result<GroupReply, StoreError> {
         let request = self.script_input(items, group, now_ms, call, mode);
         let batcher = self.batcher.as_ref().or(group.master.as_ref());
-        let answer = match batcher {
+        let mut answer = match batcher {
             Some(batcher) => batcher.submit(request, &self.sender).await,
-            // A cluster whose slots the client has not read yet, or a slot sent again after
-            // its master refused it: the client routes it alone.
-            None => self.sender.call_one(request).await,
+            // A cluster whose slots the client has not read yet: the redirect client routes
+            // it alone.
+            None => self.sender.call_one(None, request).await,
         };
+        if let Slots::One(slot) = group.slots
+            && self.nodes.is_some()
+            && not_served(&answer)
+        {
+            // Boxed: rare, and its future would otherwise enlarge every decision's.
+            answer = Box::pin(self.follow_slot(items, group, slot, now_ms, call, mode)).await;
+        }
         parse_reply(&answer?, items, &group.items, mode == Mode::Tentative)
     }
+
+    /// [`RedisStore::call_group`]'s second try for a slot whose master refused it.
+    async fn follow_slot(
+        &self,
+        items: &[CheckItem<'_>],
+        group: &Group,
+        slot: u16,
+        now_ms: u64,
+        call: &Call,
+        mode: Mode,
+    ) -> call::Answer {
+        self.sender.resent.fetch_add(1, Ordering::Relaxed);
+        self.sender.refresh(call.answer_by).await;
+        let now = self
+            .nodes
+            .as_ref()
+            .and_then(|nodes| nodes.batcher(slot, &self.sender));
+        let moved = match (&now, &group.master) {
+            (Some(now), Some(before)) => !Arc::ptr_eq(now, before),
+            (Some(_), None) => true,
+            (None, _) => false,
+        };
+        let request = self.script_input(items, group, now_ms, call, mode);
+        let source = match now {
+            Some(master) if moved => {
+                tracing::debug!(
+                    slot,
+                    "a slot moved to another master: its request follows it"
+                );
+                return master.submit(request, &self.sender).await;
+            }
+            Some(master) => master.master().cloned(),
+            None => None,
+        };
+        // Still the master that refused it: the slot is migrating from it, and this request's
+        // keys have left it (or are new).
+        let importer = match (&source, &self.nodes) {
+            (Some(source), Some(nodes)) => {
+                nodes
+                    .importer(slot, source, &self.sender, call.answer_by)
+                    .await
+            }
+            _ => None,
+        };
+        let answer = match &importer {
+            Some(importer) => self.sender.call_asking(importer, request).await,
+            None => Err(StoreError::unavailable("no master imports it")),
+        };
+        match answer {
+            Err(e) if not_served(&Err::<(), _>(e.clone())) || importer.is_none() => {
+                Err(StoreError::unavailable(format!(
+                    "hash slot {slot} is moving between masters and this request's keys are on neither where the cluster says: answered by the failure policy until it has moved"
+                )))
+            }
+            answer => answer,
+        }
+    }
+
     /// With `rejected`, the request is already rejected elsewhere (`Store::check_rejected`).
     pub(super) async fn decide(
         &self,
@@ -116,7 +186,15 @@ impl RedisStore {
         let mut again = Vec::new();
         for (group, reply) in groups.into_iter().zip(replies) {
             if group.slots == Slots::Several && not_served(&reply) {
-                again.extend(self.slot_groups(items, &group.items));
+                let mut slots = self.slot_groups(items, &group.items);
+                if let Some(nodes) = &self.nodes {
+                    for g in &mut slots {
+                        if let Slots::One(slot) = g.slots {
+                            g.master = nodes.batcher(slot, &self.sender);
+                        }
+                    }
+                }
+                again.extend(slots);
             } else {
                 kept.push((group, reply));
             }
@@ -165,7 +243,14 @@ impl RedisStore {
                 for w in outcomes[i].windows.iter_mut() {
                     w.count = w.count.saturating_sub(item.hits);
                 }
-                let client = call::client_of(&self.sender.pool.load(), call.lane).clone();
+                // On a cluster by the redirect client, which follows the key wherever its
+                // slot went meanwhile.
+                let pool = self.sender.pool.load();
+                let client = if self.sender.redirect {
+                    call::redirect_client(&pool).clone()
+                } else {
+                    call::client_of(&pool, call.lane, false).clone()
+                };
                 match item.algorithm {
                     Algorithm::SlidingLog => {
                         // The member as the script wrote it for a tentative request:
@@ -224,10 +309,9 @@ impl RedisStore {
             }];
         };
         let mut groups = self.slot_groups(items, &(0..items.len()).collect::<Vec<_>>());
-        let pool = self.sender.pool.load();
         for group in &mut groups {
             if let Slots::One(slot) = group.slots {
-                group.master = nodes.batcher(slot, pool.next());
+                group.master = nodes.batcher(slot, &self.sender);
             }
         }
         if groups.len() == 1 || !self.sender.library.spreads() {

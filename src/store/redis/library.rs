@@ -114,14 +114,16 @@ impl Library {
         keys: Vec<Key>,
         args: Vec<Value>,
     ) -> Pin<Box<dyn Future<Output = Result<Value, Error>> + Send + 'a>> {
-        self.call_as(client, None, keys, args, false)
+        self.call_as(client, None, None, keys, args, false)
     }
 
-    /// [`Library::call`], by the spread function when `spread` (`keys` then holds the one key
-    /// that routes the call, and `args` all of them first: see the script's end).
+    /// [`Library::call`], by the spread function when `spread` (`args` then holds the keys
+    /// first, after their number, and `keys` none: see the script's end), sent to `node` where
+    /// given (a cluster master) and waiting at most `wait`.
     pub fn call_as<'a>(
         &'a self,
         client: &'a Client,
+        node: Option<&Server>,
         wait: Option<Duration>,
         keys: Vec<Key>,
         args: Vec<Value>,
@@ -137,18 +139,23 @@ impl Library {
         } else {
             self.function.clone()
         };
-        match wait {
-            // The client's own timeout, not a timer around the call: it also marks the command
-            // given up, so that it is never sent after a reconnection (`RedisStore::checked`).
-            Some(wait) => {
-                let client = client.with_options(&Options {
-                    timeout: Some(wait),
-                    ..Options::default()
-                });
-                Box::pin(async move { client.fcall(function, keys, args).await })
-            }
-            None => Box::pin(client.fcall(function, keys, args)),
+        if wait.is_none() && node.is_none() && !client.is_clustered() {
+            return Box::pin(client.fcall(function, keys, args));
         }
+        // The client's own timeout, not a timer around the call: it also marks the command
+        // given up, so that it is never sent after a reconnection (`RedisStore::checked`). On a
+        // cluster the client follows no redirection: following `ASK`, it sends `ASKING` and
+        // reads the next reply on that connection as its answer, which is another call's
+        // while calls are pipelined (the call whose reply it took is then answered `OK`, and a
+        // repeated `ASKING` shifts every later reply by one). The caller finds where the keys
+        // went (`RedisStore::call_group`).
+        let client = client.with_options(&Options {
+            timeout: wait,
+            cluster_node: node.cloned(),
+            max_redirections: client.is_clustered().then_some(0),
+            ..Options::default()
+        });
+        Box::pin(async move { client.fcall(function, keys, args).await })
     }
 
     /// Whether a call failed because Redis does not have the function or script (a restart

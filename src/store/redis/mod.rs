@@ -9,9 +9,10 @@
 //!   new master lost it; by `EVALSHA` where `FUNCTION LOAD` is refused.
 //! * `encode.rs`: a request's `KEYS` and `ARGV`, and the reply read back (`packed.rs` reads the
 //!   MessagePack string the reply comes in).
-//! * `call.rs`: one script call: its requests sent with their keys declared, or by the script's
-//!   spread function on a cluster master; `TRYAGAIN` and a lost library handled; a request a
-//!   master no longer serves sent again alone; the reply split per request.
+//! * `call.rs`: one script call: to a cluster master by name through the script's spread
+//!   function, or with the keys declared (standalone Redis; on a cluster by the redirect client,
+//!   or by `ASKING` to the master importing a slot); `TRYAGAIN` and a lost library handled; the
+//!   reply split per request.
 //! * `batch.rs`: requests that arrive while every call to a Redis is out go together in the next
 //!   call, each decided on its own; `nodes.rs` keeps one such batcher per cluster master, so a
 //!   master's call carries requests of all its slots.
@@ -179,6 +180,9 @@ impl RedisStore {
                 resent: Arc::default(),
                 timeout: options.timeout,
                 wait_replicas: options.wait_replicas,
+                redirect: cluster,
+                stale: Arc::default(),
+                read_at: Arc::default(),
             },
             batcher: (!cluster).then(|| Batcher::new(CALLS_OUT)),
             nodes: cluster.then(|| Nodes::new(CALLS_OUT)),
