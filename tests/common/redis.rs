@@ -301,6 +301,16 @@ impl RedisProcess {
         self.wait_ready();
     }
 
+    /// Freezes the process (`SIGSTOP`): connections stay open and nothing answers, as with a
+    /// node that hangs or a network that drops packets; `thaw` resumes it.
+    pub fn freeze(&self) {
+        signal(self.child.id(), "STOP");
+    }
+
+    pub fn thaw(&self) {
+        signal(self.child.id(), "CONT");
+    }
+
     pub fn cmd(&self, line: &str) -> String {
         command(self.port, line).unwrap_or_else(|e| panic!("redis {}: {line}: {e}", self.port))
     }
@@ -313,20 +323,35 @@ impl Drop for RedisProcess {
     }
 }
 
+fn signal(pid: u32, name: &str) {
+    let sent = Command::new("kill")
+        .args([format!("-{name}"), pid.to_string()])
+        .status()
+        .expect("run kill");
+    assert!(sent.success(), "kill -{name} {pid}");
+}
+
 impl RedisCluster {
     pub fn start() -> RedisCluster {
+        RedisCluster::start_with(&[])
+    }
+
+    /// A cluster whose nodes also take `extra` arguments.
+    pub fn start_with(extra: &[&str]) -> RedisCluster {
         let nodes: Vec<RedisProcess> = (0..3)
             .map(|_| {
                 let port = free_port();
                 let conf = format!("nodes-{port}.conf");
-                RedisProcess::start(&[
+                let mut args = vec![
                     "--cluster-enabled",
                     "yes",
                     "--cluster-config-file",
                     &conf,
                     "--cluster-node-timeout",
                     "5000",
-                ])
+                ];
+                args.extend_from_slice(extra);
+                RedisProcess::start(&args)
             })
             .collect();
         let mut create = Command::new("redis-cli");

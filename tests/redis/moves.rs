@@ -1,11 +1,197 @@
-//! A slot moving between masters under load: only the requests whose keys live in it may
-//! fail, and only while it moves; every other slot, on every master (the two the slot moves
-//! between included), is served throughout; nothing is admitted past a limit.
+//! A slot moving between masters, and a master failing, under load: only the requests whose
+//! keys live there may fail, and only while it lasts; every other slot, on every master (the two
+//! a slot moves between included), is served throughout; nothing is admitted past a limit.
 
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::SeqCst};
 
+use slidegate::proto::RateLimitDescriptor;
+
 use super::*;
+
+/// What the callers of one group saw, by when: errors before the event, during it (from its
+/// start to the settling time after its end), after; and the slowest answer.
+#[derive(Default)]
+struct Seen {
+    admitted: AtomicU64,
+    /// Per item (the caller's call number modulo 200), the calls admitted.
+    items: Vec<AtomicU64>,
+    calls: AtomicU64,
+    errors: [AtomicU64; 3],
+    slowest_us: AtomicU64,
+    /// The first error after the event, and when (after its end).
+    late: Mutex<Option<String>>,
+}
+
+impl Seen {
+    fn errors(&self) -> [u64; 3] {
+        self.errors.each_ref().map(|e| e.load(SeqCst))
+    }
+}
+
+impl std::fmt::Display for Seen {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{} calls, {} admitted, errors before/during/after {:?}, slowest {} ms; first late error {:?}",
+            self.calls.load(SeqCst),
+            self.admitted.load(SeqCst),
+            self.errors(),
+            self.slowest_us.load(SeqCst) / 1_000,
+            self.late.lock().expect("lock")
+        )
+    }
+}
+
+/// When the event (a move, a fault) started and ended, and how long after its end calls of
+/// the slots it touched may still fail.
+struct Window {
+    started: Mutex<Option<Instant>>,
+    ended: Mutex<Option<Instant>>,
+    settle: Duration,
+}
+
+impl Window {
+    /// 0 before the event, 1 during it (and `settle` after), 2 after.
+    fn phase(&self) -> usize {
+        let started = *self.started.lock().expect("lock");
+        let ended = *self.ended.lock().expect("lock");
+        match (started, ended) {
+            (None, _) => 0,
+            (Some(_), None) => 1,
+            (Some(_), Some(end)) if end.elapsed() < self.settle => 1,
+            _ => 2,
+        }
+    }
+}
+
+/// A descriptor for a caller's `n`th call.
+type Make = Arc<dyn Fn(usize) -> RateLimitDescriptor + Send + Sync>;
+
+/// Callers in groups, each calling as fast as it is answered until stopped.
+struct Traffic {
+    stop: Arc<AtomicBool>,
+    window: Arc<Window>,
+    seen: Arc<Vec<Seen>>,
+    callers: Vec<tokio::task::JoinHandle<()>>,
+}
+
+impl Traffic {
+    /// `callers` callers per group, each group's descriptors made by its `Make`; the event's
+    /// slots settle `settle` after it ends.
+    async fn start(
+        server: &TestServer,
+        domain: &str,
+        groups: Vec<(usize, Make)>,
+        settle: Duration,
+    ) -> Traffic {
+        let stop = Arc::new(AtomicBool::new(false));
+        let window = Arc::new(Window {
+            started: Mutex::new(None),
+            ended: Mutex::new(None),
+            settle,
+        });
+        let seen: Arc<Vec<Seen>> = Arc::new(
+            groups
+                .iter()
+                .map(|_| Seen {
+                    items: (0..200).map(|_| AtomicU64::new(0)).collect(),
+                    ..Seen::default()
+                })
+                .collect(),
+        );
+        let mut callers = Vec::new();
+        let mut n = 0;
+        for (at, (count, make)) in groups.into_iter().enumerate() {
+            for _ in 0..count {
+                n += 1;
+                let client = common::connect(server.grpc_addr).await;
+                let (domain, stop, window, seen, make) = (
+                    domain.to_string(),
+                    stop.clone(),
+                    window.clone(),
+                    seen.clone(),
+                    make.clone(),
+                );
+                callers.push(tokio::spawn(async move {
+                    let mut i = n;
+                    while !stop.load(SeqCst) {
+                        i += 64;
+                        let asked = Instant::now();
+                        let answer = client
+                            .clone()
+                            .should_rate_limit(request(&domain, vec![make(i)]))
+                            .await;
+                        seen[at].note(i, asked, answer, &window);
+                    }
+                }));
+            }
+        }
+        // Half a second of traffic before the event.
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        *window.started.lock().expect("lock") = Some(Instant::now());
+        Traffic {
+            stop,
+            window,
+            seen,
+            callers,
+        }
+    }
+
+    /// The event ended: two seconds more of traffic after the settling time, then stop.
+    async fn end(self) -> Arc<Vec<Seen>> {
+        *self.window.ended.lock().expect("lock") = Some(Instant::now());
+        tokio::time::sleep(self.window.settle + Duration::from_secs(2)).await;
+        self.stop.store(true, SeqCst);
+        for c in self.callers {
+            c.await.expect("caller");
+        }
+        self.seen
+    }
+}
+
+impl Seen {
+    fn note(
+        &self,
+        i: usize,
+        asked: Instant,
+        answer: Result<tonic::Response<slidegate::proto::RateLimitResponse>, tonic::Status>,
+        window: &Window,
+    ) {
+        let took = u64::try_from(asked.elapsed().as_micros()).unwrap_or(u64::MAX);
+        self.slowest_us.fetch_max(took, SeqCst);
+        self.calls.fetch_add(1, SeqCst);
+        match answer {
+            Ok(r) if r.get_ref().overall_code == ok() => {
+                self.admitted.fetch_add(1, SeqCst);
+                self.items[i % 200].fetch_add(1, SeqCst);
+            }
+            Ok(_) => {}
+            Err(e) => {
+                let phase = window.phase();
+                self.errors[phase].fetch_add(1, SeqCst);
+                if phase == 2 {
+                    let ended = window.ended.lock().expect("lock").map(|at| at.elapsed());
+                    let mut late = self.late.lock().expect("lock");
+                    late.get_or_insert_with(|| format!("{ended:?} after: {e}"));
+                }
+            }
+        }
+    }
+}
+
+/// A server on its own cluster with one pool connection, a store deadline of 250 ms and no
+/// over-limit cache (every call goes to Redis).
+async fn server_without_cache(cluster: &RedisCluster, config: &str) -> TestServer {
+    let mut opts = options(cluster.url(), Duration::from_millis(250));
+    opts.pool_size = 1;
+    let store: Arc<dyn Store> = Arc::new(RedisStore::connect(opts).await.expect("connect"));
+    let limiter = LimiterOptions {
+        over_limit_cache: 0,
+        ..LimiterOptions::default()
+    };
+    TestServer::start(config, store, limiter).await
+}
 
 /// How the slot moves.
 #[derive(Clone, Copy, Debug)]
@@ -15,51 +201,6 @@ enum Move {
     /// IMPORTING and MIGRATING set, the slot's keys migrated one at a time over `spread`, then
     /// the slot given to the target on every master.
     Manual { spread: Duration },
-}
-
-/// One caller's traffic: the hot slot's users, or one master's other slot.
-#[derive(Clone, Copy, PartialEq, Eq)]
-enum Lane {
-    Hot,
-    Elsewhere(usize),
-}
-
-/// What the callers saw, by when: errors before the move, during it (from its start to
-/// `SETTLE` after its end), after; and the slowest answer.
-#[derive(Default)]
-struct Seen {
-    admitted: AtomicU64,
-    /// Per hot item, the calls admitted.
-    items: Vec<AtomicU64>,
-    calls: AtomicU64,
-    errors: [AtomicU64; 3],
-    slowest_us: AtomicU64,
-    /// The first error after the move, and when (ms after its end).
-    late: Mutex<Option<String>>,
-}
-
-/// After the move's last step, how long the moving slot's requests may still fail: the
-/// clients learn the new owner from Redis's redirection (the routing copy is kept up to a
-/// second, `nodes.rs`).
-const SETTLE: Duration = Duration::from_secs(1);
-
-struct Window {
-    started: Mutex<Option<Instant>>,
-    ended: Mutex<Option<Instant>>,
-}
-
-impl Window {
-    /// 0 before the move, 1 during it (and `SETTLE` after), 2 after.
-    fn phase(&self) -> usize {
-        let started = *self.started.lock().expect("lock");
-        let ended = *self.ended.lock().expect("lock");
-        match (started, ended) {
-            (None, _) => 0,
-            (Some(_), None) => 1,
-            (Some(_), Some(end)) if end.elapsed() < SETTLE => 1,
-            _ => 2,
-        }
-    }
 }
 
 /// The hot descriptors' tag: a user whose logs (kept in one slot by `tag_by`) sit in the
@@ -197,128 +338,59 @@ pub(super) fn migrate_slot_over(cluster: &RedisCluster, slot: u16, spread: Durat
 }
 
 /// 24 callers on one user's 200 items (5 an hour each, one slot by `tag_by`) and 8 on each
-/// master's other slot, with a store deadline of 250 ms and no over-limit cache (every call
-/// goes to Redis); the hot slot moves half a second in. The test's log has the counts.
+/// master's other slot; the hot slot moves half a second in. The test's log has the counts.
 async fn moving_slot_under_load(how: Move) {
     let domain = unique_domain("moves");
     let config = format!(
         "domain: {domain}\ndescriptors:\n  - key: user\n    descriptors:\n      - key: item\n        tag_by: user\n        rate_limit: {{unit: hour, requests_per_unit: 5}}\n  - key: other\n    rate_limit: {{unit: hour, requests_per_unit: 1000000}}\n"
     );
     let cluster = RedisCluster::start();
-    let mut opts = options(cluster.url(), Duration::from_millis(250));
-    opts.pool_size = 1;
-    let store: Arc<dyn Store> = Arc::new(RedisStore::connect(opts).await.expect("connect"));
-    // Every call asks Redis: none is answered from the over-limit cache.
-    let limiter = LimiterOptions {
-        over_limit_cache: 0,
-        ..LimiterOptions::default()
-    };
-    let server = TestServer::start(&config, store, limiter).await;
+    let server = server_without_cache(&cluster, &config).await;
     let (user, hot) = hot_user(&domain, &cluster);
     let others = other_values(&domain, &cluster, hot);
-    let stop = Arc::new(AtomicBool::new(false));
-    let window = Arc::new(Window {
-        started: Mutex::new(None),
-        ended: Mutex::new(None),
+    let hot_user_name = user.clone();
+    let hot_items: Make = Arc::new(move |i| {
+        descriptor(&[("user", &hot_user_name), ("item", &(i % 200).to_string())])
     });
-    let lanes: Vec<Lane> = (0..24)
-        .map(|_| Lane::Hot)
-        .chain((0..8 * others.len()).map(|n| Lane::Elsewhere(n % others.len())))
-        .collect();
-    let seen: Arc<Vec<Seen>> = Arc::new(
-        (0..=others.len())
-            .map(|_| Seen {
-                items: (0..200).map(|_| AtomicU64::new(0)).collect(),
-                ..Seen::default()
-            })
-            .collect(),
-    );
-    let mut callers = Vec::new();
-    for (n, lane) in lanes.into_iter().enumerate() {
-        let client = common::connect(server.grpc_addr).await;
-        let (d, user, stop, window, seen) = (
-            domain.clone(),
-            user.clone(),
-            stop.clone(),
-            window.clone(),
-            seen.clone(),
-        );
-        let other = match lane {
-            Lane::Elsewhere(m) => others[m].1.clone(),
-            Lane::Hot => String::new(),
-        };
-        callers.push(tokio::spawn(async move {
-            let at = match lane {
-                Lane::Hot => 0,
-                Lane::Elsewhere(m) => m + 1,
-            };
-            let mut i = n;
-            while !stop.load(SeqCst) {
-                i += 64;
-                let item = (i % 200).to_string();
-                let descriptor = match lane {
-                    Lane::Hot => descriptor(&[("user", &user), ("item", &item)]),
-                    Lane::Elsewhere(_) => descriptor(&[("other", &other)]),
-                };
-                let asked = Instant::now();
-                let answer = client
-                    .clone()
-                    .should_rate_limit(request(&d, vec![descriptor]))
-                    .await;
-                let took = u64::try_from(asked.elapsed().as_micros()).unwrap_or(u64::MAX);
-                seen[at].slowest_us.fetch_max(took, SeqCst);
-                seen[at].calls.fetch_add(1, SeqCst);
-                match answer {
-                    Ok(r) if r.get_ref().overall_code == ok() => {
-                        seen[at].admitted.fetch_add(1, SeqCst);
-                        seen[at].items[i % 200].fetch_add(1, SeqCst);
-                    }
-                    Ok(_) => {}
-                    Err(e) => {
-                        let phase = window.phase();
-                        seen[at].errors[phase].fetch_add(1, SeqCst);
-                        if phase == 2 {
-                            let ended = window.ended.lock().expect("lock").map(|at| at.elapsed());
-                            let mut late = seen[at].late.lock().expect("lock");
-                            late.get_or_insert_with(|| format!("{ended:?} after: {e}"));
-                        }
-                    }
-                }
-            }
-        }));
+    let mut groups = vec![(24, hot_items)];
+    for (_, value) in &others {
+        let value = value.clone();
+        groups.push((
+            8,
+            Arc::new(move |_| descriptor(&[("other", &value)])) as Make,
+        ));
     }
-    tokio::time::sleep(Duration::from_millis(500)).await;
-    *window.started.lock().expect("lock") = Some(Instant::now());
+    // After the move's last step, the moving slot's requests may fail for a second more: the
+    // clients learn the new owner from Redis's refusal.
+    let traffic = Traffic::start(&server, &domain, groups, Duration::from_secs(1)).await;
     let cluster_ref = &cluster;
     let (from, to) = tokio::task::block_in_place(|| move_slot(cluster_ref, hot, how));
-    *window.ended.lock().expect("lock") = Some(Instant::now());
-    // Two seconds of traffic after the settling time.
-    tokio::time::sleep(SETTLE + Duration::from_secs(2)).await;
-    stop.store(true, SeqCst);
-    for c in callers {
-        c.await.expect("caller");
-    }
-    let count = |s: &Seen| {
-        let e = s.errors.each_ref().map(|e| e.load(SeqCst));
-        format!(
-            "{} calls, errors before/during/after {e:?}, slowest {} ms; first late error {:?}",
-            s.calls.load(SeqCst),
-            s.slowest_us.load(SeqCst) / 1_000,
-            s.late.lock().expect("lock")
-        )
-    };
+    let seen = traffic.end().await;
     eprintln!("{how:?}: slot {hot} moved {from} -> {to}");
-    eprintln!(
-        "  moving slot: {}, {} admitted",
-        count(&seen[0]),
-        seen[0].admitted.load(SeqCst)
-    );
+    eprintln!("  moving slot: {}", seen[0]);
     for (m, (port, _)) in others.iter().enumerate() {
-        eprintln!("  master {port}'s other slot: {}", count(&seen[m + 1]));
+        eprintln!("  master {port}'s other slot: {}", seen[m + 1]);
     }
     for (item, admitted) in seen[0].items.iter().enumerate() {
         let admitted = admitted.load(SeqCst);
         assert!(admitted <= 5, "item {item} over-admitted: {admitted}");
+    }
+    let [before, _, after] = seen[0].errors();
+    assert_eq!(
+        (before, after),
+        (0, 0),
+        "moving slot, errors before and after the move"
+    );
+    for (m, (port, _)) in others.iter().enumerate() {
+        assert_eq!(
+            seen[m + 1].errors(),
+            [0, 0, 0],
+            "master {port}'s other slot, errors"
+        );
+        assert!(
+            seen[m + 1].calls.load(SeqCst) > 0,
+            "master {port}'s other slot called"
+        );
     }
     // The moving slot's requests that a master refused went where the slot went; during a
     // migration, by ASKING to the importing master.
@@ -326,24 +398,6 @@ async fn moving_slot_under_load(how: Move) {
     if let Move::Manual { .. } = how {
         let importer = cluster.nodes.iter().find(|n| n.port == to).expect("target");
         assert!(calls_of(importer, "asking") > 0, "nothing went by ASKING");
-    }
-    assert_eq!(
-        seen[0].errors[0].load(SeqCst),
-        0,
-        "moving slot, errors before the move"
-    );
-    assert_eq!(
-        seen[0].errors[2].load(SeqCst),
-        0,
-        "moving slot, errors after the move"
-    );
-    for (m, (port, _)) in others.iter().enumerate() {
-        let errors = seen[m + 1].errors.each_ref().map(|e| e.load(SeqCst));
-        assert_eq!(errors, [0, 0, 0], "master {port}'s other slot, errors");
-        assert!(
-            seen[m + 1].calls.load(SeqCst) > 0,
-            "master {port}'s other slot called"
-        );
     }
     // The moved logs are where the cluster says: a new call finds them full.
     let r = server
@@ -365,6 +419,184 @@ async fn a_slot_resharded_under_load_stalls_only_itself() {
 async fn a_slot_migrated_over_three_seconds_stalls_only_itself() {
     moving_slot_under_load(Move::Manual {
         spread: Duration::from_secs(3),
+    })
+    .await;
+}
+
+/// How a master fails.
+#[derive(Clone, Copy, Debug)]
+enum Fault {
+    /// Killed, and its replica made master at once (`CLUSTER FAILOVER TAKEOVER`); back when
+    /// the replica says it is master.
+    FailedOver,
+    /// Handed over to its replica (`CLUSTER FAILOVER`): it serves on as a replica.
+    HandedOver,
+    /// Killed, and started again (same port and node file) after `down`; back when it says
+    /// its cluster state is ok.
+    Killed { down: Duration },
+    /// Frozen (`SIGSTOP`) for `down`: connections open, nothing answered.
+    Frozen { down: Duration },
+}
+
+/// 8 callers on a key of each master of a cluster that serves what it can with a master down
+/// (`cluster-require-full-coverage no`); the first master fails half a second in, as `fault`
+/// says, and comes back (or its replica serves). The other masters' keys: no error at any time;
+/// the failed master's: answered (by the failure policy while down) within a second, and
+/// served again within two seconds of its return.
+async fn failing_master_under_load(fault: Fault) {
+    let domain = unique_domain("failing");
+    let config = format!(
+        "domain: {domain}\ndescriptors:\n  - key: other\n    rate_limit: {{unit: hour, requests_per_unit: 1000000}}\n"
+    );
+    let mut cluster = RedisCluster::start_with(&["--cluster-require-full-coverage", "no"]);
+    let values = other_values(&domain, &cluster, u16::MAX);
+    let failed = values[0].0;
+    let replica = match fault {
+        Fault::FailedOver | Fault::HandedOver => Some(tokio::task::block_in_place(|| {
+            add_replica(&cluster, failed)
+        })),
+        Fault::Killed { .. } | Fault::Frozen { .. } => None,
+    };
+    let server = server_without_cache(&cluster, &config).await;
+    let groups = values
+        .iter()
+        .map(|(_, value)| {
+            let value = value.clone();
+            (
+                8,
+                Arc::new(move |_| descriptor(&[("other", &value)])) as Make,
+            )
+        })
+        .collect();
+    let traffic = Traffic::start(&server, &domain, groups, Duration::from_secs(2)).await;
+    let node = cluster
+        .nodes
+        .iter_mut()
+        .find(|n| n.port == failed)
+        .expect("node");
+    let promote = |how: &str| {
+        let replica = replica.as_ref().expect("a replica");
+        let mut args = vec!["CLUSTER", "FAILOVER"];
+        args.extend(how.split_whitespace());
+        node_cli(replica.port, &args);
+        wait_until(
+            "the replica serving as master",
+            Duration::from_secs(20),
+            || command(replica.port, "ROLE").is_ok_and(|r| r.contains("master")),
+        );
+    };
+    match fault {
+        Fault::FailedOver => {
+            node.stop();
+            tokio::task::block_in_place(|| promote("TAKEOVER"));
+        }
+        Fault::HandedOver => tokio::task::block_in_place(|| promote("")),
+        Fault::Killed { down } => {
+            node.stop();
+            tokio::time::sleep(down).await;
+            // Back once it serves again: a restarted node answers CLUSTERDOWN until it has
+            // heard from the others.
+            tokio::task::block_in_place(|| {
+                node.restart();
+                let port = node.port;
+                wait_until(
+                    "the restarted master's cluster state ok",
+                    Duration::from_secs(20),
+                    || command(port, "CLUSTER INFO").is_ok_and(|r| r.contains("cluster_state:ok")),
+                );
+            });
+        }
+        Fault::Frozen { down } => {
+            node.freeze();
+            tokio::time::sleep(down).await;
+            node.thaw();
+        }
+    }
+    let seen = traffic.end().await;
+    eprintln!("{fault:?}: master {failed}");
+    for (m, (port, _)) in values.iter().enumerate() {
+        eprintln!("  master {port}: {}", seen[m]);
+    }
+    let [before, during, after] = seen[0].errors();
+    assert_eq!(
+        (before, after),
+        (0, 0),
+        "the failed master's key, errors before and after"
+    );
+    match fault {
+        // Handed over, the old master refuses writes as a replica and its requests follow the
+        // slots to the new one: no error need be seen at all.
+        Fault::HandedOver => assert!(resent(&server).await > 0, "no request followed"),
+        _ => assert!(during > 0, "the fault was felt"),
+    }
+    let slowest = seen[0].slowest_us.load(SeqCst) / 1_000;
+    assert!(
+        slowest < 1_000,
+        "the failed master's key waited {slowest} ms for an answer"
+    );
+    for (m, (port, _)) in values.iter().enumerate().skip(1) {
+        assert_eq!(seen[m].errors(), [0, 0, 0], "master {port}'s key, errors");
+    }
+    server.stop().await;
+}
+
+/// A replica of the master at `port`, in sync, and known to every master.
+fn add_replica(cluster: &RedisCluster, port: u16) -> RedisProcess {
+    let replica = RedisProcess::start(&[
+        "--cluster-enabled",
+        "yes",
+        "--cluster-config-file",
+        "nodes-replica.conf",
+        "--cluster-node-timeout",
+        "5000",
+    ]);
+    let master_id = node_cli(port, &["CLUSTER", "MYID"])[0].clone();
+    node_cli(
+        replica.port,
+        &["CLUSTER", "MEET", "127.0.0.1", &port.to_string()],
+    );
+    wait_until(
+        "the replica meeting the master",
+        Duration::from_secs(20),
+        || command(replica.port, "CLUSTER NODES").is_ok_and(|r| r.contains(&master_id)),
+    );
+    node_cli(replica.port, &["CLUSTER", "REPLICATE", &master_id]);
+    wait_until("the replica in sync", Duration::from_secs(20), || {
+        command(replica.port, "INFO replication").is_ok_and(|r| r.contains("master_link_status:up"))
+    });
+    let id = node_cli(replica.port, &["CLUSTER", "MYID"])[0].clone();
+    for node in &cluster.nodes {
+        wait_until(
+            "the masters knowing the replica",
+            Duration::from_secs(20),
+            || command(node.port, "CLUSTER NODES").is_ok_and(|r| r.contains(&id)),
+        );
+    }
+    replica
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_master_failed_over_costs_only_its_slots_until_its_replica_serves() {
+    failing_master_under_load(Fault::FailedOver).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_master_handed_over_costs_only_its_slots() {
+    failing_master_under_load(Fault::HandedOver).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_killed_master_costs_only_its_slots() {
+    failing_master_under_load(Fault::Killed {
+        down: Duration::from_secs(3),
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_frozen_master_costs_only_its_slots() {
+    failing_master_under_load(Fault::Frozen {
+        down: Duration::from_secs(8),
     })
     .await;
 }

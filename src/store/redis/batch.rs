@@ -11,11 +11,11 @@
 use std::collections::VecDeque;
 use std::sync::{Arc, Mutex};
 
-use fred::prelude::Server;
 use tokio::sync::oneshot;
 use tokio::time::Instant;
 
-use super::call::{Answer, DESCRIPTORS_PER_CALL, Request, Sender};
+use super::call::{Answer, DESCRIPTORS_PER_CALL, Request, Sender, not_served};
+use super::nodes::Master;
 use crate::store::StoreError;
 
 /// Requests waiting for a call, and how many calls are out.
@@ -38,8 +38,8 @@ struct Waiting {
 pub(super) struct Batcher {
     queue: Mutex<Queue>,
     max_calls: usize,
-    /// On a cluster, the master its calls go to (`nodes.rs`).
-    master: Option<Server>,
+    /// On a cluster, the master its calls go to, by its own clients (`nodes.rs`).
+    master: Option<Arc<Master>>,
 }
 
 impl Batcher {
@@ -49,12 +49,12 @@ impl Batcher {
     }
 
     /// The cluster master its calls go to.
-    pub fn master(&self) -> Option<&Server> {
+    pub fn master(&self) -> Option<&Arc<Master>> {
         self.master.as_ref()
     }
 
     /// The batcher of a cluster master.
-    pub fn of(max_calls: usize, master: Option<Server>) -> Arc<Batcher> {
+    pub fn of(max_calls: usize, master: Option<Arc<Master>>) -> Arc<Batcher> {
         Arc::new(Batcher {
             queue: Mutex::new(Queue {
                 calls: 0,
@@ -96,7 +96,9 @@ impl Batcher {
                     batcher: self.clone(),
                     sender: sender.clone(),
                 };
-                sender.call_one(self.master.as_ref(), request).await
+                let answer = sender.call_one(self.master.as_deref(), request).await;
+                self.note(&answer, sender);
+                answer
             }
             Turn::Later(later, since, until) => match tokio::time::timeout_at(until, later).await {
                 Ok(answer) => answer.unwrap_or_else(|_| {
@@ -106,6 +108,18 @@ impl Batcher {
                 }),
                 Err(_) => Err(StoreError::Timeout(until.duration_since(since))),
             },
+        }
+    }
+
+    /// Counts a call to a cluster master by how its (first) answer went: a timeout or the
+    /// master unreachable is a failure; a refusal (not its slot) is not.
+    fn note(&self, answer: &Answer, sender: &Sender) {
+        if let Some(master) = &self.master {
+            let failed = matches!(
+                answer,
+                Err(StoreError::Timeout(_) | StoreError::Unavailable { .. })
+            ) && !not_served(answer);
+            master.note(failed, sender);
         }
     }
 
@@ -164,7 +178,10 @@ impl Batcher {
             };
             let (requests, answers): (Vec<_>, Vec<_>) =
                 batch.into_iter().map(|w| (w.request, w.answer)).unzip();
-            let replies = sender.call(master.as_ref(), requests).await;
+            let replies = sender.call(master.as_deref(), requests).await;
+            if let Some(first) = replies.first() {
+                _out.batcher.note(first, &sender);
+            }
             for (answer, reply) in answers.into_iter().zip(replies) {
                 let _ = answer.send(reply);
             }

@@ -14,6 +14,7 @@ use futures_util::future::join_all;
 use tokio::time::Instant;
 
 use super::encode::{int, number};
+use super::nodes::Master;
 use super::packed::{self, Item, Items};
 use super::{Library, call_failed};
 use crate::store::StoreError;
@@ -34,11 +35,8 @@ pub(super) struct Request {
     pub keys: Vec<Key>,
     pub args: Vec<Value>,
     pub slots: Slots,
-    /// Which of the pool's clients carries it (taken modulo the pool's size). Every call of
-    /// one request goes by the same client: a client is one task that writes to and reads
-    /// from every master, so a request of three masters wakes that one task, where a client
-    /// per call would wake three, and tokio hands all but one of them to another worker
-    /// (a `futex` wake-up each).
+    /// Which of the pool's clients carries it (taken modulo the pool's size; on a cluster, of
+    /// its master's own clients), so that requests take the clients in turn.
     pub lane: usize,
     /// When it is answered by the failure policy if Redis has not answered it
     /// ([`crate::store::answer_by`]).
@@ -109,17 +107,17 @@ const READ_AGAIN_AFTER: Duration = Duration::from_millis(20);
 enum Via<'a> {
     /// The pool's client of this lane ([`Request::lane`]), routed by the call's keys.
     Lane(usize),
-    /// The pool's client of this lane, to this cluster master: the spread function with no
+    /// The client of this lane of this cluster master's own: the spread function with no
     /// key declared, which Redis runs where it is sent; a key the master does not serve fails
     /// only the request that reached for it.
-    Master(usize, &'a Server),
+    Master(usize, &'a Master),
     /// [`Sender::redirect`].
     Redirect,
 }
 
 impl Sender {
     /// One call carrying one request alone, to `master` where known (see [`Sender::call`]).
-    pub async fn call_one(&self, master: Option<&Server>, request: Request) -> Answer {
+    pub async fn call_one(&self, master: Option<&Master>, request: Request) -> Answer {
         self.call(master, vec![request])
             .await
             .pop()
@@ -132,7 +130,7 @@ impl Sender {
     /// declared, by [`Sender::redirect`], and one of several slots is answered [`NotServed`],
     /// for the caller to send a call per slot. Without a master (not known yet), or by
     /// `EVALSHA` (no spread function), each request's keys are declared.
-    pub async fn call(&self, master: Option<&Server>, requests: Vec<Request>) -> Vec<Answer> {
+    pub async fn call(&self, master: Option<&Master>, requests: Vec<Request>) -> Vec<Answer> {
         match master {
             Some(master) if self.library.spreads() => self.call_master(master, requests).await,
             _ if !over_several_slots(&requests) => self.call_declared(requests).await,
@@ -148,7 +146,7 @@ impl Sender {
     /// the serving master refused it because that key has left it, so it is at the importer or
     /// nowhere. By `EVALSHA` (no function) it is not sent: a script's `ASKING` pipeline would
     /// need the script loaded on the importer, which a call by `EVALSHA` cannot load.
-    pub async fn call_asking(&self, importer: &Server, request: Request) -> Answer {
+    pub async fn call_asking(&self, importer: &Master, request: Request) -> Answer {
         let requests = [request];
         let Some((_, until)) = self.terms(&requests) else {
             return Err(StoreError::Timeout(Duration::ZERO));
@@ -169,12 +167,10 @@ impl Sender {
             if wait.is_zero() {
                 return Err(StoreError::Timeout(self.timeout));
             }
-            let pool = self.pool.load();
-            let client = redirect_client(&pool);
+            let pool = importer.pool.load();
+            let client = client_of(&pool, request.lane, false);
             let pipeline = client.pipeline().with_options(&Options {
                 timeout: Some(wait),
-                cluster_node: Some(importer.clone()),
-                max_redirections: Some(0),
                 ..Options::default()
             });
             let asking = CustomCommand::new_static("ASKING", ClusterHash::Random, false);
@@ -193,10 +189,10 @@ impl Sender {
             match reply {
                 Some(Ok(reply)) => {
                     if self.wait_replicas > 0 {
-                        let to = super::replicas::To::Master(importer);
+                        let routing = request.keys.first();
                         Box::pin(super::replicas::confirm(
                             client,
-                            to,
+                            routing,
                             self.wait_replicas,
                             until,
                         ))
@@ -285,7 +281,7 @@ impl Sender {
     /// number, none declared. A request the master refuses (not its slot now) is answered
     /// [`NotServed`] at once, like the others, so that the call's place is free again: its
     /// caller finds where the slot went (`RedisStore::call_group`).
-    async fn call_master(&self, master: &Server, requests: Vec<Request>) -> Vec<Answer> {
+    async fn call_master(&self, master: &Master, requests: Vec<Request>) -> Vec<Answer> {
         let count = requests.len();
         let Some((lane, until)) = self.terms(&requests) else {
             return vec![Err(StoreError::Timeout(Duration::ZERO)); count];
@@ -329,34 +325,27 @@ impl Sender {
             if wait.is_zero() {
                 return Err(StoreError::Timeout(self.timeout));
             }
-            let pool = self.pool.load();
-            let (client, master) = match via {
-                Via::Master(lane, master) => (client_of(&pool, lane, self.redirect), Some(master)),
-                Via::Lane(lane) => (client_of(&pool, lane, self.redirect), None),
-                Via::Redirect => (redirect_client(&pool), None),
+            let pool = match via {
+                Via::Master(_, master) => master.pool.load_full(),
+                Via::Lane(_) | Via::Redirect => self.pool.load_full(),
+            };
+            let client = match via {
+                Via::Master(lane, _) | Via::Lane(lane) => client_of(&pool, lane, false),
+                Via::Redirect => redirect_client(&pool),
             };
             let sent = self
                 .library
-                .call_as(
-                    client,
-                    master,
-                    Some(wait),
-                    keys.clone(),
-                    args.clone(),
-                    spread,
-                )
+                .call_as(client, None, Some(wait), keys.clone(), args.clone(), spread)
                 .await;
             match sent {
                 Ok(reply) if self.wait_replicas == 0 => return Ok(reply),
                 Ok(reply) => {
                     // Boxed: the client's future for WAIT would otherwise be part of every
-                    // call's, and of every decision's that awaits one.
+                    // call's, and of every decision's that awaits one. (A master's own client
+                    // has one server: no key routes it.)
                     let replicas = self.wait_replicas;
-                    let to = match master {
-                        Some(master) => super::replicas::To::Master(master),
-                        None => super::replicas::To::SlotOf(keys.first()),
-                    };
-                    Box::pin(super::replicas::confirm(client, to, replicas, until)).await?;
+                    let routing = keys.first();
+                    Box::pin(super::replicas::confirm(client, routing, replicas, until)).await?;
                     return Ok(reply);
                 }
                 Err(e) if self.redirect && elsewhere(&e) => {

@@ -57,9 +57,32 @@ pub(super) struct PoolRecipe {
 }
 
 impl PoolRecipe {
+    /// The store's pool: on a cluster one client, the redirect client (`call.rs`,
+    /// `Sender::redirect`); each master has a pool of its own (`nodes.rs`, [`PoolRecipe::master`]).
     pub(super) fn build(&self) -> Result<Pool, StoreError> {
+        let size = if self.config.server.is_clustered() {
+            1
+        } else {
+            self.options.pool_size.max(1)
+        };
+        self.build_with(self.config.clone(), size)
+    }
+
+    /// A pool of `--redis-pool-size` clients to one cluster master alone, connecting in the
+    /// background (a call waits for it within its deadline).
+    pub(super) fn master(&self, server: &Server) -> Result<Pool, StoreError> {
+        let mut config = self.config.clone();
+        config.server = fred::types::config::ServerConfig::Centralized {
+            server: server.clone(),
+        };
+        let pool = self.build_with(config, self.options.pool_size.max(1))?;
+        let _connecting = pool.connect();
+        Ok(pool)
+    }
+
+    fn build_with(&self, config: Config, size: usize) -> Result<Pool, StoreError> {
         let options = &self.options;
-        Builder::from_config(self.config.clone())
+        Builder::from_config(config)
             .with_connection_config(|c| {
                 c.connection_timeout = options.connect_timeout;
                 // Small commands, sent as they come: Nagle's algorithm would hold one back
@@ -80,8 +103,7 @@ impl PoolRecipe {
             .with_performance_config(|p| p.default_command_timeout = options.timeout)
             // Retries at most every half second, so calls resume soon after Redis returns.
             .set_policy(ReconnectPolicy::new_exponential(0, 50, 500, 2))
-            // On a cluster one more: the redirect client (`call.rs`, `Sender::redirect`).
-            .build_pool(options.pool_size.max(1) + usize::from(self.config.server.is_clustered()))
+            .build_pool(size)
             .map_err(|e| unavailable(&e))
     }
 

@@ -73,14 +73,10 @@ impl RedisStore {
         // Still the master that refused it: the slot is migrating from it, and this request's
         // keys have left it (or are new).
         let importer = match (&source, &self.nodes) {
-            (Some(source), Some(nodes)) => {
-                nodes
-                    .importer(slot, source, &self.sender, call.answer_by)
-                    .await
-            }
+            (Some(source), Some(nodes)) => nodes.importer(slot, source, call.answer_by).await,
             _ => None,
         };
-        let answer = match &importer {
+        let answer = match importer.as_ref().and_then(|b| b.master()) {
             Some(importer) => self.sender.call_asking(importer, request).await,
             None => Err(StoreError::unavailable("no master imports it")),
         };

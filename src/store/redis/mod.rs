@@ -15,7 +15,7 @@
 //!   reply split per request.
 //! * `batch.rs`: requests that arrive while every call to a Redis is out go together in the next
 //!   call, each decided on its own; `nodes.rs` keeps one such batcher per cluster master, so a
-//!   master's call carries requests of all its slots.
+//!   master's call carries requests of all its slots, with clients of that master's own.
 //! * `decide.rs`: a request grouped by master, one call per group; a request over several
 //!   masters is sent as tentative calls, concurrently, and if the combined answer is a rejection
 //!   the entries recorded are removed again. That can briefly make other requests see a fuller
@@ -172,7 +172,7 @@ impl RedisStore {
         } else {
             None
         };
-        Ok(RedisStore {
+        let store = RedisStore {
             sender: Sender {
                 pool: Arc::new(ArcSwap::from_pointee(pool)),
                 library,
@@ -185,7 +185,7 @@ impl RedisStore {
                 read_at: Arc::default(),
             },
             batcher: (!cluster).then(|| Batcher::new(CALLS_OUT)),
-            nodes: cluster.then(|| Nodes::new(CALLS_OUT)),
+            nodes: cluster.then(|| Nodes::new(CALLS_OUT, recipe.clone())),
             recipe,
             health: Arc::new(Mutex::new(Health::default())),
             failing: std::sync::atomic::AtomicBool::new(false),
@@ -207,7 +207,11 @@ impl RedisStore {
                     "marker"
                 )
             )),
-        })
+        };
+        if let (Some(nodes), true) = (&store.nodes, reachable) {
+            nodes.connect(&store.sender, options.connect_timeout).await;
+        }
+        Ok(store)
     }
 
     /// A client of the pool, for tests and tools that look at the keys directly.

@@ -12,38 +12,23 @@ use tokio::time::Instant;
 
 use crate::store::StoreError;
 
-/// Where the call just made went, so that `WAIT` takes the same connection.
-pub(super) enum To<'a> {
-    /// The master serving this key's slot (none: standalone Redis).
-    SlotOf(Option<&'a Key>),
-    /// This cluster master.
-    Master(&'a Server),
-}
-
-/// Waits until `replicas` replicas acknowledge the writes of the call just made by `client`
-/// to `to` (on a cluster: `WAIT` goes to that master, over the connection the call took), at
-/// most until `until`.
+/// Waits until `replicas` replicas acknowledge the writes of the call just made by `client`,
+/// whose keys sit in the slot of `routing` (on a cluster: `WAIT` goes to that master, over the
+/// connection the call took), at most until `until`.
 pub(super) async fn confirm(
     client: &Client,
-    to: To<'_>,
+    routing: Option<&Key>,
     replicas: u32,
     until: Instant,
 ) -> Result<(), StoreError> {
     let ms = until.saturating_duration_since(Instant::now()).as_millis();
     // WAIT's 0 means for ever: a call with no time left asks for a millisecond.
     let ms = u64::try_from(ms).unwrap_or(u64::MAX).max(1);
-    let (slot, master) = match to {
-        To::SlotOf(key) => (
-            key.map(|key| fred::util::redis_keyslot(key.as_bytes())),
-            None,
-        ),
-        To::Master(master) => (None, Some(master.clone())),
-    };
+    let slot = routing.map(|key| fred::util::redis_keyslot(key.as_bytes()));
     let wait = CustomCommand::new_static("WAIT", ClusterHash::from(slot), false);
     // The client's own timeout a little past WAIT's, which Redis keeps itself.
     let client = client.with_options(&Options {
         timeout: Some(std::time::Duration::from_millis(ms + 50)),
-        cluster_node: master,
         ..Options::default()
     });
     let acknowledged: Result<i64, Error> = client
