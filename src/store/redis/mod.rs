@@ -303,10 +303,20 @@ impl Store for RedisStore {
         Box::pin(async move {
             let wait = self.sender.timeout.max(Duration::from_millis(200));
             let client = self.sender.pool.load().next().clone();
-            let ping: Result<Result<String, Error>, _> =
-                tokio::time::timeout(wait, client.ping(None)).await;
-            if !matches!(ping, Ok(Ok(_))) {
-                return false;
+            let masters = match &self.nodes {
+                Some(nodes) => nodes.any_answers(wait).await,
+                None => None,
+            };
+            match masters {
+                Some(answered) if !answered => return false,
+                Some(_) => {}
+                None => {
+                    let ping: Result<Result<String, Error>, _> =
+                        tokio::time::timeout(wait, client.ping(None)).await;
+                    if !matches!(ping, Ok(Ok(_))) {
+                        return false;
+                    }
+                }
             }
             // The markers' check writes: a Redis that answers PING but takes no writes (full,
             // read-only) cannot decide, and is not ready.

@@ -307,6 +307,33 @@ impl Nodes {
         }
     }
 
+    /// Whether any master answers a `PING` by its own clients within `wait`: a cluster with a
+    /// master down still decides every other master's slots, so it stays ready. `None` while
+    /// no master is known.
+    pub async fn any_answers(&self, wait: Duration) -> Option<bool> {
+        let routing = self.routing.load_full();
+        let pings = routing
+            .masters
+            .iter()
+            .filter_map(|(_, batcher)| batcher.master())
+            .map(|master| {
+                let client = master.pool.load().next().clone();
+                Box::pin(async move {
+                    let ping = tokio::time::timeout(wait, client.ping::<String>(None)).await;
+                    if matches!(ping, Ok(Ok(_))) {
+                        Ok(())
+                    } else {
+                        Err(())
+                    }
+                })
+            })
+            .collect::<Vec<_>>();
+        if pings.is_empty() {
+            return None;
+        }
+        Some(futures_util::future::select_ok(pings).await.is_ok())
+    }
+
     /// Copies the client's routing, keeping the batchers of masters it already knew (their
     /// calls out and queues go on).
     fn read_again(&self, client: &Client) {
