@@ -282,6 +282,10 @@ pub struct ServeArgs {
     /// Log filter (tracing's EnvFilter syntax); RUST_LOG is used when this is absent.
     #[arg(long, env = "SLIDEGATE_LOG_LEVEL")]
     pub log_level: Option<String>,
+    /// The decision log (target slidegate::decision) shows descriptor values as they came,
+    /// where it otherwise shows a hash of each (they can be user ids).
+    #[arg(long, env = "SLIDEGATE_LOG_DESCRIPTOR_VALUES", action = ArgAction::SetTrue, value_parser = BoolishValueParser::new())]
+    pub log_descriptor_values: bool,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]

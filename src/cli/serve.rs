@@ -307,6 +307,7 @@ async fn open_store(args: &ServeArgs, clock: Arc<SystemClock>) -> Result<Arc<dyn
 fn limiter_options(args: &ServeArgs) -> LimiterOptions {
     LimiterOptions {
         over_limit_cache: args.over_limit_cache,
+        log_descriptor_values: args.log_descriptor_values,
         near_limit_ratio: args.near_limit_ratio,
         failure_policy: match args.store_failure {
             FailureArg::Error => FailurePolicy::Error,

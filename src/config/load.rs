@@ -509,6 +509,7 @@ impl Compiler<'_> {
             }
         }
         into.debit |= raw.debit;
+        into.log_decisions |= raw.log_decisions;
         if let Some(reset) = &raw.store_reset {
             let line = reset.referenced.line();
             match reset.value.as_str() {

@@ -23,6 +23,10 @@ pub struct RawFile {
     /// `closed`: answer by the failure policy for one longest window of the domain's rules).
     #[serde(default)]
     pub store_reset: Option<Spanned<String>>,
+    /// Extension: log every decision of the domain at info level (the decision log,
+    /// `slidegate::decision`), where other domains' are logged at debug level.
+    #[serde(default)]
+    pub log_decisions: bool,
 }
 
 #[derive(Debug, Deserialize)]

@@ -18,6 +18,7 @@ use super::key::{self, Variant};
 use super::observe::{CallResult, DescriptorReport, NoObserver, Observer};
 pub use super::rules::FailurePolicy;
 use super::rules::{Algorithm, Limit, Limits, Match, Node, Rule, Segment, Window};
+use super::why;
 use super::{
     Clock, Code, Decision, Descriptor, LimiterError, ReportedLimit, Request, RuleMetadata, Status,
     Unit,
@@ -50,6 +51,9 @@ pub struct LimiterOptions {
     /// Descriptors the exact local over-limit cache holds at most (0: off); see
     /// [`super::cache`].
     pub over_limit_cache: usize,
+    /// The decision log shows descriptor entries' values as they came, not hashed
+    /// ([`super::why`]).
+    pub log_descriptor_values: bool,
 }
 
 /// The over-limit cache's default bound (about 200 bytes each).
@@ -69,6 +73,7 @@ impl Default for LimiterOptions {
             debit_domains: Vec::new(),
             bounds: RequestBounds::default(),
             over_limit_cache: DEFAULT_OVER_LIMIT_CACHE,
+            log_descriptor_values: false,
         }
     }
 }
@@ -278,7 +283,7 @@ impl Limiter {
                 None => self.check_cached(&planned.items, now_ms, policy).await?,
             }
         };
-        Ok(self.respond(request, &planned, &outcome, &cached))
+        Ok(self.respond(request, &planned, &outcome, &cached, domain.log_decisions))
     }
 
     /// Asks the store, unless a descriptor is known to be over (the over-limit cache): then the
@@ -361,6 +366,7 @@ impl Limiter {
         planned: &Planned<'_>,
         outcome: &CheckOutcome,
         cached: &[bool],
+        loud: bool,
     ) -> Decision {
         let overall = if outcome.admitted {
             Code::Ok
@@ -373,6 +379,9 @@ impl Limiter {
             .map(|plan| status_of_plan(plan, outcome))
             .collect();
         self.report(request, planned, outcome, cached);
+        if why::wanted(loud) {
+            self.tell_why(request, planned, outcome, cached, &statuses, loud);
+        }
         // When global shadow mode turns a rejection into OK the client is not limited, so it
         // gets no Retry-After and no zero-remaining RateLimit either.
         let mut headers = Vec::new();
@@ -423,6 +432,36 @@ impl Limiter {
                     self.options.near_limit_ratio,
                 );
                 self.observer.descriptor(&report);
+            }
+        }
+    }
+
+    /// The decision log's lines, one per checked descriptor ([`why`]).
+    fn tell_why(
+        &self,
+        request: &Request,
+        planned: &Planned<'_>,
+        outcome: &CheckOutcome,
+        cached: &[bool],
+        statuses: &[Status],
+        loud: bool,
+    ) {
+        for (index, (plan, status)) in planned.plans.iter().zip(statuses).enumerate() {
+            if let Plan::Check { item, rule, .. } = plan
+                && let (Some(found), Some(descriptor)) =
+                    (outcome.items.get(*item), request.descriptors.get(index))
+            {
+                why::Why {
+                    domain: &request.domain,
+                    index,
+                    descriptor,
+                    rule: rule.map(|r| &**r),
+                    item: &planned.items[*item],
+                    outcome: found,
+                    code: status.code,
+                    from_cache: cached.get(*item).copied().unwrap_or(false),
+                }
+                .log(loud, self.options.log_descriptor_values);
             }
         }
     }

@@ -12,6 +12,7 @@ pub mod key;
 pub mod observe;
 pub mod rules;
 pub mod unit;
+pub mod why;
 
 pub use bounds::RequestBounds;
 pub use clock::{Clock, ManualClock, SystemClock};

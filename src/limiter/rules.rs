@@ -215,6 +215,8 @@ pub struct Domain {
     pub store_reset_closed: bool,
     /// The longest window of the domain's rules.
     pub longest_window_ms: u64,
+    /// Its decisions are logged at info level (`log_decisions: true`).
+    pub log_decisions: bool,
 }
 
 /// How one level of a matched descriptor enters the log's identity.
