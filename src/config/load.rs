@@ -69,8 +69,8 @@ pub struct Loaded {
     pub warnings: Vec<String>,
 }
 
-/// Above this, a window's log (one entry per admitted hit) gets large: about 145 bytes per entry
-/// in Redis, so 100,000 is about 14 MB per descriptor value.
+/// Above this, a window's log (one entry per admitted hit) gets large: about 14 MB in Redis per
+/// descriptor value ([`Limit::redis_bytes`]).
 pub const LARGE_LOG_LIMIT: u32 = 100_000;
 
 /// Buckets per window for `sliding_counter` when the config does not say.
@@ -98,7 +98,7 @@ pub fn warnings(limits: &Limits) -> Vec<String> {
                         "{}: {}: a limit of {max} keeps up to {max} log entries per descriptor value (about {} MB in Redis); algorithm: sliding_counter keeps constant memory",
                         rule.source,
                         rule.path,
-                        u64::from(max) * 145 / 1_000_000
+                        rule.limit.redis_bytes().unwrap_or(0) / 1_000_000
                     )
                 }),
             _ => None,

@@ -63,7 +63,53 @@ pub enum Limit {
     Unlimited,
 }
 
+/// Redis memory, about, as `docs/redis.md` (*Memory and TTLs*) has it measured: a log entry
+/// while the log is a listpack (up to 128 entries, Redis's default), and beyond, as a skiplist.
+const LISTPACK_ENTRY_BYTES: u64 = 56;
+const LISTPACK_MAX_ENTRIES: u64 = 128;
+const SKIPLIST_ENTRY_BYTES: u64 = 145;
+/// A `sliding_counter` bucket (328 bytes for a hash of 10 buckets).
+const BUCKET_BYTES: u64 = 33;
+/// A ban key.
+const BAN_BYTES: u64 = 72;
+
 impl Limit {
+    /// About how much Redis memory one descriptor value of this limit can hold at most: its log
+    /// full (one entry per recorded call, up to the longest window's limit), or its counter's
+    /// buckets, and its ban. `None`: unlimited, nothing held.
+    pub fn redis_bytes(&self) -> Option<u64> {
+        let Limit::Windows {
+            windows,
+            ban_ms,
+            algorithm,
+            ..
+        } = self
+        else {
+            return None;
+        };
+        let held = match algorithm {
+            Algorithm::SlidingLog => {
+                let entries = windows
+                    .iter()
+                    .max_by_key(|w| (w.length_ms, w.limit))
+                    .map_or(0, |w| u64::from(w.limit));
+                let per_entry = if entries <= LISTPACK_MAX_ENTRIES {
+                    LISTPACK_ENTRY_BYTES
+                } else {
+                    SKIPLIST_ENTRY_BYTES
+                };
+                entries.saturating_mul(per_entry)
+            }
+            Algorithm::SlidingCounter { buckets } => {
+                let mut lengths: Vec<u64> = windows.iter().map(|w| w.length_ms).collect();
+                lengths.sort_unstable();
+                lengths.dedup();
+                BUCKET_BYTES * u64::from(*buckets) * lengths.len() as u64
+            }
+        };
+        Some(held + ban_ms.map_or(0, |_| BAN_BYTES))
+    }
+
     pub fn windows(windows: Vec<Window>, ban_ms: Option<u64>, algorithm: Algorithm) -> Limit {
         let counted: Vec<store::Window> = windows.iter().map(Window::counted).collect();
         let text = store::RuleText::new(&counted, algorithm, ban_ms);
@@ -345,7 +391,21 @@ impl Rule {
         } else {
             format!(" [{}]", flags.join(", "))
         };
-        format!("{}: {limit}{flags} ({})", self.path, self.source)
+        let memory = self
+            .limit
+            .redis_bytes()
+            .map(|bytes| format!(", up to about {} in Redis per value", human_bytes(bytes)))
+            .unwrap_or_default();
+        format!("{}: {limit}{flags} ({}){memory}", self.path, self.source)
+    }
+}
+
+/// Bytes as `72 B`, `2.9 KB`, `14.5 MB` (powers of 1,000).
+pub fn human_bytes(bytes: u64) -> String {
+    match bytes {
+        0..1_000 => format!("{bytes} B"),
+        1_000..1_000_000 => format!("{:.1} KB", bytes as f64 / 1e3),
+        _ => format!("{:.1} MB", bytes as f64 / 1e6),
     }
 }
 
@@ -386,6 +446,37 @@ pub fn human_ms(ms: u64) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// What one value of a rule can hold in Redis: a full log by its longest window (a
+    /// listpack up to 128 entries, a skiplist beyond), a counter's buckets per distinct window
+    /// length, a ban key; nothing for an unlimited rule.
+    #[test]
+    fn a_rules_redis_memory_per_value() {
+        let w = |limit, unit| Window::per_unit(limit, unit, None);
+        let log = |windows, ban| Limit::windows(windows, ban, Algorithm::SlidingLog);
+        // The longest window's limit bounds the log, whatever the shorter ones allow.
+        let login = log(vec![w(3, Unit::Minute), w(50, Unit::Day)], Some(900_000));
+        assert_eq!(login.redis_bytes(), Some(50 * 56 + 72));
+        let burst = log(vec![w(500, Unit::Second), w(100, Unit::Hour)], None);
+        assert_eq!(burst.redis_bytes(), Some(100 * 56));
+        let big = log(vec![w(1_000, Unit::Hour)], None);
+        assert_eq!(big.redis_bytes(), Some(1_000 * 145), "a skiplist past 128");
+        let counter = Limit::windows(
+            vec![w(100_000, Unit::Minute), w(1_000_000, Unit::Hour)],
+            None,
+            Algorithm::SlidingCounter { buckets: 10 },
+        );
+        assert_eq!(
+            counter.redis_bytes(),
+            Some(2 * 10 * 33),
+            "whatever the limits"
+        );
+        assert_eq!(Limit::Unlimited.redis_bytes(), None);
+        assert_eq!(
+            [72, 2_872, 145_000, 14_500_000].map(human_bytes),
+            ["72 B", "2.9 KB", "145.0 KB", "14.5 MB"]
+        );
+    }
 
     #[test]
     fn wildcard_patterns() {

@@ -72,7 +72,7 @@ impl Why<'_> {
                     recorded = self.outcome.recorded,
                     cached = self.from_cache,
                     shadow,
-                    "decided"
+                    "descriptor decided"
                 )
             };
         }
