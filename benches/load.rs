@@ -66,6 +66,9 @@ mod workload;
 #[path = "common/redis_settings.rs"]
 mod redis_settings;
 
+#[path = "common/limitador.rs"]
+mod limitador;
+
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -216,19 +219,7 @@ fn limitador_limits() -> String {
 
 impl Server {
     fn start_limitador(binary: &Path, limits: &Path, redis_url: &str) -> Server {
-        let (grpc, http) = (redis_proc::free_port(), redis_proc::free_port());
-        let child = Command::new(binary)
-            .args(["--rls-ip", "127.0.0.1", "--rls-port", &grpc.to_string()])
-            .args(["--http-ip", "127.0.0.1", "--http-port", &http.to_string()])
-            .arg(limits)
-            .args(["redis", redis_url])
-            .stdout(Stdio::null())
-            .stderr(Stdio::inherit())
-            .spawn()
-            .expect("start limitador-server");
-        redis_proc::wait_until("limitador ready", Duration::from_secs(20), || {
-            std::net::TcpStream::connect(("127.0.0.1", grpc)).is_ok()
-        });
+        let (child, grpc) = limitador::start(binary, limits, redis_url);
         Server { child, grpc }
     }
 }

@@ -22,6 +22,9 @@
 #[path = "../tests/common/redis.rs"]
 mod redis_proc;
 
+#[path = "common/limitador.rs"]
+mod limitador;
+
 use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
@@ -106,20 +109,9 @@ impl Contender {
                     "- namespace: bench\n  max_value: 1000\n  seconds: 3600\n  conditions: [\"'user' in descriptors[0]\"]\n  variables: [\"descriptors[0].user\"]\n",
                 )
                 .expect("write limits");
-                let http = redis_proc::free_port();
-                let child = Command::new(limitador.expect("a limitador binary"))
-                    .args(["--rls-ip", "127.0.0.1", "--rls-port", &grpc.to_string()])
-                    .args(["--http-ip", "127.0.0.1", "--http-port", &http.to_string()])
-                    .arg(&config)
-                    .args(["redis", redis_url])
-                    .stdout(Stdio::null())
-                    .stderr(Stdio::inherit())
-                    .spawn()
-                    .expect("start limitador-server");
-                redis_proc::wait_until("limitador ready", Duration::from_secs(20), || {
-                    std::net::TcpStream::connect(("127.0.0.1", grpc)).is_ok()
-                });
-                child
+                let binary = limitador.expect("a limitador binary");
+                let (child, grpc) = limitador::start(binary, &config, redis_url);
+                return Server { child, grpc };
             }
         };
         Server { child, grpc }
