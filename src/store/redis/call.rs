@@ -108,8 +108,9 @@ enum Via<'a> {
     /// The pool's client of this lane ([`Request::lane`]), routed by the call's keys.
     Lane(usize),
     /// The client of this lane of this cluster master's own: the spread function with no
-    /// key declared, which Redis runs where it is sent; a key the master does not serve fails
-    /// only the request that reached for it.
+    /// key declared, which Redis runs where it is sent, and a key the master does not serve
+    /// fails only the request that reached for it; or, by `EVALSHA`, one slot's keys declared,
+    /// refused whole with `MOVED` or `ASK`, which that client does not follow.
     Master(usize, &'a Master),
     /// [`Sender::redirect`].
     Redirect,
@@ -133,8 +134,8 @@ impl Sender {
     pub async fn call(&self, master: Option<&Master>, requests: Vec<Request>) -> Vec<Answer> {
         match master {
             Some(master) if self.library.spreads() => self.call_master(master, requests).await,
-            _ if !over_several_slots(&requests) => self.call_declared(requests).await,
-            _ => self.each_alone(requests).await,
+            _ if !over_several_slots(&requests) => self.call_declared(master, requests).await,
+            _ => self.each_alone(master, requests).await,
         }
     }
 
@@ -234,11 +235,15 @@ impl Sender {
 
     /// By `EVALSHA` a call's keys must share a slot: each request of one slot alone, and those
     /// of several slots answered [`NotServed`].
-    async fn each_alone(&self, requests: Vec<Request>) -> Vec<Answer> {
+    async fn each_alone(&self, master: Option<&Master>, requests: Vec<Request>) -> Vec<Answer> {
         join_all(requests.into_iter().map(|r| async move {
             match r.slots {
                 Slots::Several => Err(not_served_error("the script goes by EVALSHA")),
-                _ => self.call_one(None, r).await,
+                _ => self
+                    .call_declared(master, vec![r])
+                    .await
+                    .pop()
+                    .unwrap_or_else(|| Err(StoreError::Protocol("script reply is empty".into()))),
             }
         }))
         .await
@@ -253,7 +258,7 @@ impl Sender {
 
     /// One call with every key declared (they share a slot, or there are no slots). The
     /// requests are not needed after it, so their parts move into the command.
-    async fn call_declared(&self, requests: Vec<Request>) -> Vec<Answer> {
+    async fn call_declared(&self, master: Option<&Master>, requests: Vec<Request>) -> Vec<Answer> {
         let count = requests.len();
         let Some((lane, until)) = self.terms(&requests) else {
             return vec![Err(StoreError::Timeout(Duration::ZERO)); count];
@@ -266,10 +271,12 @@ impl Sender {
             keys.extend(request.keys);
             args.extend(request.args);
         }
-        let via = if self.redirect {
-            Via::Redirect
-        } else {
-            Via::Lane(lane)
+        let via = match master {
+            // By `EVALSHA` on a cluster: the master's own client, which follows no
+            // redirection (a refusal comes back as `MOVED` or `ASK`: [`elsewhere`]).
+            Some(master) => Via::Master(lane, master),
+            None if self.redirect => Via::Redirect,
+            None => Via::Lane(lane),
         };
         match self.send(via, until, keys, args, false).await {
             Ok(reply) => split(reply, count),
@@ -351,6 +358,12 @@ impl Sender {
                 Err(e) if self.redirect && elsewhere(&e) => {
                     return Err(not_served_error(e.details()));
                 }
+                // A master's own client (by `EVALSHA`: its call keeps to one slot, whose keys a
+                // migration has split): the call's requests follow the slot one by one, rather
+                // than the call holding the master's place until they come together.
+                Err(e) if e.details().starts_with("TRYAGAIN") && matches!(via, Via::Master(..)) => {
+                    return Err(not_served_error(e.details()));
+                }
                 Err(e) if e.details().starts_with("TRYAGAIN") => {
                     tokio::time::sleep_until(until.min(Instant::now() + TRY_AGAIN_AFTER)).await;
                 }
@@ -400,7 +413,11 @@ fn call_until(requests: &[Request], now: Instant) -> Option<Instant> {
 /// failover (`READONLY`), a node the client has no connection to (left the cluster), or a
 /// redirection the client was told not to follow ([`Library::call_as`]).
 fn elsewhere(e: &Error) -> bool {
-    e.details().starts_with("READONLY") || e.kind() == &ErrorKind::Routing
+    let details = e.details();
+    ["READONLY", "MOVED ", "ASK "]
+        .iter()
+        .any(|code| details.starts_with(code))
+        || e.kind() == &ErrorKind::Routing
 }
 
 /// The client of `pool` for `lane` (see [`Request::lane`]), leaving out the last where it is
