@@ -145,8 +145,8 @@ impl Sender {
     /// master decides it when it holds every key of it, and answers `TRYAGAIN` while they
     /// are split between the two (sent again shortly). A request of one key goes there safely:
     /// the serving master refused it because that key has left it, so it is at the importer or
-    /// nowhere. By `EVALSHA` (no function) it is not sent: a script's `ASKING` pipeline would
-    /// need the script loaded on the importer, which a call by `EVALSHA` cannot load.
+    /// nowhere. By `EVALSHA` (no function) it is not sent: the client sends a script only on
+    /// its own (it loads one it finds missing), never in a pipeline behind `ASKING`.
     pub async fn call_asking(&self, importer: &Master, request: Request) -> Answer {
         let requests = [request];
         let Some((_, until)) = self.terms(&requests) else {
