@@ -15,7 +15,7 @@ use tokio::sync::oneshot;
 use tokio::time::Instant;
 
 use super::call::{Answer, DESCRIPTORS_PER_CALL, Request, Sender, not_served};
-use super::nodes::Master;
+use super::master::{Master, RATE_WINDOW, Remedy};
 use crate::store::StoreError;
 
 /// Requests waiting for a call, and how many calls are out.
@@ -119,7 +119,22 @@ impl Batcher {
                 answer,
                 Err(StoreError::Timeout(_) | StoreError::Unavailable { .. })
             ) && !not_served(answer);
-            master.note(failed, sender);
+            let remedy = master.note(failed);
+            if remedy == Remedy::None {
+                return;
+            }
+            let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+                return;
+            };
+            let sender = sender.clone();
+            runtime.spawn(async move {
+                sender
+                    .refresh(Instant::now() + sender.timeout.max(RATE_WINDOW))
+                    .await;
+            });
+            if remedy == Remedy::Replace {
+                runtime.spawn(master.clone().replace());
+            }
         }
     }
 

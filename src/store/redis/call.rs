@@ -14,7 +14,7 @@ use futures_util::future::join_all;
 use tokio::time::Instant;
 
 use super::encode::{int, number};
-use super::nodes::Master;
+use super::master::Master;
 use super::packed::{self, Item, Items};
 use super::{Library, call_failed};
 use crate::store::StoreError;

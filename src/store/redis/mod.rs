@@ -15,7 +15,8 @@
 //!   reply split per request.
 //! * `batch.rs`: requests that arrive while every call to a Redis is out go together in the next
 //!   call, each decided on its own; `nodes.rs` keeps one such batcher per cluster master, so a
-//!   master's call carries requests of all its slots, with clients of that master's own.
+//!   master's call carries requests of all its slots, with clients of that master's own
+//!   (`master.rs`, which also follows how its calls go).
 //! * `decide.rs`: a request grouped by master, one call per group; a request over several
 //!   masters is sent as tentative calls, concurrently, and if the combined answer is a rejection
 //!   the entries recorded are removed again. That can briefly make other requests see a fuller
@@ -40,6 +41,7 @@ mod decide;
 mod encode;
 mod library;
 mod marker;
+mod master;
 mod nodes;
 pub mod packed;
 mod replicas;
