@@ -239,14 +239,7 @@ impl RedisStore {
                 for w in outcomes[i].windows.iter_mut() {
                     w.count = w.count.saturating_sub(item.hits);
                 }
-                // On a cluster by the redirect client, which follows the key wherever its
-                // slot went meanwhile.
-                let pool = self.sender.pool.load();
-                let client = if self.sender.redirect {
-                    call::redirect_client(&pool).clone()
-                } else {
-                    call::client_of(&pool, call.lane, false).clone()
-                };
+                let client = self.undo_client(item, call.lane);
                 match item.algorithm {
                     Algorithm::SlidingLog => {
                         // The member as the script wrote it for a tentative request:
@@ -289,6 +282,21 @@ impl RedisStore {
                 // The members stay until they age out: stricter, never looser.
                 tracing::warn!(error = %unavailable(&e), "could not remove hits of a rejected cross-slot request");
             }
+        }
+    }
+
+    /// The client that removes `item`'s entries: on a cluster, its slot's master's own (a
+    /// client that follows no redirection: an entry whose slot moved meanwhile stays until it
+    /// ages out, stricter), or the redirect client while that master is not known.
+    fn undo_client(&self, item: &CheckItem<'_>, lane: usize) -> Client {
+        let master = self.nodes.as_ref().and_then(|nodes| {
+            let slot = fred::util::redis_keyslot(item.key.tag().as_bytes());
+            nodes.batcher(slot, &self.sender)?.master().cloned()
+        });
+        match master {
+            Some(master) => call::client_of(&master.pool.load(), lane, false).clone(),
+            None if self.sender.redirect => call::redirect_client(&self.sender.pool.load()).clone(),
+            None => call::client_of(&self.sender.pool.load(), lane, false).clone(),
         }
     }
 
