@@ -193,6 +193,11 @@ impl Limiter {
         self.store.evicting()
     }
 
+    /// Parts of the store that did not answer (see `Store::silent`).
+    pub fn store_silent(&self) -> Vec<String> {
+        self.store.silent()
+    }
+
     /// Requests a Redis Cluster master refused and the store sent again (see `Store::resent`).
     pub fn store_resent(&self) -> Option<u64> {
         self.store.resent()

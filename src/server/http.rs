@@ -115,6 +115,11 @@ async fn readyz(State(state): State<HttpState>) -> Response {
                 "warning: Redis evicts keys (maxmemory-policy {policy}): an evicted window is forgotten and its requests admitted again; set maxmemory-policy noeviction\n"
             ));
         }
+        for silent in state.limiter.store_silent() {
+            body.push_str(&format!(
+                "warning: {silent} does not answer: the requests of its slots are answered by the store-failure policy until it (or its replica) serves\n"
+            ));
+        }
         (StatusCode::OK, body).into_response()
     } else {
         (StatusCode::SERVICE_UNAVAILABLE, "not ready\n").into_response()

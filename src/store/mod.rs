@@ -416,6 +416,12 @@ pub trait Store: Send + Sync + 'static {
     fn evicting(&self) -> Option<String> {
         None
     }
+
+    /// Parts of the store that did not answer its last readiness check while others did (a
+    /// Redis Cluster master down): their keys' requests are answered by the failure policy.
+    fn silent(&self) -> Vec<String> {
+        Vec::new()
+    }
 }
 
 /// The admission rule both stores share: every enforcing item fits, and if there are quota

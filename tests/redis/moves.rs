@@ -529,9 +529,13 @@ async fn failing_master_under_load(fault: Fault) {
         Fault::Killed { down } => {
             node.stop();
             tokio::time::sleep(down / 2).await;
-            // Still ready: every other master's slots are decided.
+            // Still ready: every other master's slots are decided; and it says which is not.
             let (status, body) = http(server.http_addr, "GET", "/readyz", "").await;
             assert_eq!(status, 200, "not ready with one master down: {body}");
+            assert!(
+                body.contains(&format!(":{failed} does not answer")),
+                "the silent master named: {body}"
+            );
             tokio::time::sleep(down / 2).await;
             // Back once it serves again: a restarted node answers CLUSTERDOWN until it has
             // heard from the others.

@@ -331,6 +331,10 @@ impl Store for RedisStore {
     fn data_losses(&self) -> Option<u64> {
         Some(self.markers.losses.load(Ordering::Relaxed))
     }
+
+    fn silent(&self) -> Vec<String> {
+        self.nodes.as_ref().map(Nodes::silent).unwrap_or_default()
+    }
 }
 
 #[cfg(test)]

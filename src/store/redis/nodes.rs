@@ -56,6 +56,8 @@ pub(super) struct Nodes {
     /// Per slot mid-migration, the master importing it (none: not migrating) and when that
     /// was read ([`Nodes::importer`]).
     importers: Mutex<HashMap<u16, (Option<Server>, Instant)>>,
+    /// The masters that did not answer the last readiness check ([`Nodes::any_answers`]).
+    silent: Mutex<Vec<String>>,
 }
 
 /// How long what a master said of a slot's migration serves before it is asked again.
@@ -74,6 +76,7 @@ impl Nodes {
             calls_out,
             recipe,
             importers: Mutex::new(HashMap::new()),
+            silent: Mutex::new(Vec::new()),
         }
     }
 
@@ -148,8 +151,8 @@ impl Nodes {
     }
 
     /// Whether any master answers a `PING` by its own clients within `wait`: a cluster with a
-    /// master down still decides every other master's slots, so it stays ready. `None` while
-    /// no master is known.
+    /// master down still decides every other master's slots, so it stays ready. The masters
+    /// that did not answer are kept for [`Nodes::silent`]. `None` while no master is known.
     pub async fn any_answers(&self, wait: Duration) -> Option<bool> {
         let routing = self.routing.load_full();
         let pings = routing
@@ -158,20 +161,29 @@ impl Nodes {
             .filter_map(|(_, batcher)| batcher.master())
             .map(|master| {
                 let client = master.pool.load().next().clone();
-                Box::pin(async move {
+                async move {
                     let ping = tokio::time::timeout(wait, client.ping::<String>(None)).await;
-                    if matches!(ping, Ok(Ok(_))) {
-                        Ok(())
-                    } else {
-                        Err(())
-                    }
-                })
+                    (master.server.to_string(), matches!(ping, Ok(Ok(_))))
+                }
             })
             .collect::<Vec<_>>();
         if pings.is_empty() {
             return None;
         }
-        Some(futures_util::future::select_ok(pings).await.is_ok())
+        let answers = futures_util::future::join_all(pings).await;
+        let silent: Vec<String> = answers
+            .iter()
+            .filter(|(_, answered)| !answered)
+            .map(|(server, _)| format!("Redis Cluster master {server}"))
+            .collect();
+        let any = silent.len() < answers.len();
+        *lock(&self.silent) = if any { silent } else { Vec::new() };
+        Some(any)
+    }
+
+    /// The masters that did not answer the last readiness check while others did.
+    pub fn silent(&self) -> Vec<String> {
+        lock(&self.silent).clone()
     }
 
     /// Copies the client's routing, keeping the batchers of masters it already knew (their
