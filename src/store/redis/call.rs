@@ -84,12 +84,12 @@ pub(super) struct Sender {
     pub timeout: Duration,
     /// Replicas that must hold a call's writes before it is answered (`--redis-wait-replicas`).
     pub wait_replicas: u32,
-    /// Redis Cluster: the pool's last client is the redirect client, which carries requests
-    /// with their keys declared, routed by the client, following the cluster's redirections
-    /// (`MOVED`, `ASK`, `TRYAGAIN`); its view of the slots is the store's (`nodes.rs`). The
-    /// other clients send each call to a master named (see [`Via::Master`]), which Redis never
-    /// redirects: a redirection makes a client stop all its other calls while it follows it
-    /// (it reads the cluster's slots again, or sends `ASKING` and waits for its reply), so a
+    /// Redis Cluster: the pool is one client of the whole cluster, the redirect client, whose
+    /// view of the slots is the store's (`nodes.rs`, read again by [`Sender::refresh`]); it
+    /// carries only requests of a slot whose master is not known yet, keys declared, and
+    /// follows no redirection. Every other call goes by its master's own clients (see
+    /// [`Via::Master`]): a redirection makes a client stop all its other calls while it follows
+    /// it (it reads the cluster's slots again, or sends `ASKING` and waits for its reply), so a
     /// request of a moving slot would hold up the calls of every slot sharing its client.
     pub redirect: bool,
     /// Set when a master refused a request (its slot moved): the routing copy is read again.
@@ -127,10 +127,10 @@ impl Sender {
 
     /// One call carrying `requests`; an answer per request, in order. On a cluster, requests
     /// of one master's slots (see [`Batcher`]) go to that master by the spread function; a
-    /// request of one slot that the master does not serve is sent again on its own, keys
-    /// declared, by [`Sender::redirect`], and one of several slots is answered [`NotServed`],
-    /// for the caller to send a call per slot. Without a master (not known yet), or by
-    /// `EVALSHA` (no spread function), each request's keys are declared.
+    /// request the master does not serve is answered [`NotServed`], for its caller to send it
+    /// where its slot went (`RedisStore::call_group`), or a call per slot where it has several.
+    /// Without a master (not known yet), or by `EVALSHA` (no spread function), each request's
+    /// keys are declared.
     pub async fn call(&self, master: Option<&Master>, requests: Vec<Request>) -> Vec<Answer> {
         match master {
             Some(master) if self.library.spreads() => self.call_master(master, requests).await,

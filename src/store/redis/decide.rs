@@ -165,8 +165,8 @@ impl RedisStore {
     }
 
     /// The groups of several slots whose master refused one of their keys (it no longer serves
-    /// that slot), sent again as a call per slot, where the client follows the cluster's
-    /// redirections: tentatively, as the request now spans several calls, unless it was already
+    /// that slot), sent again as a call per slot, each to the master of its slot (and on, where
+    /// that one refuses it too: `call_group`): tentatively, as the request now spans several calls, unless it was already
     /// rejected. Such a group recorded nothing (see the end of `lua/slidegate.lua`); the other
     /// groups' replies stand (they were tentative, as the request had several groups).
     pub(super) async fn per_slot(
