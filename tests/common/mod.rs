@@ -320,11 +320,7 @@ pub fn threads_named(pid: u32, prefix: &str) -> usize {
 
 /// Sends signal `name` (`TERM`, `HUP`) to `child`.
 pub fn signal(child: &std::process::Child, name: &str) {
-    let status = std::process::Command::new("kill")
-        .args([&format!("-{name}"), &child.id().to_string()])
-        .status()
-        .expect("kill");
-    assert!(status.success());
+    redis::signal(child.id(), name);
 }
 
 /// A raw gRPC channel, for the health and reflection clients.

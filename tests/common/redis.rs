@@ -323,7 +323,8 @@ impl Drop for RedisProcess {
     }
 }
 
-fn signal(pid: u32, name: &str) {
+/// Sends the signal `name` (`STOP`, `HUP`, ...) to the process `pid`.
+pub fn signal(pid: u32, name: &str) {
     let sent = Command::new("kill")
         .args([format!("-{name}"), pid.to_string()])
         .status()

@@ -333,8 +333,8 @@ impl Sender {
                 return Err(StoreError::Timeout(self.timeout));
             }
             let pool = match via {
-                Via::Master(_, master) => master.pool.load_full(),
-                Via::Lane(_) | Via::Redirect => self.pool.load_full(),
+                Via::Master(_, master) => master.pool.load(),
+                Via::Lane(_) | Via::Redirect => self.pool.load(),
             };
             let client = match via {
                 Via::Master(lane, _) | Via::Lane(lane) => client_of(&pool, lane, false),
