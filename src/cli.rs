@@ -17,6 +17,7 @@ use slidegate::config;
 use slidegate::limiter::RequestBounds;
 use slidegate::server::net::ConnectionLimits;
 
+mod admin;
 mod reference;
 mod serve;
 
@@ -35,6 +36,11 @@ pub struct Cli {
 
 #[derive(Debug, Subcommand)]
 pub enum Command {
+    /// Inspect or reset descriptors through a running server's admin API (--admin-addr).
+    Admin {
+        #[command(subcommand)]
+        action: admin::AdminAction,
+    },
     /// Validate a config file or directory; print every error and exit non-zero if any.
     Check {
         /// The file or directory (or use --config).
@@ -61,6 +67,14 @@ pub struct ServeArgs {
     /// The path of the metrics on --metrics-addr.
     #[arg(long, env = "SLIDEGATE_METRICS_PATH", default_value = "/metrics")]
     pub metrics_path: String,
+    /// Serve the admin API (POST /admin/v1/inspect and /admin/v1/reset) on this address; needs
+    /// --admin-token-file. Off without it. Bind it to loopback or a private network.
+    #[arg(long, env = "SLIDEGATE_ADMIN_ADDR", requires = "admin_token_file")]
+    pub admin_addr: Option<SocketAddr>,
+    /// The admin API's bearer tokens, one per line (`NAME TOKEN` or `TOKEN`, at least 16
+    /// characters); read again when the file changes.
+    #[arg(long, env = "SLIDEGATE_ADMIN_TOKEN_FILE", requires = "admin_addr")]
+    pub admin_token_file: Option<PathBuf>,
     /// Metric names and format: slidegate's (OpenMetrics) or the reference server's.
     #[arg(long, env = "SLIDEGATE_METRIC_NAMES", value_enum, default_value_t = MetricNamesArg::Slidegate)]
     pub metric_names: MetricNamesArg,
@@ -436,6 +450,7 @@ pub fn main() -> ExitCode {
         }
     };
     match cli.command {
+        Some(Command::Admin { action }) => admin::run(&action),
         Some(Command::Check { path, config }) => match path.or(config) {
             Some(path) => check(&path, &cli.serve),
             None => {

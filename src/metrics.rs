@@ -77,6 +77,12 @@ struct MethodLabels {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct AdminLabels {
+    action: &'static str,
+    result: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct ErrorLabels {
     err_type: &'static str,
 }
@@ -123,6 +129,7 @@ pub struct Metrics {
     config_loaded_ms: AtomicU64,
     unknown_domain: Counter,
     global_shadow: Counter,
+    admin_calls: Family<AdminLabels, Counter>,
     detailed_seen: Mutex<HashSet<RuleLabels>>,
     /// Tells this instance's series apart in the rules' observer slots (tests make several).
     id: u64,
@@ -246,6 +253,7 @@ impl Metrics {
             config_loaded_ms: AtomicU64::new(0),
             unknown_domain: Counter::default(),
             global_shadow: Counter::default(),
+            admin_calls: Family::default(),
             detailed_seen: Mutex::new(HashSet::new()),
             registry: Registry::default(),
             id: NEXT_METRICS_ID.fetch_add(1, Ordering::Relaxed),
@@ -381,6 +389,11 @@ impl Metrics {
             registry.register(name, help, counter.clone());
         }
         registry.register(
+            "slidegate_admin_calls",
+            "Admin API calls (--admin-addr) by action (inspect, reset) and result (ok, unauthorized, invalid, store_error)",
+            self.admin_calls.clone(),
+        );
+        registry.register(
             "slidegate_store_keys",
             "Descriptors holding state in the embedded store (bounded by --memory-max-keys)",
             self.store_keys.clone(),
@@ -451,6 +464,13 @@ impl Metrics {
     }
 
     /// Readiness as it stands when the metrics are scraped.
+    /// Counts one admin API call.
+    pub fn admin_call(&self, action: &'static str, result: &'static str) {
+        self.admin_calls
+            .get_or_create(&AdminLabels { action, result })
+            .inc();
+    }
+
     pub fn set_ready(&self, ready: bool) {
         self.ready.set(i64::from(ready));
     }

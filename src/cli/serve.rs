@@ -308,6 +308,8 @@ fn limiter_options(args: &ServeArgs) -> LimiterOptions {
     LimiterOptions {
         over_limit_cache: args.over_limit_cache,
         log_descriptor_values: args.log_descriptor_values,
+        // A reset taken by one replica reaches the others' caches within a second.
+        over_limit_cache_hold_ms: args.admin_addr.map(|_| 1_000),
         near_limit_ratio: args.near_limit_ratio,
         failure_policy: match args.store_failure {
             FailureArg::Error => FailurePolicy::Error,
@@ -358,11 +360,23 @@ async fn bind(args: &ServeArgs) -> Result<Listeners, String> {
         ),
         None => None,
     };
+    let admin = match (args.admin_addr, &args.admin_token_file) {
+        (Some(addr), Some(path)) => {
+            let tokens = slidegate::server::admin::Tokens::load(path)?;
+            let listener = tokio::net::TcpListener::bind(addr)
+                .await
+                .map_err(|e| format!("cannot listen on {addr} (--admin-addr): {e}"))?;
+            tracing::info!(addr = %addr, "admin API on");
+            Some((listener, Arc::new(tokens)))
+        }
+        _ => None,
+    };
     Ok(Listeners {
         grpc,
         http,
         metrics,
         grpc_tls: None,
+        admin,
     })
 }
 

@@ -46,13 +46,16 @@ pub struct OverLimitCache {
     per_shard: usize,
     len: AtomicUsize,
     generation: AtomicU64,
+    /// The longest an entry answers before the store is asked again.
+    hold_ms: u64,
     hasher: std::collections::hash_map::RandomState,
 }
 
 impl OverLimitCache {
     /// A cache of at most about `capacity` descriptors (0: disabled).
-    pub fn new(capacity: usize) -> OverLimitCache {
+    pub fn new(capacity: usize, hold_ms: Option<u64>) -> OverLimitCache {
         OverLimitCache {
+            hold_ms: hold_ms.unwrap_or(u64::MAX),
             shards: (0..SHARDS).map(|_| Mutex::new(HashMap::new())).collect(),
             per_shard: capacity.div_ceil(SHARDS),
             len: AtomicUsize::new(0),
@@ -86,6 +89,13 @@ impl OverLimitCache {
             let mut map = lock(shard);
             self.len.fetch_sub(map.len(), Ordering::Relaxed);
             map.clear();
+        }
+    }
+
+    /// Forgets one descriptor (its windows and ban were reset).
+    pub fn forget(&self, key: &str) {
+        if lock(self.shard(key)).remove(key).is_some() {
+            self.len.fetch_sub(1, Ordering::Relaxed);
         }
     }
 
@@ -162,6 +172,7 @@ impl OverLimitCache {
             .chain([ban_end_ms])
             .max()
             .unwrap_or(0);
+        let until_ms = until_ms.min(now_ms.saturating_add(self.hold_ms));
         if until_ms <= now_ms {
             return;
         }
@@ -245,7 +256,7 @@ mod tests {
 
     #[test]
     fn answers_until_the_reset_for_as_many_hits() {
-        let cache = OverLimitCache::new(100);
+        let cache = OverLimitCache::new(100, None);
         cache.insert(
             &item("a", 2, 10),
             &over(9, 5_000),
@@ -275,9 +286,32 @@ mod tests {
         assert!(cache.get(&item("b", 2, 10), 3_000).is_none());
     }
 
+    /// With the admin API on, an entry answers for at most the hold, and a reset forgets it.
+    #[test]
+    fn a_hold_bounds_an_entry_and_a_reset_forgets_it() {
+        let cache = OverLimitCache::new(100, Some(1_000));
+        cache.insert(&item("a", 1, 10), &over(10, 50_000), 0, 0);
+        let found = cache
+            .get(&item("a", 1, 10), 999)
+            .expect("over within the hold");
+        assert_eq!(
+            found.windows[0].reset_ms, 49_001,
+            "the store's reset, counted down"
+        );
+        assert!(
+            cache.get(&item("a", 1, 10), 1_000).is_none(),
+            "asks the store again"
+        );
+        cache.insert(&item("b", 1, 10), &over(10, 50_000), 0, 0);
+        assert_eq!(cache.len(), 2);
+        cache.forget(StoreKey::new("b", "").as_str());
+        assert!(cache.get(&item("b", 1, 10), 1).is_none());
+        assert_eq!(cache.len(), 1);
+    }
+
     #[test]
     fn bans_shadow_debits_and_fitting_items() {
-        let cache = OverLimitCache::new(100);
+        let cache = OverLimitCache::new(100, None);
         let banned = ItemOutcome {
             fits: false,
             ban_remaining_ms: 900_000,
@@ -310,7 +344,7 @@ mod tests {
 
     #[test]
     fn a_reload_clears_and_stale_inserts_are_dropped() {
-        let cache = OverLimitCache::new(100);
+        let cache = OverLimitCache::new(100, None);
         let before = cache.generation();
         cache.insert(&item("a", 1, 10), &over(10, 5_000), 0, before);
         cache.clear();
@@ -323,7 +357,7 @@ mod tests {
 
     #[test]
     fn bounded() {
-        let cache = OverLimitCache::new(32);
+        let cache = OverLimitCache::new(32, None);
         for n in 0..1_000 {
             cache.insert(&item(&format!("k{n}"), 1, 10), &over(10, 60_000), 0, 0);
         }
@@ -332,7 +366,7 @@ mod tests {
             cache.get(&item("k999", 1, 10), 1).is_some(),
             "the newest is kept"
         );
-        let off = OverLimitCache::new(0);
+        let off = OverLimitCache::new(0, None);
         off.insert(&item("a", 1, 10), &over(10, 5_000), 0, 0);
         assert!(off.is_empty());
     }

@@ -54,6 +54,10 @@ pub struct LimiterOptions {
     /// The decision log shows descriptor entries' values as they came, not hashed
     /// ([`super::why`]).
     pub log_descriptor_values: bool,
+    /// The longest the over-limit cache answers for a descriptor before asking the store
+    /// again (`None`: until its reset). Set while the admin API is on, so that a reset taken
+    /// by one replica reaches every replica's cache within it.
+    pub over_limit_cache_hold_ms: Option<u64>,
 }
 
 /// The over-limit cache's default bound (about 200 bytes each).
@@ -74,16 +78,17 @@ impl Default for LimiterOptions {
             bounds: RequestBounds::default(),
             over_limit_cache: DEFAULT_OVER_LIMIT_CACHE,
             log_descriptor_values: false,
+            over_limit_cache_hold_ms: None,
         }
     }
 }
 
 /// Decides requests against the current limits and a store.
 pub struct Limiter {
-    limits: ArcSwap<Limits>,
-    store: Arc<dyn Store>,
-    clock: Arc<dyn Clock>,
-    options: LimiterOptions,
+    pub(super) limits: ArcSwap<Limits>,
+    pub(super) store: Arc<dyn Store>,
+    pub(super) clock: Arc<dyn Clock>,
+    pub(super) options: LimiterOptions,
     observer: Arc<dyn Observer>,
     store_errors: AtomicU64,
     /// When a store error was last logged: failures are logged once per burst, not per call.
@@ -93,7 +98,7 @@ pub struct Limiter {
     losses_seen: AtomicU64,
     lost_at_ms: AtomicU64,
     /// Descriptors known to be over, answered without the store.
-    cache: OverLimitCache,
+    pub(super) cache: OverLimitCache,
 }
 
 /// Store errors are logged at most this often.
@@ -109,10 +114,11 @@ enum Found<'a> {
 
 /// What one request descriptor turned into. `replaces`: a matched rule that names another
 /// matched rule takes it out of the decision (OK without a limit, its log untouched).
-enum Plan<'a> {
+pub(super) enum Plan<'a> {
     /// No rule (or replaced): OK without a limit.
     NoLimit,
-    Unlimited,
+    /// A rule that says `unlimited`.
+    Unlimited(&'a Arc<Rule>),
     /// Sent to the store as item `item`.
     Check {
         item: usize,
@@ -124,9 +130,9 @@ enum Plan<'a> {
 }
 
 /// A request matched against the rules: one plan per descriptor, and the store's batch.
-struct Planned<'a> {
-    plans: Vec<Plan<'a>>,
-    items: Vec<CheckItem<'a>>,
+pub(super) struct Planned<'a> {
+    pub(super) plans: Vec<Plan<'a>>,
+    pub(super) items: Vec<CheckItem<'a>>,
 }
 
 impl Limiter {
@@ -140,7 +146,7 @@ impl Limiter {
             limits: ArcSwap::from_pointee(limits),
             store,
             clock,
-            cache: OverLimitCache::new(options.over_limit_cache),
+            cache: OverLimitCache::new(options.over_limit_cache, options.over_limit_cache_hold_ms),
             options,
             observer: Arc::new(NoObserver),
             store_errors: AtomicU64::new(0),
@@ -261,17 +267,7 @@ impl Limiter {
             let statuses = vec![Status::unlimited_by_config(); request.descriptors.len()];
             return Ok(self.finish(statuses, Code::Ok, Vec::new(), |_| Vec::new()));
         };
-        let debit = domain.debit
-            || self
-                .options
-                .debit_domains
-                .iter()
-                .any(|d| d == "*" || *d == request.domain);
-        let modes = Modes {
-            quota_all: self.options.global_quota_mode,
-            debit,
-        };
-        let planned = plan(request, &domain.root, modes);
+        let planned = plan(request, &domain.root, self.modes(domain, &request.domain));
         let (outcome, cached) = if planned.items.is_empty() {
             let none = CheckOutcome {
                 admitted: true,
@@ -289,6 +285,20 @@ impl Limiter {
             }
         };
         Ok(self.respond(request, &planned, &outcome, &cached, domain.log_decisions))
+    }
+
+    /// The switches that apply to every rule of `domain` (named `name`).
+    pub(super) fn modes(&self, domain: &super::rules::Domain, name: &str) -> Modes {
+        let debit = domain.debit
+            || self
+                .options
+                .debit_domains
+                .iter()
+                .any(|d| d == "*" || d == name);
+        Modes {
+            quota_all: self.options.global_quota_mode,
+            debit,
+        }
     }
 
     /// Asks the store, unless a descriptor is known to be over (the over-limit cache): then the
@@ -635,7 +645,7 @@ impl<'a> Planned<'a> {
 fn status_of_plan(plan: &Plan<'_>, outcome: &CheckOutcome) -> Status {
     match plan {
         Plan::NoLimit => Status::unlimited_by_config(),
-        Plan::Unlimited => Status {
+        Plan::Unlimited(_) => Status {
             code: Code::Ok,
             current_limit: None,
             limit_remaining: u32::MAX,
@@ -659,14 +669,14 @@ fn status_of_plan(plan: &Plan<'_>, outcome: &CheckOutcome) -> Status {
 /// Matches every descriptor and turns the ones that need the store into check items.
 /// Switches that apply to every rule a request matches.
 #[derive(Clone, Copy)]
-struct Modes {
+pub(super) struct Modes {
     /// Every rule is a quota rule.
-    quota_all: bool,
+    pub(super) quota_all: bool,
     /// Every rule takes debits.
-    debit: bool,
+    pub(super) debit: bool,
 }
 
-fn plan<'a>(request: &'a Request, root: &'a Node, modes: Modes) -> Planned<'a> {
+pub(super) fn plan<'a>(request: &'a Request, root: &'a Node, modes: Modes) -> Planned<'a> {
     // First every descriptor's rule, so that `replaces` can see all of them.
     let found: Vec<Found<'_>> = request
         .descriptors
@@ -760,7 +770,7 @@ impl<'a> Planned<'a> {
             text,
         } = &rule.limit
         else {
-            return Plan::Unlimited;
+            return Plan::Unlimited(rule);
         };
         self.items.push(CheckItem {
             key: key::build(
@@ -1196,6 +1206,16 @@ mod tests {
             Box::pin(async { Err(StoreError::unavailable("down")) })
         }
         fn check_rejected<'a>(&'a self, _: &'a [CheckItem<'a>], _: u64) -> StoreFuture<'a> {
+            Box::pin(async { Err(StoreError::unavailable("down")) })
+        }
+        fn inspect<'a>(
+            &'a self,
+            _: &'a [CheckItem<'a>],
+            _: u64,
+        ) -> crate::store::InspectFuture<'a> {
+            Box::pin(async { Err(StoreError::unavailable("down")) })
+        }
+        fn reset<'a>(&'a self, _: &'a [crate::store::StoreKey]) -> crate::store::ResetFuture<'a> {
             Box::pin(async { Err(StoreError::unavailable("down")) })
         }
         fn name(&self) -> &'static str {

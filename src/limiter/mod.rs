@@ -3,6 +3,7 @@
 //! [`Request`] and [`Decision`] back, and the limiter asks a [`crate::store::Store`] (the
 //! contract below it) to decide its batch.
 
+pub mod admin;
 pub mod bounds;
 pub mod cache;
 pub mod clock;

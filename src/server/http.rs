@@ -215,7 +215,7 @@ const MAX_JSON_BYTES: usize = 2 << 20;
 
 /// A `POST /json` body, charged to `hold` as it arrives; 413 past [`MAX_JSON_BYTES`] or the
 /// server's bound, 400 when the body fails.
-async fn read_body(
+pub(super) async fn read_body(
     body: axum::body::Body,
     mut hold: Hold<'_>,
 ) -> Result<Vec<u8>, (StatusCode, String)> {

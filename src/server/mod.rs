@@ -18,6 +18,7 @@ use tonic_health::ServingStatus;
 use tonic_health::pb::health_server::HealthServer;
 use tonic_health::server::HealthReporter;
 
+pub mod admin;
 pub mod budget;
 pub mod grpc;
 pub mod http;
@@ -102,6 +103,8 @@ pub struct Listeners {
     pub metrics: Option<TcpListener>,
     /// TLS (and with a client CA, mutual TLS) on the gRPC port.
     pub grpc_tls: Option<Arc<ServerTls>>,
+    /// The admin API (`--admin-addr`), with the tokens it takes.
+    pub admin: Option<(TcpListener, Arc<admin::Tokens>)>,
 }
 
 impl Listeners {
@@ -112,6 +115,7 @@ impl Listeners {
             http,
             metrics: None,
             grpc_tls: None,
+            admin: None,
         }
     }
 }
@@ -185,6 +189,20 @@ pub async fn run(
     );
     if let Some(listener) = listeners.metrics {
         spawn_metrics_listener(listener, &app, wait_for(stop.clone()));
+    }
+    if let Some((listener, tokens)) = listeners.admin {
+        let state = admin::AdminState {
+            limiter: app.limiter.clone(),
+            metrics: app.metrics.clone(),
+            tokens,
+            bytes: bytes.clone(),
+            body_timeout: limits.body_timeout,
+        };
+        tokio::spawn(net::serve_http(
+            GuardedListener::new(listener, limits),
+            admin::router(state),
+            wait_for(stop.clone()),
+        ));
     }
 
     if !*draining.borrow() {

@@ -15,8 +15,8 @@ use std::sync::{Arc, Mutex, MutexGuard, Weak};
 use std::time::Duration;
 
 use super::{
-    Algorithm, CheckItem, CheckOutcome, ItemOutcome, Store, StoreError, StoreFuture, Window,
-    WindowOutcome, admits, longest_ms,
+    Algorithm, CheckItem, CheckOutcome, InspectFuture, ItemOutcome, ItemState, ResetFuture, Store,
+    StoreError, StoreFuture, StoreKey, Window, WindowOutcome, admits, longest_ms,
 };
 
 const SHARDS: usize = 64;
@@ -424,6 +424,29 @@ impl Store for MemoryStore {
         Box::pin(async move { outcome })
     }
 
+    fn inspect<'a>(&'a self, items: &'a [CheckItem<'a>], now_ms: u64) -> InspectFuture<'a> {
+        let states = items
+            .iter()
+            .map(|item| {
+                let shard = lock(&self.shards.shards[self.shards.shard_of(item.key.as_str())]);
+                let slot = shard.slots.get(item.key.as_str());
+                slot.map_or_else(|| state_of_nothing(item), |slot| slot.state(item, now_ms))
+            })
+            .collect();
+        Box::pin(async move { Ok(states) })
+    }
+
+    fn reset<'a>(&'a self, keys: &'a [StoreKey]) -> ResetFuture<'a> {
+        let cleared = keys
+            .iter()
+            .map(|key| {
+                let mut shard = lock(&self.shards.shards[self.shards.shard_of(key.as_str())]);
+                shard.slots.remove(key.as_str()).is_some()
+            })
+            .collect();
+        Box::pin(async move { Ok(cleared) })
+    }
+
     fn live_keys(&self) -> Option<u64> {
         u64::try_from(self.len()).ok()
     }
@@ -455,7 +478,36 @@ impl Shard {
     }
 }
 
+/// An item with no state: every window empty.
+fn state_of_nothing(item: &CheckItem<'_>) -> ItemState {
+    ItemState {
+        ban_remaining_ms: 0,
+        windows: vec![WindowOutcome::default(); item.windows.len()],
+        entries: matches!(item.algorithm, Algorithm::SlidingLog).then_some(0),
+    }
+}
+
 impl Slot {
+    /// How `item` stands at `now_ms`, read without trimming.
+    fn state(&self, item: &CheckItem<'_>, now_ms: u64) -> ItemState {
+        let entries = match item.algorithm {
+            Algorithm::SlidingLog => {
+                let first = self.first_inside(longest_ms(&item.windows), now_ms);
+                Some((self.entries.len() - first) as u64)
+            }
+            Algorithm::SlidingCounter { .. } => None,
+        };
+        ItemState {
+            ban_remaining_ms: self.ban_until_ms.saturating_sub(now_ms),
+            windows: item
+                .windows
+                .iter()
+                .map(|w| self.outcome(item.algorithm, w, now_ms, true, 0))
+                .collect(),
+            entries,
+        }
+    }
+
     fn count(&self, algorithm: Algorithm, window: &Window, now_ms: u64) -> u64 {
         match algorithm {
             Algorithm::SlidingLog => self.log_count(window.length_ms, now_ms),

@@ -315,6 +315,21 @@ impl StoreError {
 
 pub type StoreFuture<'a> =
     Pin<Box<dyn Future<Output = Result<CheckOutcome, StoreError>> + Send + 'a>>;
+pub type InspectFuture<'a> =
+    Pin<Box<dyn Future<Output = Result<Vec<ItemState>, StoreError>> + Send + 'a>>;
+pub type ResetFuture<'a> = Pin<Box<dyn Future<Output = Result<Vec<bool>, StoreError>> + Send + 'a>>;
+
+/// How one descriptor stands, as an inspection reads it: nothing recorded, no TTL touched.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct ItemState {
+    /// Time left on a ban (0: not banned).
+    pub ban_remaining_ms: u64,
+    /// Per window, in the rule's order: the hits inside it, and until the oldest of them
+    /// leaves it (0 when it holds none).
+    pub windows: Vec<WindowOutcome>,
+    /// A sliding log's entries inside its longest window; `None` for `sliding_counter`.
+    pub entries: Option<u64>,
+}
 pub type ReadyFuture<'a> = Pin<Box<dyn Future<Output = bool> + Send + 'a>>;
 
 tokio::task_local! {
@@ -378,6 +393,14 @@ pub trait Store: Send + Sync + 'static {
     /// enforcing item that does not fit. Nothing is recorded but debits, and items that do not
     /// fit and have a ban get banned; the outcome says how the others stand.
     fn check_rejected<'a>(&'a self, items: &'a [CheckItem<'a>], now_ms: u64) -> StoreFuture<'a>;
+
+    /// How each item stands at `now_ms`, recording nothing and touching no key's TTL (the
+    /// admin API's inspect). The items' hits are not looked at.
+    fn inspect<'a>(&'a self, items: &'a [CheckItem<'a>], now_ms: u64) -> InspectFuture<'a>;
+
+    /// Forgets every window and ban of each key (the admin API's reset), atomically per key
+    /// as a decision sees it; answers, per key, whether it held anything.
+    fn reset<'a>(&'a self, keys: &'a [StoreKey]) -> ResetFuture<'a>;
 
     /// A short name for logs and metrics.
     fn name(&self) -> &'static str;

@@ -1,7 +1,7 @@
 //! The Redis backend: the conformance suite unchanged on standalone Redis and on a 3-master
 //! Redis Cluster, plus what only Redis has, by topic: the script (`script.rs`), Redis Cluster's
-//! slots (`slots.rs`), faults (`faults.rs`) and many callers on one Redis (`sharing.rs`). The
-//! helpers they share are here.
+//! slots (`slots.rs`), faults (`faults.rs`), many callers on one Redis (`sharing.rs`) and the
+//! admin API's reads (`inspect.rs`). The helpers they share are here.
 // Tests and benchmarks may panic on a broken set-up, read the wall clock and run long.
 #![allow(
     clippy::unwrap_used,
@@ -16,6 +16,7 @@ mod common;
 mod conformance;
 
 mod faults;
+mod inspect;
 mod moves;
 mod script;
 mod sharing;

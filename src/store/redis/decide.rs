@@ -289,8 +289,14 @@ impl RedisStore {
     /// client that follows no redirection: an entry whose slot moved meanwhile stays until it
     /// ages out, stricter), or the redirect client while that master is not known.
     fn undo_client(&self, item: &CheckItem<'_>, lane: usize) -> Client {
+        self.slot_client(&item.key, lane)
+    }
+
+    /// The client for a call on `key`'s slot outside a decision's batch: on a cluster, the
+    /// slot's master's own, or the redirect client while that master is not known.
+    pub(super) fn slot_client(&self, key: &crate::store::StoreKey, lane: usize) -> Client {
         let master = self.nodes.as_ref().and_then(|nodes| {
-            let slot = fred::util::redis_keyslot(item.key.tag().as_bytes());
+            let slot = fred::util::redis_keyslot(key.tag().as_bytes());
             nodes.batcher(slot, &self.sender)?.master().cloned()
         });
         match master {

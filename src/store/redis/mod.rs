@@ -21,6 +21,7 @@
 //!   masters is sent as tentative calls, concurrently, and if the combined answer is a rejection
 //!   the entries recorded are removed again. That can briefly make other requests see a fuller
 //!   log (never an emptier one): it can under-admit for a moment, never over-admit.
+//! * `admin.rs`: the admin API's inspect and reset (`lua/inspect.lua`, `lua/reset.lua`).
 //! * Every call is bounded by a deadline: a slow or dead Redis becomes a fast error.
 
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -34,6 +35,7 @@ use fred::bytes_utils::Str;
 use fred::prelude::*;
 use futures_util::future::join_all;
 
+mod admin;
 mod batch;
 mod call;
 mod connection;
@@ -274,6 +276,18 @@ impl Store for RedisStore {
 
     fn check_rejected<'a>(&'a self, items: &'a [CheckItem<'a>], now_ms: u64) -> StoreFuture<'a> {
         Box::pin(self.checked(items, now_ms, true))
+    }
+
+    fn inspect<'a>(
+        &'a self,
+        items: &'a [CheckItem<'a>],
+        now_ms: u64,
+    ) -> crate::store::InspectFuture<'a> {
+        self.inspect_items(items, now_ms)
+    }
+
+    fn reset<'a>(&'a self, keys: &'a [crate::store::StoreKey]) -> crate::store::ResetFuture<'a> {
+        self.reset_keys(keys)
     }
 
     fn name(&self) -> &'static str {

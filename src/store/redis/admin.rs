@@ -1,0 +1,356 @@
+//! The admin API's two calls on Redis: inspect (`lua/inspect.lua`, read-only: the keys are read
+//! here and counted as the decision script counts them) and reset (`lua/reset.lua`: every key
+//! of one slot deleted in one call). Both go to the master serving each key's slot, by that
+//! master's own clients on Redis Cluster, and follow no redirection: an admin call during a
+//! slot's migration fails and says so, and is sent again by the operator.
+
+use std::collections::BTreeMap;
+
+use fred::types::Value;
+
+use super::*;
+use crate::store::{InspectFuture, ItemState, ResetFuture, StoreKey, Window, longest_ms};
+
+const INSPECT: &str = include_str!("../../../lua/inspect.lua");
+const RESET: &str = include_str!("../../../lua/reset.lua");
+
+impl RedisStore {
+    pub(super) fn inspect_items<'a>(
+        &'a self,
+        items: &'a [CheckItem<'a>],
+        now_ms: u64,
+    ) -> InspectFuture<'a> {
+        Box::pin(async move {
+            let reads = items.iter().map(|item| self.inspect_one(item, now_ms));
+            join_all(reads).await.into_iter().collect()
+        })
+    }
+
+    async fn inspect_one(
+        &self,
+        item: &CheckItem<'_>,
+        now_ms: u64,
+    ) -> Result<ItemState, StoreError> {
+        let keys = vec![
+            self.key(item.key.log()),
+            self.key(item.key.counters()),
+            self.key(item.key.ban()),
+        ];
+        let now = match self.clock {
+            ClockSource::Server => now_ms.to_string(),
+            ClockSource::Redis => String::new(),
+        };
+        let args = vec![now, longest_ms(&item.windows).to_string()];
+        let reply: Value = self
+            .admin_client(&item.key)
+            .eval(INSPECT, keys, args)
+            .await
+            .map_err(|e| encode::call_failed(&e))?;
+        let read = Read::from_reply(reply)?;
+        Ok(read.state(item))
+    }
+
+    pub(super) fn reset_keys<'a>(&'a self, keys: &'a [StoreKey]) -> ResetFuture<'a> {
+        Box::pin(async move {
+            // One call per slot (standalone Redis: one slot for all), each key once.
+            let mut slots: BTreeMap<u16, Vec<&StoreKey>> = BTreeMap::new();
+            for key in keys {
+                let slot = if self.cluster {
+                    fred::util::redis_keyslot(key.tag().as_bytes())
+                } else {
+                    0
+                };
+                let group = slots.entry(slot).or_default();
+                if !group.contains(&key) {
+                    group.push(key);
+                }
+            }
+            let calls = slots.into_values().map(|group| self.reset_slot(group));
+            let mut held: Vec<(&StoreKey, bool)> = Vec::new();
+            for result in join_all(calls).await {
+                held.extend(result?);
+            }
+            Ok(keys
+                .iter()
+                .map(|key| held.iter().any(|(k, cleared)| *k == key && *cleared))
+                .collect())
+        })
+    }
+
+    /// The client for an admin call on `key`'s slot, which waits up to
+    /// `--redis-connect-timeout` rather than a decision's `--redis-timeout`: an operator waits.
+    fn admin_client(&self, key: &StoreKey) -> fred::clients::WithOptions<Client> {
+        let options = fred::types::config::Options {
+            timeout: Some(self.recipe.options.connect_timeout),
+            ..fred::types::config::Options::default()
+        };
+        self.slot_client(key, 0).with_options(&options)
+    }
+
+    async fn reset_slot<'k>(
+        &self,
+        group: Vec<&'k StoreKey>,
+    ) -> Result<Vec<(&'k StoreKey, bool)>, StoreError> {
+        let Some(first) = group.first() else {
+            return Ok(Vec::new());
+        };
+        let names: Vec<Key> = group
+            .iter()
+            .flat_map(|key| [key.log(), key.counters(), key.ban()])
+            .map(|name| self.key(name))
+            .collect();
+        let reply: Vec<i64> = self
+            .admin_client(first)
+            .eval(RESET, names, Vec::<String>::new())
+            .await
+            .map_err(|e| encode::call_failed(&e))?;
+        if reply.len() != group.len() {
+            return Err(StoreError::Protocol(format!(
+                "the reset script answered {} counts for {} descriptors",
+                reply.len(),
+                group.len()
+            )));
+        }
+        Ok(group
+            .into_iter()
+            .zip(reply.into_iter().map(|n| n > 0))
+            .collect())
+    }
+}
+
+/// What the inspect script read of one descriptor's keys.
+#[derive(Debug, Default, PartialEq)]
+struct Read {
+    now_ms: u64,
+    /// The log's entries inside the longest window, oldest first: (time, cum, weight).
+    log: Vec<(u64, u64, u64)>,
+    /// The counters: (bucket length, bucket index, hits).
+    buckets: Vec<(u64, u64, u64)>,
+    ban_end_ms: u64,
+}
+
+impl Read {
+    fn from_reply(reply: Value) -> Result<Read, StoreError> {
+        let bad = |what: &str| StoreError::Protocol(format!("the inspect script answered {what}"));
+        let Value::Array(parts) = reply else {
+            return Err(bad("no array"));
+        };
+        let mut parts = parts.into_iter();
+        let now_ms = parts
+            .next()
+            .and_then(|v| v.as_u64())
+            .ok_or_else(|| bad("no time"))?;
+        let texts = |v: Option<Value>| -> Vec<String> {
+            match v {
+                Some(Value::Array(items)) => items.iter().filter_map(Value::as_string).collect(),
+                _ => Vec::new(),
+            }
+        };
+        let log = texts(parts.next())
+            .iter()
+            .map(|m| {
+                entry(m).ok_or_else(|| bad(&format!("a log entry slidegate did not write: {m:?}")))
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        let counters = texts(parts.next());
+        let buckets = counters
+            .chunks(2)
+            .map(|pair| match pair {
+                [field, hits] => bucket(field, hits),
+                _ => None,
+            })
+            .map(|b| b.ok_or_else(|| bad("a counter slidegate did not write")))
+            .collect::<Result<Vec<_>, _>>()?;
+        let ban_end_ms = match parts.next() {
+            Some(Value::Null) | None => 0,
+            Some(v) => v.as_u64().ok_or_else(|| bad("a ban that is not a time"))?,
+        };
+        Ok(Read {
+            now_ms,
+            log,
+            buckets,
+            ban_end_ms,
+        })
+    }
+
+    /// Counted as `lua/slidegate.lua` counts a decision: a log window holds the newest entry's
+    /// cum less the cum before its first entry; a counter window every bucket overlapping it.
+    fn state(&self, item: &CheckItem<'_>) -> ItemState {
+        let now = self.now_ms;
+        let windows = item
+            .windows
+            .iter()
+            .map(|w| match item.algorithm {
+                Algorithm::SlidingLog => self.log_window(w),
+                Algorithm::SlidingCounter { buckets } => self.counter_window(w, buckets),
+            })
+            .collect();
+        ItemState {
+            ban_remaining_ms: self.ban_end_ms.saturating_sub(now),
+            windows,
+            entries: matches!(item.algorithm, Algorithm::SlidingLog)
+                .then_some(self.log.len() as u64),
+        }
+    }
+
+    fn log_window(&self, window: &Window) -> WindowOutcome {
+        let edge = self.now_ms.saturating_sub(window.length_ms);
+        let inside = self.log.iter().position(|&(at, _, _)| at > edge);
+        match (inside, self.log.last()) {
+            (Some(first), Some(&(_, newest, _))) => {
+                let (at, cum, weight) = self.log[first];
+                WindowOutcome {
+                    count: newest.saturating_sub(cum.saturating_sub(weight)),
+                    reset_ms: (at + window.length_ms).saturating_sub(self.now_ms),
+                }
+            }
+            _ => WindowOutcome::default(),
+        }
+    }
+
+    fn counter_window(&self, window: &Window, buckets: u32) -> WindowOutcome {
+        let (size, oldest) = window.bucket_span(buckets, self.now_ms);
+        let mut counted: Vec<(u64, u64)> = self
+            .buckets
+            .iter()
+            .filter(|&&(s, index, _)| s == size && index >= oldest)
+            .map(|&(_, index, hits)| (index, hits))
+            .collect();
+        counted.sort_unstable();
+        let reset_ms = counted
+            .iter()
+            .find(|(_, hits)| *hits > 0)
+            .map_or(0, |(index, _)| {
+                ((index + 1) * size + window.length_ms).saturating_sub(self.now_ms)
+            });
+        WindowOutcome {
+            count: counted.iter().map(|(_, hits)| hits).sum(),
+            reset_ms,
+        }
+    }
+}
+
+/// A log member, `<cum>:<weight>:<time>[:<prefix>:<i>]`, as (time, cum, weight).
+fn entry(member: &str) -> Option<(u64, u64, u64)> {
+    let mut parts = member.split(':');
+    let cum = parts.next()?.parse().ok()?;
+    let weight = parts.next()?.parse().ok()?;
+    let at = parts.next()?.parse().ok()?;
+    Some((at, cum, weight))
+}
+
+/// A counter, field `<bucket_ms>:<bucket>` with its hits.
+fn bucket(field: &str, hits: &str) -> Option<(u64, u64, u64)> {
+    let (size, index) = field.split_once(':')?;
+    Some((size.parse().ok()?, index.parse().ok()?, hits.parse().ok()?))
+}
+
+#[cfg(test)]
+mod tests {
+    use std::borrow::Cow;
+
+    use super::*;
+    use crate::store::Role;
+
+    fn item(windows: Vec<Window>, algorithm: Algorithm) -> CheckItem<'static> {
+        CheckItem {
+            key: StoreKey::new("d:k=v", ""),
+            windows: Cow::Owned(windows),
+            algorithm,
+            ban_ms: None,
+            hits: 0,
+            role: Role::Enforce,
+            debit: false,
+            text: None,
+        }
+    }
+
+    fn texts(items: &[&str]) -> Value {
+        Value::Array(items.iter().map(|t| Value::from(*t)).collect())
+    }
+
+    /// A log whose middle entry was taken back out (a rejected cross-slot request) counts as
+    /// the script does: from the cum before the window's first entry.
+    #[test]
+    fn a_log_counts_from_the_cum_before_its_first_entry() {
+        let reply = Value::Array(vec![
+            Value::Integer(100_000),
+            texts(&[
+                "00000000000000000002:2:40000",
+                "00000000000000000006:1:70000:ab-1:1",
+                "00000000000000000009:3:99000",
+            ]),
+            texts(&[]),
+            Value::Integer(112_000),
+        ]);
+        let read = Read::from_reply(reply).expect("a well-formed reply");
+        let windows = vec![
+            Window {
+                limit: 10,
+                length_ms: 60_000,
+            },
+            Window {
+                limit: 20,
+                length_ms: 100_000,
+            },
+        ];
+        let state = read.state(&item(windows, Algorithm::SlidingLog));
+        assert_eq!(state.ban_remaining_ms, 12_000);
+        assert_eq!(state.entries, Some(3));
+        // Inside 60 s: the entries of 70 s and 99 s, counted 9 - (6 - 1) = 4.
+        assert_eq!(
+            state.windows[0],
+            WindowOutcome {
+                count: 4,
+                reset_ms: 30_000
+            }
+        );
+        assert_eq!(
+            state.windows[1],
+            WindowOutcome {
+                count: 9,
+                reset_ms: 40_000
+            }
+        );
+    }
+
+    #[test]
+    fn counters_count_the_buckets_overlapping_each_window() {
+        // 60 s in 6 buckets of 10 s at 125 s: buckets 6 to 12 overlap.
+        let reply = Value::Array(vec![
+            Value::Integer(125_000),
+            texts(&[]),
+            texts(&[
+                "10000:5", "7", "10000:6", "2", "10000:12", "1", "5000:24", "9",
+            ]),
+            Value::Null,
+        ]);
+        let read = Read::from_reply(reply).expect("a well-formed reply");
+        let windows = vec![Window {
+            limit: 10,
+            length_ms: 60_000,
+        }];
+        let state = read.state(&item(windows, Algorithm::SlidingCounter { buckets: 6 }));
+        assert_eq!(state.entries, None);
+        assert_eq!(state.ban_remaining_ms, 0);
+        assert_eq!(
+            state.windows[0],
+            WindowOutcome {
+                count: 3,
+                reset_ms: 5_000
+            }
+        );
+    }
+
+    #[test]
+    fn entries_slidegate_did_not_write_are_an_error() {
+        let reply = Value::Array(vec![
+            Value::Integer(1),
+            texts(&["hello"]),
+            texts(&[]),
+            Value::Null,
+        ]);
+        let error = Read::from_reply(reply).expect_err("not a slidegate entry");
+        assert!(error.to_string().contains("\"hello\""), "{error}");
+    }
+}
