@@ -6,6 +6,7 @@
 //!     cargo bench --bench server_cost -- standalone         # cases whose name holds "standalone"
 //!     SLIDEGATE_BENCH_BINARY=/tmp/old-slidegate cargo bench --bench server_cost   # another build
 //!     SLIDEGATE_COST_KEEP=/tmp/cost cargo bench --bench server_cost   # keep callgrind's files
+//!     SLIDEGATE_BENCH_SERVER_ARGS="--tracing" cargo bench --bench server_cost   # more flags
 //!
 //! For each case it starts the slidegate binary under `valgrind --tool=callgrind` with
 //! instrumentation off (the embedded store, or a standalone `redis-server` of its own, native),
@@ -188,6 +189,9 @@ fn measure(case: &Case, binary: &Path, config: &Path, dir: &Path) -> (u64, Strin
         .args(["--grpc-addr", &format!("127.0.0.1:{grpc}")])
         .args(["--http-addr", &format!("127.0.0.1:{http}")])
         .args(["--log-level", "error", "--no-watch"]);
+    if let Ok(extra) = std::env::var("SLIDEGATE_BENCH_SERVER_ARGS") {
+        command.args(extra.split_whitespace());
+    }
     if let Some(redis) = &redis {
         // Valgrind runs the server about 50 times slower: the shipped 15 ms would fail calls.
         command.args(["--redis", &redis.url(), "--redis-timeout", "10s"]);

@@ -68,13 +68,35 @@ pub struct ServeArgs {
     #[arg(long, env = "SLIDEGATE_METRICS_PATH", default_value = "/metrics")]
     pub metrics_path: String,
     /// Serve the admin API (POST /admin/v1/inspect and /admin/v1/reset) on this address; needs
-    /// --admin-token-file. Off without it. Bind it to loopback or a private network.
-    #[arg(long, env = "SLIDEGATE_ADMIN_ADDR", requires = "admin_token_file")]
+    /// --admin-token-file or --admin-tls-client-ca (or both). Bind it to loopback or a private
+    /// network.
+    #[arg(long, env = "SLIDEGATE_ADMIN_ADDR")]
     pub admin_addr: Option<SocketAddr>,
     /// The admin API's bearer tokens, one per line (`NAME TOKEN` or `TOKEN`, at least 16
     /// characters); read again when the file changes.
     #[arg(long, env = "SLIDEGATE_ADMIN_TOKEN_FILE", requires = "admin_addr")]
     pub admin_token_file: Option<PathBuf>,
+    /// PEM certificate chain for TLS on the admin listener (with --admin-tls-key).
+    #[arg(long, env = "SLIDEGATE_ADMIN_TLS_CERT", requires_all = ["admin_tls_key", "admin_addr"])]
+    pub admin_tls_cert: Option<PathBuf>,
+    /// PEM private key of --admin-tls-cert.
+    #[arg(long, env = "SLIDEGATE_ADMIN_TLS_KEY", requires = "admin_tls_cert")]
+    pub admin_tls_key: Option<PathBuf>,
+    /// PEM CAs whose client certificates the admin listener requires (mutual TLS): a caller
+    /// with one is admitted, and named in the log by its certificate.
+    #[arg(
+        long,
+        env = "SLIDEGATE_ADMIN_TLS_CLIENT_CA",
+        requires = "admin_tls_cert"
+    )]
+    pub admin_tls_client_ca: Option<PathBuf>,
+    /// With --admin-tls-client-ca: the client certificate must be valid for this name.
+    #[arg(
+        long,
+        env = "SLIDEGATE_ADMIN_TLS_CLIENT_SAN",
+        requires = "admin_tls_client_ca"
+    )]
+    pub admin_tls_client_san: Option<String>,
     /// Metric names and format: slidegate's (OpenMetrics) or the reference server's.
     #[arg(long, env = "SLIDEGATE_METRIC_NAMES", value_enum, default_value_t = MetricNamesArg::Slidegate)]
     pub metric_names: MetricNamesArg,
@@ -290,6 +312,39 @@ pub struct ServeArgs {
     /// Each delay is randomised by this fraction either way.
     #[arg(long, env = "SLIDEGATE_XDS_RETRY_JITTER", default_value_t = 0.5, value_parser = ratio_arg)]
     pub xds_retry_jitter: f64,
+    /// Export OpenTelemetry traces over OTLP: a span per ShouldRateLimit call and per store
+    /// call, joined to the caller's trace (W3C traceparent or B3 headers).
+    #[arg(long, env = "SLIDEGATE_TRACING", action = ArgAction::SetTrue, value_parser = BoolishValueParser::new())]
+    pub tracing: bool,
+    /// OTLP over gRPC or HTTP/protobuf.
+    #[arg(long, env = "SLIDEGATE_TRACING_PROTOCOL", value_enum, default_value_t = TracingProtocolArg::Http)]
+    pub tracing_protocol: TracingProtocolArg,
+    /// The collector's URL, http://HOST:PORT (default: OTEL_EXPORTER_OTLP_ENDPOINT, else
+    /// localhost:4318 for HTTP, 4317 for gRPC).
+    #[arg(long, env = "SLIDEGATE_TRACING_ENDPOINT")]
+    pub tracing_endpoint: Option<String>,
+    /// The fraction of traces started here that are sampled, 0 to 1.
+    #[arg(long, env = "SLIDEGATE_TRACING_SAMPLING_RATE", default_value_t = 1.0, value_parser = ratio_arg)]
+    pub tracing_sampling_rate: f64,
+    /// Sample by the rate alone, not following the caller's sampled flag.
+    #[arg(long, env = "SLIDEGATE_TRACING_IGNORE_PARENT", action = ArgAction::SetTrue, value_parser = BoolishValueParser::new())]
+    pub tracing_ignore_parent: bool,
+    /// service.name of the spans (default: OTEL_SERVICE_NAME, else slidegate).
+    #[arg(long, env = "SLIDEGATE_TRACING_SERVICE_NAME")]
+    pub tracing_service_name: Option<String>,
+    /// service.namespace of the spans.
+    #[arg(long, env = "SLIDEGATE_TRACING_SERVICE_NAMESPACE")]
+    pub tracing_service_namespace: Option<String>,
+    /// service.instance.id of the spans (default: a random id per start).
+    #[arg(long, env = "SLIDEGATE_TRACING_SERVICE_INSTANCE_ID")]
+    pub tracing_service_instance_id: Option<String>,
+    /// Finished spans waiting for export at most; past it they are dropped and counted
+    /// (slidegate_tracing_spans_dropped_total).
+    #[arg(long, env = "SLIDEGATE_TRACING_QUEUE_SIZE", default_value_t = 2048)]
+    pub tracing_queue_size: usize,
+    /// Put descriptor entries with their values on the spans (they can be user ids).
+    #[arg(long, env = "SLIDEGATE_TRACING_DESCRIPTOR_VALUES", action = ArgAction::SetTrue, value_parser = BoolishValueParser::new())]
+    pub tracing_descriptor_values: bool,
     /// Log output format.
     #[arg(long, env = "SLIDEGATE_LOG_FORMAT", value_enum, default_value_t = LogFormat::Text)]
     pub log_format: LogFormat,
@@ -319,6 +374,12 @@ pub enum FailureArg {
 pub enum MetricNamesArg {
     Slidegate,
     Reference,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum TracingProtocolArg {
+    Grpc,
+    Http,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]

@@ -12,6 +12,7 @@
 //! * [`limiter`]: rules, matching, store keys and decisions; no transport, no Redis client.
 //! * [`store`]: the store contract, the embedded store, and the Redis store, which decides inside
 //!   one Lua script (`lua/slidegate.lua`).
+//! * [`traces`]: OpenTelemetry traces: the caller's context, sampling, the OTLP export.
 //! * [`tls`]: TLS files, and TLS as a client (Redis, xDS).
 //!
 //! The command line (flags, environment, assembly) is the binary's, in `src/cli.rs`.
@@ -30,5 +31,6 @@ pub mod proto;
 pub mod server;
 pub mod store;
 pub mod tls;
+pub mod traces;
 pub mod wire;
 pub mod xds;

@@ -130,6 +130,9 @@ pub struct Metrics {
     unknown_domain: Counter,
     global_shadow: Counter,
     admin_calls: Family<AdminLabels, Counter>,
+    /// Spans dropped with the export queue full, and the count last read.
+    spans_dropped: Counter,
+    spans_dropped_seen: AtomicU64,
     detailed_seen: Mutex<HashSet<RuleLabels>>,
     /// Tells this instance's series apart in the rules' observer slots (tests make several).
     id: u64,
@@ -254,6 +257,8 @@ impl Metrics {
             unknown_domain: Counter::default(),
             global_shadow: Counter::default(),
             admin_calls: Family::default(),
+            spans_dropped: Counter::default(),
+            spans_dropped_seen: AtomicU64::new(0),
             detailed_seen: Mutex::new(HashSet::new()),
             registry: Registry::default(),
             id: NEXT_METRICS_ID.fetch_add(1, Ordering::Relaxed),
@@ -266,6 +271,7 @@ impl Metrics {
         m.register_service_metrics(&mut registry);
         Self::register_build_info(&mut registry);
         m.register_state(&mut registry);
+        m.register_operations(&mut registry);
         Metrics { registry, ..m }
     }
 
@@ -341,6 +347,20 @@ impl Metrics {
         );
     }
 
+    /// The admin API's calls and the traces' export.
+    fn register_operations(&self, registry: &mut Registry) {
+        registry.register(
+            "slidegate_tracing_spans_dropped",
+            "Trace spans dropped because the export queue was full (--tracing-queue-size): the collector is slow or away",
+            self.spans_dropped.clone(),
+        );
+        registry.register(
+            "slidegate_admin_calls",
+            "Admin API calls (--admin-addr) by action (inspect, reset) and result (ok, unauthorized, invalid, store_error)",
+            self.admin_calls.clone(),
+        );
+    }
+
     /// Calls, latencies, the store and the config.
     fn register_service_metrics(&self, registry: &mut Registry) {
         registry.register(
@@ -388,11 +408,6 @@ impl Metrics {
         for (name, help, counter) in counters {
             registry.register(name, help, counter.clone());
         }
-        registry.register(
-            "slidegate_admin_calls",
-            "Admin API calls (--admin-addr) by action (inspect, reset) and result (ok, unauthorized, invalid, store_error)",
-            self.admin_calls.clone(),
-        );
         registry.register(
             "slidegate_store_keys",
             "Descriptors holding state in the embedded store (bounded by --memory-max-keys)",
@@ -494,6 +509,16 @@ impl Metrics {
         let seen = self.data_losses_seen.fetch_max(losses, Ordering::Relaxed);
         if losses > seen {
             self.data_losses.inc_by(losses - seen);
+        }
+    }
+
+    /// Sets the spans dropped so far, as the traces' exporter counts them.
+    pub fn set_spans_dropped(&self, dropped: u64) {
+        let seen = self
+            .spans_dropped_seen
+            .fetch_max(dropped, Ordering::Relaxed);
+        if dropped > seen {
+            self.spans_dropped.inc_by(dropped - seen);
         }
     }
 

@@ -15,7 +15,7 @@ mod common;
 use std::path::Path;
 use std::time::Duration;
 
-use common::redis::{RedisCluster, RedisProcess, free_port, wait_until};
+use common::redis::{RedisCluster, RedisProcess, free_port, make_certs, wait_until};
 use common::{KillOnDrop, TempDir, http, http_with, temp_dir};
 use serde_json::Value;
 
@@ -43,8 +43,18 @@ struct Admin {
 impl Admin {
     fn start(name: &str, store: &[String]) -> Admin {
         let dir = temp_dir(name);
-        std::fs::write(dir.0.join("login.yaml"), CONFIG).expect("config");
         std::fs::write(dir.0.join("tokens"), format!("# admins\nalice {TOKEN}\n")).expect("tokens");
+        let mut flags = vec![
+            "--admin-token-file".to_string(),
+            dir.0.join("tokens").display().to_string(),
+        ];
+        flags.extend_from_slice(store);
+        Admin::start_in(dir, &flags)
+    }
+
+    /// The server in `dir`, with these admin and store flags.
+    fn start_in(dir: TempDir, flags: &[String]) -> Admin {
+        std::fs::write(dir.0.join("login.yaml"), CONFIG).expect("config");
         let (grpc, http, admin) = (free_port(), free_port(), free_port());
         let log = std::fs::File::create(dir.0.join("log")).expect("log file");
         let child = std::process::Command::new(env!("CARGO_BIN_EXE_slidegate"))
@@ -53,9 +63,7 @@ impl Admin {
             .args(["--grpc-addr", &format!("127.0.0.1:{grpc}")])
             .args(["--http-addr", &format!("127.0.0.1:{http}")])
             .args(["--admin-addr", &format!("127.0.0.1:{admin}")])
-            .arg("--admin-token-file")
-            .arg(dir.0.join("tokens"))
-            .args(store)
+            .args(flags)
             .stderr(log)
             .stdout(std::process::Stdio::null())
             .spawn()
@@ -117,11 +125,21 @@ impl Admin {
 
     /// `slidegate admin <action> ...` against this server: (exit code, stdout, stderr).
     fn cli(&self, action: &str, token_file: &Path, descriptors: &[&str]) -> (i32, String, String) {
+        let credentials = vec!["--token-file".to_string(), token_file.display().to_string()];
+        self.cli_with(action, &credentials, descriptors)
+    }
+
+    /// `slidegate admin <action>` with these credential flags.
+    fn cli_with(
+        &self,
+        action: &str,
+        credentials: &[String],
+        descriptors: &[&str],
+    ) -> (i32, String, String) {
         let mut command = std::process::Command::new(env!("CARGO_BIN_EXE_slidegate"));
         command
             .args(["admin", action, "--addr", &self.admin.to_string()])
-            .arg("--token-file")
-            .arg(token_file)
+            .args(credentials)
             .args(["--domain", "login"]);
         for d in descriptors {
             command.args(["--descriptor", d]);
@@ -430,4 +448,104 @@ async fn on_redis_cluster_a_reset_clears_every_slot() {
         assert_eq!(d["windows"][0]["used"], 0, "{found}");
     }
     wait_until("keys gone", Duration::from_secs(1), || held(&ports) == 0);
+}
+
+/// Mutual TLS alone admits a caller by its client certificate, named in the log; a caller
+/// without one, or with one of another CA, gets nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mutual_tls_admits_by_client_certificate() {
+    let dir = temp_dir("admin-mtls");
+    make_certs(
+        &dir.0,
+        &[("server", "IP:127.0.0.1"), ("ops", "DNS:ops.example")],
+    );
+    let stranger = temp_dir("admin-mtls-stranger");
+    make_certs(&stranger.0, &[("ops", "DNS:ops.example")]);
+    let file = |d: &TempDir, name: &str| d.0.join(name).display().to_string();
+    let flags = vec![
+        "--admin-tls-cert".to_string(),
+        file(&dir, "server.crt"),
+        "--admin-tls-key".into(),
+        file(&dir, "server.key"),
+        "--admin-tls-client-ca".into(),
+        file(&dir, "ca.crt"),
+    ];
+    let admin = Admin::start_in(temp_dir("admin-mtls-server"), &flags);
+    let ops = vec![
+        "--tls-ca".to_string(),
+        file(&dir, "ca.crt"),
+        "--tls-cert".into(),
+        file(&dir, "ops.crt"),
+        "--tls-key".into(),
+        file(&dir, "ops.key"),
+    ];
+    for _ in 0..4 {
+        admin.decide(&[ALICE]).await;
+    }
+    let (status, out, err) = admin.cli_with("inspect", &ops, &["user=alice"]);
+    assert_eq!(status, 0, "{err}");
+    let row = out
+        .lines()
+        .find(|l| l.starts_with("user=alice"))
+        .unwrap_or_else(|| panic!("{out}"));
+    assert!(row.split_whitespace().nth(3) == Some("3"), "{out}");
+
+    // No client certificate, or one another CA signed: refused in the handshake.
+    let anonymous = vec!["--tls-ca".to_string(), file(&dir, "ca.crt")];
+    let (status, _, err) = admin.cli_with("reset", &anonymous, &["user=alice"]);
+    assert_eq!(status, 1, "{err}");
+    let foreign = vec![
+        "--tls-ca".to_string(),
+        file(&dir, "ca.crt"),
+        "--tls-cert".into(),
+        file(&stranger, "ops.crt"),
+        "--tls-key".into(),
+        file(&stranger, "ops.key"),
+    ];
+    let (status, _, err) = admin.cli_with("reset", &foreign, &["user=alice"]);
+    assert_eq!(status, 1, "{err}");
+    assert_eq!(admin.decide(&[ALICE]).await, 429, "nothing was reset");
+    // Plain HTTP is not served there: the TLS listener answers no HTTP status.
+    let answer = {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let mut stream = tokio::net::TcpStream::connect(admin.admin).await.unwrap();
+        let request = "POST /admin/v1/reset HTTP/1.0\r\nContent-Length: 0\r\n\r\n";
+        stream.write_all(request.as_bytes()).await.unwrap();
+        let mut answer = Vec::new();
+        let _ =
+            tokio::time::timeout(Duration::from_secs(10), stream.read_to_end(&mut answer)).await;
+        String::from_utf8_lossy(&answer).into_owned()
+    };
+    assert!(!answer.starts_with("HTTP/"), "{answer}");
+
+    let (status, out, err) = admin.cli_with("reset", &ops, &["user=alice"]);
+    assert_eq!(status, 0, "{err}");
+    assert!(out.contains("true"), "{out}");
+    assert_eq!(admin.decide(&[ALICE]).await, 200);
+    let log = admin.log();
+    assert!(
+        log.lines().any(|l| l.contains("admin call")
+            && l.contains("who=ops.example")
+            && l.contains("action=\"reset\"")),
+        "{log}"
+    );
+}
+
+/// The admin API without any credential is refused at start, saying which flags give one.
+#[test]
+fn an_admin_api_without_a_credential_does_not_start() {
+    let dir = temp_dir("admin-none");
+    std::fs::write(dir.0.join("login.yaml"), CONFIG).unwrap();
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_slidegate"))
+        .arg("--config")
+        .arg(dir.0.join("login.yaml"))
+        .args(["--admin-addr", &format!("127.0.0.1:{}", free_port())])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("--admin-token-file") && err.contains("--admin-tls-client-ca"),
+        "{err}"
+    );
 }

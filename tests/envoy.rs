@@ -890,3 +890,45 @@ async fn envoy_gateway_contract_end_to_end() {
         };
     assert!(refused, "a client without a certificate was served");
 }
+
+/// Envoy with its OpenTelemetry tracing on: the trace of a request Envoy started reaches
+/// slidegate's span by the `traceparent` Envoy puts on its ratelimit call, and both arrive at
+/// the one receiver in the same trace, slidegate's span a child of one of Envoy's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn envoys_trace_reaches_slidegates_spans() {
+    let receiver = common::otlp::Receiver::start(Duration::ZERO);
+    let endpoint = format!("http://127.0.0.1:{}", receiver.grpc_port);
+    let slidegate = start_slidegate(&[
+        "--tracing",
+        "--tracing-protocol",
+        "grpc",
+        "--tracing-endpoint",
+        &endpoint,
+    ]);
+    let upstream = start_upstream().await;
+    let envoy = start_fixture_envoy_with(
+        "envoy-tracing.yaml",
+        upstream,
+        slidegate.grpc,
+        &[],
+        &[("OTLP_PORT", receiver.grpc_port.to_string())],
+    );
+    assert_eq!(get(envoy.port, "/traced", Some("tracer")).await.status, 200);
+    let ours = receiver.wait_for(
+        "slidegate's ShouldRateLimit",
+        Duration::from_secs(30),
+        |s| s.name == "ShouldRateLimit" && s.service == "slidegate",
+    );
+    let envoys = receiver.wait_for(
+        "Envoy's span in the same trace",
+        Duration::from_secs(30),
+        |s| s.service == "envoy" && s.trace_id == ours.trace_id,
+    );
+    assert_eq!(ours.attribute("domain").as_deref(), Some("edge"));
+    let parent = receiver.wait_for(
+        "Envoy's span that is the parent of slidegate's",
+        Duration::from_secs(30),
+        |s| s.service == "envoy" && s.span_id == ours.parent_span_id,
+    );
+    assert_eq!(parent.trace_id, envoys.trace_id);
+}

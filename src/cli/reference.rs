@@ -7,7 +7,7 @@
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::path::PathBuf;
 
-use super::{LogFormat, MetricNamesArg, ServeArgs, parse_bool};
+use super::{LogFormat, MetricNamesArg, ServeArgs, TracingProtocolArg, parse_bool};
 
 /// Reads one environment variable (empty counts as unset, as in the reference).
 pub type Var<'a> = &'a dyn Fn(&str) -> Option<String>;
@@ -166,15 +166,6 @@ const WARNED: &[(&str, &str)] = &[
         "MEMCACHE_TLS_SKIP_HOSTNAME_VERIFICATION",
         "the store is Redis or the embedded one",
     ),
-    (
-        "TRACING_ENABLED",
-        "no OpenTelemetry export; debug logs carry a span per call",
-    ),
-    ("TRACING_SERVICE_NAME", "no OpenTelemetry export"),
-    ("TRACING_SERVICE_NAMESPACE", "no OpenTelemetry export"),
-    ("TRACING_SERVICE_INSTANCE_ID", "no OpenTelemetry export"),
-    ("TRACING_EXPORTER_PROTOCOL", "no OpenTelemetry export"),
-    ("TRACING_SAMPLING_RATE", "no OpenTelemetry export"),
 ];
 
 /// What the mapping reads: the variables, which flags were given, and whether the binary runs
@@ -222,6 +213,7 @@ pub fn apply(
     connection_age(args, env, as_the_reference)?;
     switches(args, env)?;
     logging(args, env)?;
+    tracing(args, env)?;
     prometheus(args, env)?;
     for (name, why) in WARNED {
         if var(name).is_some() {
@@ -788,6 +780,71 @@ fn connection_age(
 }
 
 /// `LOG_LEVEL` (the reference's default is WARN) and `LOG_FORMAT`.
+/// The reference's `TRACING_*` settings (its `settings.go`): off unless `TRACING_ENABLED`,
+/// service name `RateLimit` when it starts slidegate, HTTP unless `TRACING_EXPORTER_PROTOCOL`
+/// says `grpc`, every trace sampled unless `TRACING_SAMPLING_RATE` says less. The collector comes
+/// from `OTEL_EXPORTER_OTLP_ENDPOINT`, which the exporter reads itself.
+fn tracing(args: &mut ServeArgs, Env { var, given, .. }: Env<'_>) -> Result<(), String> {
+    if let Some(on) = flag(var, "TRACING_ENABLED")?
+        && !given("tracing")
+    {
+        args.tracing = on;
+    }
+    let names: [(&str, &str, &mut Option<String>); 3] = [
+        (
+            "TRACING_SERVICE_NAME",
+            "tracing_service_name",
+            &mut args.tracing_service_name,
+        ),
+        (
+            "TRACING_SERVICE_NAMESPACE",
+            "tracing_service_namespace",
+            &mut args.tracing_service_namespace,
+        ),
+        (
+            "TRACING_SERVICE_INSTANCE_ID",
+            "tracing_service_instance_id",
+            &mut args.tracing_service_instance_id,
+        ),
+    ];
+    for (name, id, field) in names {
+        if let Some(value) = var(name)
+            && !given(id)
+        {
+            *field = Some(value);
+        }
+    }
+    if args.tracing && args.tracing_service_name.is_none() && var("TRACING_ENABLED").is_some() {
+        args.tracing_service_name = Some("RateLimit".into());
+    }
+    if let Some(protocol) = var("TRACING_EXPORTER_PROTOCOL")
+        && !given("tracing_protocol")
+    {
+        args.tracing_protocol = match protocol.to_ascii_lowercase().as_str() {
+            "http" => TracingProtocolArg::Http,
+            "grpc" => TracingProtocolArg::Grpc,
+            _ => {
+                return Err(format!(
+                    "TRACING_EXPORTER_PROTOCOL={protocol:?}: use http or grpc"
+                ));
+            }
+        };
+    }
+    if let Some(rate) = var("TRACING_SAMPLING_RATE")
+        && !given("tracing_sampling_rate")
+    {
+        args.tracing_sampling_rate = match rate.trim().parse::<f64>() {
+            Ok(r) if (0.0..=1.0).contains(&r) => r,
+            _ => {
+                return Err(format!(
+                    "TRACING_SAMPLING_RATE={rate:?}: use a ratio between 0 and 1 (1 samples every trace)"
+                ));
+            }
+        };
+    }
+    Ok(())
+}
+
 fn logging(args: &mut ServeArgs, env: Env<'_>) -> Result<(), String> {
     let Env {
         var,
@@ -891,6 +948,47 @@ mod tests {
         };
         let notes = apply(&mut args, &given, &var, false)?;
         Ok((args, notes))
+    }
+
+    #[test]
+    fn the_references_tracing_settings_map_onto_the_flags() {
+        let (args, notes) = run(
+            &[],
+            &[
+                ("TRACING_ENABLED", "true"),
+                ("TRACING_EXPORTER_PROTOCOL", "GRPC"),
+                ("TRACING_SAMPLING_RATE", "0.25"),
+                ("TRACING_SERVICE_NAMESPACE", "edge"),
+                ("TRACING_SERVICE_INSTANCE_ID", "pod-7"),
+            ],
+        )
+        .expect("valid");
+        assert!(args.tracing);
+        assert_eq!(args.tracing_protocol, TracingProtocolArg::Grpc);
+        assert!((args.tracing_sampling_rate - 0.25).abs() < f64::EPSILON);
+        assert_eq!(args.tracing_service_name.as_deref(), Some("RateLimit"));
+        assert_eq!(args.tracing_service_namespace.as_deref(), Some("edge"));
+        assert_eq!(args.tracing_service_instance_id.as_deref(), Some("pod-7"));
+        assert!(notes.iter().all(|n| !n.contains("TRACING")), "{notes:?}");
+        let (args, _) = run(
+            &["--tracing-service-name", "mine"],
+            &[("TRACING_ENABLED", "1")],
+        )
+        .expect("valid");
+        assert_eq!(
+            args.tracing_service_name.as_deref(),
+            Some("mine"),
+            "the flag wins"
+        );
+        let (args, _) = run(&[], &[]).expect("valid");
+        assert!(!args.tracing, "off by default, as the reference");
+        let bad = run(&[], &[("TRACING_EXPORTER_PROTOCOL", "zipkin")]).expect_err("refused");
+        assert!(
+            bad.contains("TRACING_EXPORTER_PROTOCOL") && bad.contains("http or grpc"),
+            "{bad}"
+        );
+        let bad = run(&[], &[("TRACING_SAMPLING_RATE", "2")]).expect_err("refused");
+        assert!(bad.contains("between 0 and 1"), "{bad}");
     }
 
     #[test]

@@ -18,12 +18,16 @@ use slidegate::store::{ClockSource, MemoryStore, RedisOptions, RedisStore, Store
 use slidegate::tls::TlsFiles;
 use slidegate::xds::{XdsOptions, XdsTls};
 
-use super::{ClockArg, FailureArg, LogFormat, MetricNamesArg, ServeArgs};
+use slidegate::traces::{Protocol, TraceOptions, Tracing};
+
+use super::{ClockArg, FailureArg, LogFormat, MetricNamesArg, ServeArgs, TracingProtocolArg};
 
 /// Logging as `--log-level` (or `RUST_LOG`) says; a level or filter that means nothing is an
-/// error (it would otherwise turn every log off, store errors included).
-fn init_logging(args: &ServeArgs) -> Result<(), String> {
+/// error (it would otherwise turn every log off, store errors included). With `traces`, the
+/// spans of slidegate's own code also go to OpenTelemetry, whatever the log's level.
+fn init_logging(args: &ServeArgs, traces: Option<&Tracing>) -> Result<(), String> {
     use tracing_subscriber::EnvFilter;
+    use tracing_subscriber::prelude::*;
     let filter = match (&args.log_level, std::env::var("RUST_LOG").ok()) {
         (Some(level), _) => super::log_filter(level, "--log-level")?,
         (None, Some(filter)) if !filter.trim().is_empty() => {
@@ -33,26 +37,68 @@ fn init_logging(args: &ServeArgs) -> Result<(), String> {
     };
     let filter = EnvFilter::try_new(&filter).map_err(|e| format!("log filter {filter:?}: {e}"))?;
     // Colours only on a terminal: escape codes in a container's log file are noise.
-    let builder = tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+    let ansi = std::io::IsTerminal::is_terminal(&std::io::stderr());
+    let Some(traces) = traces else {
+        let builder = tracing_subscriber::fmt()
+            .with_env_filter(filter)
+            .with_ansi(ansi)
+            .with_writer(std::io::stderr);
+        match args.log_format {
+            LogFormat::Text => builder.init(),
+            LogFormat::Json => builder.json().init(),
+        }
+        return Ok(());
+    };
+    // Each layer filtered on its own: the log keeps its level, and OpenTelemetry gets
+    // slidegate's spans (never its events, which stay in the log), made only while a sampled
+    // call runs.
+    let log = tracing_subscriber::fmt::layer()
+        .with_ansi(ansi)
         .with_writer(std::io::stderr);
-    match args.log_format {
-        LogFormat::Text => builder.init(),
-        LogFormat::Json => builder.json().init(),
-    }
+    let log = match args.log_format {
+        LogFormat::Text => log.boxed(),
+        LogFormat::Json => log.json().boxed(),
+    };
+    // The spans carry what slidegate puts on them, not the code's place or thread.
+    let spans = tracing_opentelemetry::layer()
+        .with_tracer(traces.tracer())
+        .with_location(false)
+        .with_threads(false)
+        .with_target(false)
+        .with_tracked_inactivity(false)
+        .with_filter(
+            tracing_subscriber::filter::dynamic_filter_fn(|meta, _| {
+                ours(meta) && slidegate::traces::sampled_here()
+            })
+            // Our spans are at debug level: no library's trace-level callsite is woken.
+            .with_max_level_hint(tracing::level_filters::LevelFilter::DEBUG)
+            // Asked at each span, not once per callsite: whether a call is sampled varies.
+            .with_callsite_filter(|meta| {
+                if ours(meta) {
+                    tracing::subscriber::Interest::sometimes()
+                } else {
+                    tracing::subscriber::Interest::never()
+                }
+            }),
+        );
+    let log_spans = filter
+        .max_level_hint()
+        .is_none_or(|level| level >= tracing::level_filters::LevelFilter::DEBUG);
+    slidegate::traces::set_log_spans(log_spans);
+    tracing_subscriber::registry()
+        .with(log.with_filter(filter))
+        .with(spans)
+        .init();
     Ok(())
+}
+
+/// slidegate's own spans, which go to OpenTelemetry.
+fn ours(meta: &tracing::Metadata<'_>) -> bool {
+    meta.is_span() && meta.target().starts_with("slidegate")
 }
 
 /// Serves until SIGTERM; `notes` are what reading the reference's variables had to say.
 pub fn serve(args: ServeArgs, notes: Vec<String>) -> ExitCode {
-    if let Err(message) = init_logging(&args) {
-        eprintln!("error: {message}");
-        return ExitCode::from(2);
-    }
-    for note in &notes {
-        tracing::warn!("{note}");
-    }
     // tokio's defaults, its LIFO slot included: a task woken by the running one (a lone call's
     // Redis client, then its connection) runs next on the same worker without waking an idle
     // one. Under load a connection still writes its streams' answers together, as it runs them
@@ -66,16 +112,63 @@ pub fn serve(args: ServeArgs, notes: Vec<String>) -> ExitCode {
     let runtime = match builder.build() {
         Ok(rt) => rt,
         Err(e) => {
-            tracing::error!("cannot start the async runtime: {e}");
+            eprintln!("error: cannot start the async runtime: {e}");
             return ExitCode::FAILURE;
         }
     };
-    match runtime.block_on(serve_async(args)) {
+    // The exporter is built, and its task started, on the runtime.
+    let traces = if args.tracing {
+        match runtime.block_on(async { slidegate::traces::start(&trace_options(&args)) }) {
+            Ok(traces) => Some(traces),
+            Err(message) => {
+                eprintln!("error: {message}");
+                return ExitCode::from(2);
+            }
+        }
+    } else {
+        None
+    };
+    if let Err(message) = init_logging(&args, traces.as_ref()) {
+        eprintln!("error: {message}");
+        return ExitCode::from(2);
+    }
+    for note in &notes {
+        tracing::warn!("{note}");
+    }
+    if traces.is_some() {
+        tracing::info!(
+            protocol = ?args.tracing_protocol,
+            endpoint = args.tracing_endpoint.as_deref().unwrap_or("(OTEL_EXPORTER_OTLP_ENDPOINT or the default)"),
+            sampling_rate = args.tracing_sampling_rate,
+            "OpenTelemetry traces on"
+        );
+    }
+    let served = runtime.block_on(serve_async(args));
+    if let Some(traces) = &traces {
+        runtime.block_on(traces.flush(Duration::from_secs(2)));
+    }
+    match served {
         Ok(()) => ExitCode::SUCCESS,
         Err(message) => {
             tracing::error!("{message}");
             ExitCode::FAILURE
         }
+    }
+}
+
+fn trace_options(args: &ServeArgs) -> TraceOptions {
+    TraceOptions {
+        protocol: match args.tracing_protocol {
+            TracingProtocolArg::Grpc => Protocol::Grpc,
+            TracingProtocolArg::Http => Protocol::Http,
+        },
+        endpoint: args.tracing_endpoint.clone(),
+        sampling_rate: args.tracing_sampling_rate,
+        parent_based: !args.tracing_ignore_parent,
+        service_name: args.tracing_service_name.clone(),
+        service_namespace: args.tracing_service_namespace.clone(),
+        service_instance_id: args.tracing_service_instance_id.clone(),
+        queue: args.tracing_queue_size,
     }
 }
 
@@ -308,6 +401,7 @@ fn limiter_options(args: &ServeArgs) -> LimiterOptions {
     LimiterOptions {
         over_limit_cache: args.over_limit_cache,
         log_descriptor_values: args.log_descriptor_values,
+        span_descriptor_values: args.tracing_descriptor_values,
         // A reset taken by one replica reaches the others' caches within a second.
         over_limit_cache_hold_ms: args.admin_addr.map(|_| 1_000),
         near_limit_ratio: args.near_limit_ratio,
@@ -360,16 +454,9 @@ async fn bind(args: &ServeArgs) -> Result<Listeners, String> {
         ),
         None => None,
     };
-    let admin = match (args.admin_addr, &args.admin_token_file) {
-        (Some(addr), Some(path)) => {
-            let tokens = slidegate::server::admin::Tokens::load(path)?;
-            let listener = tokio::net::TcpListener::bind(addr)
-                .await
-                .map_err(|e| format!("cannot listen on {addr} (--admin-addr): {e}"))?;
-            tracing::info!(addr = %addr, "admin API on");
-            Some((listener, Arc::new(tokens)))
-        }
-        _ => None,
+    let admin = match args.admin_addr {
+        Some(addr) => Some(admin_listener(args, addr).await?),
+        None => None,
     };
     Ok(Listeners {
         grpc,
@@ -377,6 +464,51 @@ async fn bind(args: &ServeArgs) -> Result<Listeners, String> {
         metrics,
         grpc_tls: None,
         admin,
+    })
+}
+
+/// The admin API's listener, with its tokens and TLS. It takes a caller only with a
+/// credential: a token file, a client CA, or both.
+async fn admin_listener(
+    args: &ServeArgs,
+    addr: std::net::SocketAddr,
+) -> Result<slidegate::server::AdminListener, String> {
+    if args.admin_token_file.is_none() && args.admin_tls_client_ca.is_none() {
+        return Err(format!(
+            "--admin-addr {addr}: the admin API needs a credential: --admin-token-file FILE (bearer tokens), or --admin-tls-cert, --admin-tls-key and --admin-tls-client-ca (mutual TLS), or both"
+        ));
+    }
+    let tokens = match &args.admin_token_file {
+        Some(path) => Some(Arc::new(slidegate::server::admin::Tokens::load(path)?)),
+        None => None,
+    };
+    let tls = match (&args.admin_tls_cert, &args.admin_tls_key) {
+        (Some(cert), Some(key)) => {
+            let files = ServerTlsFiles {
+                cert: cert.clone(),
+                key: key.clone(),
+                client_ca: args.admin_tls_client_ca.clone(),
+                client_san: args.admin_tls_client_san.clone(),
+            };
+            let tls = ServerTls::load_for_http(files).map_err(|e| format!("admin TLS: {e}"))?;
+            Some(Arc::new(tls))
+        }
+        _ => None,
+    };
+    let listener = tokio::net::TcpListener::bind(addr)
+        .await
+        .map_err(|e| format!("cannot listen on {addr} (--admin-addr): {e}"))?;
+    tracing::info!(
+        addr = %addr,
+        tokens = tokens.is_some(),
+        tls = tls.is_some(),
+        client_certificates = args.admin_tls_client_ca.is_some(),
+        "admin API on"
+    );
+    Ok(slidegate::server::AdminListener {
+        listener,
+        tokens,
+        tls,
     })
 }
 

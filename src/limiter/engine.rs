@@ -9,6 +9,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use arc_swap::ArcSwap;
+use tracing::Instrument as _;
 
 use super::bounds::RequestBounds;
 use super::cache::OverLimitCache;
@@ -54,6 +55,8 @@ pub struct LimiterOptions {
     /// The decision log shows descriptor entries' values as they came, not hashed
     /// ([`super::why`]).
     pub log_descriptor_values: bool,
+    /// Trace spans carry the descriptors' entries with their values (`--tracing-descriptor-values`).
+    pub span_descriptor_values: bool,
     /// The longest the over-limit cache answers for a descriptor before asking the store
     /// again (`None`: until its reset). Set while the admin API is on, so that a reset taken
     /// by one replica reaches every replica's cache within it.
@@ -78,6 +81,7 @@ impl Default for LimiterOptions {
             bounds: RequestBounds::default(),
             over_limit_cache: DEFAULT_OVER_LIMIT_CACHE,
             log_descriptor_values: false,
+            span_descriptor_values: false,
             over_limit_cache_hold_ms: None,
         }
     }
@@ -226,20 +230,45 @@ impl Limiter {
 
     /// Decides one request, and tells the observer how the call ended and how long it took.
     /// Logged as a debug-level span with the domain, descriptor count, result and latency.
-    #[tracing::instrument(
-        name = "should_rate_limit",
-        level = "debug",
-        skip_all,
-        fields(
-            domain = %request.domain,
-            descriptors = request.descriptors.len(),
-            decision = tracing::field::Empty,
-            latency_us = tracing::field::Empty,
-        )
-    )]
+    /// As a trace's span (`--tracing`) it also carries the overall code, the rules that
+    /// matched, the store and whether the over-limit cache answered. With traces on, the span
+    /// is made only for a call that is sampled (or when the log shows debug spans).
     pub async fn should_rate_limit(&self, request: &Request) -> Result<Decision, LimiterError> {
+        let span = if crate::traces::spans_wanted() {
+            tracing::debug_span!(
+                "should_rate_limit",
+                otel.name = "ShouldRateLimit",
+                otel.kind = "server",
+                domain = %request.domain,
+                descriptors = request.descriptors.len(),
+                store = self.store.name(),
+                decision = tracing::field::Empty,
+                latency_us = tracing::field::Empty,
+                code = tracing::field::Empty,
+                rules = tracing::field::Empty,
+                cached = tracing::field::Empty,
+                entries = tracing::field::Empty,
+            )
+        } else {
+            tracing::Span::none()
+        };
+        if span.is_disabled() {
+            self.decide_and_tell(request, &span).await
+        } else {
+            self.decide_and_tell(request, &span)
+                .instrument(span.clone())
+                .await
+        }
+    }
+
+    /// [`Limiter::should_rate_limit`] inside its span.
+    async fn decide_and_tell(
+        &self,
+        request: &Request,
+        span: &tracing::Span,
+    ) -> Result<Decision, LimiterError> {
         let started = Stopwatch::start();
-        let result = self.decide(request).await;
+        let result = self.decide(request, span).await;
         let elapsed = started.elapsed();
         let call = match &result {
             Ok(d) if d.overall == Code::Ok => CallResult::Ok,
@@ -248,7 +277,6 @@ impl Limiter {
             Err(LimiterError::Store(_)) => CallResult::StoreError,
         };
         self.observer.call(call, elapsed);
-        let span = tracing::Span::current();
         span.record("decision", tracing::field::debug(call));
         span.record(
             "latency_us",
@@ -258,7 +286,11 @@ impl Limiter {
         result
     }
 
-    async fn decide(&self, request: &Request) -> Result<Decision, LimiterError> {
+    async fn decide(
+        &self,
+        request: &Request,
+        span: &tracing::Span,
+    ) -> Result<Decision, LimiterError> {
         self.options.bounds.validate(request)?;
         let limits = self.limits.load_full();
         let now_ms = self.clock.now_ms();
@@ -284,6 +316,9 @@ impl Limiter {
                 None => self.check_cached(&planned.items, now_ms, policy).await?,
             }
         };
+        if !span.is_disabled() {
+            self.describe_span(span, request, &planned, &outcome, &cached);
+        }
         Ok(self.respond(request, &planned, &outcome, &cached, domain.log_decisions))
     }
 
@@ -356,6 +391,44 @@ impl Limiter {
             items: outcomes,
         };
         Ok((outcome, cached))
+    }
+
+    /// What a trace's span says of the decision (only built for a span being recorded).
+    fn describe_span(
+        &self,
+        span: &tracing::Span,
+        request: &Request,
+        planned: &Planned<'_>,
+        outcome: &CheckOutcome,
+        cached: &[bool],
+    ) {
+        let code = if outcome.admitted { "OK" } else { "OVER_LIMIT" };
+        let rules: Vec<&str> = planned
+            .plans
+            .iter()
+            .filter_map(|plan| match plan {
+                Plan::Check {
+                    rule: Some(rule), ..
+                }
+                | Plan::Unlimited(rule) => Some(rule.path.as_str()),
+                _ => None,
+            })
+            .collect();
+        span.record("code", code);
+        span.record("rules", rules.join(",").as_str());
+        span.record("cached", cached.iter().any(|c| *c));
+        if self.options.span_descriptor_values {
+            let entries: Vec<String> = request
+                .descriptors
+                .iter()
+                .map(|d| {
+                    let pairs: Vec<String> =
+                        d.entries.iter().map(|(k, v)| format!("{k}={v}")).collect();
+                    pairs.join(",")
+                })
+                .collect();
+            span.record("entries", entries.join(";").as_str());
+        }
     }
 
     /// Caches the items the store found over.
@@ -461,6 +534,7 @@ impl Limiter {
         statuses: &[Status],
         loud: bool,
     ) {
+        let trace_id = crate::traces::current_trace_id();
         for (index, (plan, status)) in planned.plans.iter().zip(statuses).enumerate() {
             if let Plan::Check { item, rule, .. } = plan
                 && let (Some(found), Some(descriptor)) =
@@ -475,6 +549,7 @@ impl Limiter {
                     outcome: found,
                     code: status.code,
                     from_cache: cached.get(*item).copied().unwrap_or(false),
+                    trace_id: trace_id.as_deref(),
                 }
                 .log(loud, self.options.log_descriptor_values);
             }
@@ -490,11 +565,34 @@ impl Limiter {
         rejected: bool,
     ) -> Result<CheckOutcome, StoreError> {
         let started = Stopwatch::start();
-        let result = if rejected {
-            self.store.check_rejected(items, now_ms).await
+        // A trace's child span per store call (made only as the call's own span is).
+        let span = if crate::traces::spans_wanted() {
+            tracing::debug_span!(
+                "store_call",
+                otel.name = "store",
+                store = self.store.name(),
+                items = items.len(),
+                rejected,
+                outcome = tracing::field::Empty,
+            )
         } else {
-            self.store.check(items, now_ms).await
+            tracing::Span::none()
         };
+        let result = if rejected {
+            self.store
+                .check_rejected(items, now_ms)
+                .instrument(span.clone())
+                .await
+        } else {
+            self.store
+                .check(items, now_ms)
+                .instrument(span.clone())
+                .await
+        };
+        span.record(
+            "outcome",
+            result.as_ref().map_or_else(StoreError::kind, |_| "ok"),
+        );
         self.observer
             .store_call(self.store.name(), started.elapsed(), result.is_ok());
         result

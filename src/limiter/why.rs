@@ -1,7 +1,7 @@
 //! The decision log: one line per decided descriptor, saying why it got its code: the domain,
 //! the rule that matched (its path), each window's count, limit and reset, the ban, and the
 //! entries, their values hashed unless `--log-descriptor-values` shows them (they can be user
-//! ids). Logged under the target [`TARGET`] at debug level, or at info level for a domain that
+//! ids), and the trace id where traces are on. Logged under the target [`TARGET`] at debug level, or at info level for a domain that
 //! asks (`log_decisions: true`). Nothing is built unless a line is written.
 
 use std::fmt::Write as _;
@@ -27,6 +27,8 @@ pub(super) struct Why<'a> {
     pub code: Code,
     /// Answered from the over-limit cache, without the store.
     pub from_cache: bool,
+    /// The trace the call belongs to, where traces are on.
+    pub trace_id: Option<&'a str>,
 }
 
 /// Whether a line would be written: at debug level for every domain, or at info level for a
@@ -72,6 +74,7 @@ impl Why<'_> {
                     recorded = self.outcome.recorded,
                     cached = self.from_cache,
                     shadow,
+                    trace_id = self.trace_id.unwrap_or("none"),
                     "descriptor decided"
                 )
             };

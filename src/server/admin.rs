@@ -1,9 +1,10 @@
-//! The admin API, on its own listener (`--admin-addr`) and only with a token file
-//! (`--admin-token-file`): `POST /admin/v1/inspect` shows how a request's descriptors stand,
-//! `POST /admin/v1/reset` forgets their windows and bans. Both take the body `POST /json` takes
-//! (a `RateLimitRequest` in proto3 JSON). Every call is logged under [`TARGET`] (who, what,
-//! result) and counted in `slidegate_admin_calls_total`; a call without a valid
-//! `Authorization: Bearer` token gets 401 and nothing else.
+//! The admin API, on its own listener (`--admin-addr`) and only with a credential: a token file
+//! (`--admin-token-file`: `Authorization: Bearer`), or mutual TLS (`--admin-tls-client-ca`), or
+//! both. `POST /admin/v1/inspect` shows how a request's descriptors stand, `POST
+//! /admin/v1/reset` forgets their windows and bans. Both take the body `POST /json` takes (a
+//! `RateLimitRequest` in proto3 JSON). Every call is logged under [`TARGET`] (who, what,
+//! result) and counted in `slidegate_admin_calls_total`; a call without a valid token (where
+//! tokens are asked for) gets 401 and nothing else.
 
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
@@ -157,12 +158,17 @@ fn same(a: &[u8], b: &[u8]) -> bool {
     std::hint::black_box(differ) == 0
 }
 
+/// Who is at the other end of a connection, by its client certificate (mutual TLS).
+#[derive(Clone, Debug)]
+pub struct Peer(pub Option<String>);
+
 /// What the admin handlers share.
 #[derive(Clone)]
 pub struct AdminState {
     pub limiter: Arc<Limiter>,
     pub metrics: Arc<Metrics>,
-    pub tokens: Arc<Tokens>,
+    /// `None`: mutual TLS alone admits a caller.
+    pub tokens: Option<Arc<Tokens>>,
     pub bytes: RequestBytes,
     pub body_timeout: std::time::Duration,
 }
@@ -191,31 +197,49 @@ impl Action {
 
 async fn inspect(
     State(state): State<AdminState>,
+    peer: Option<axum::Extension<Peer>>,
     headers: HeaderMap,
     body: axum::body::Body,
 ) -> Response {
-    serve(state, headers, body, Action::Inspect).await
+    serve(state, peer.map(|p| p.0), headers, body, Action::Inspect).await
 }
 
 async fn reset(
     State(state): State<AdminState>,
+    peer: Option<axum::Extension<Peer>>,
     headers: HeaderMap,
     body: axum::body::Body,
 ) -> Response {
-    serve(state, headers, body, Action::Reset).await
+    serve(state, peer.map(|p| p.0), headers, body, Action::Reset).await
 }
 
-/// Checks the token before reading anything of the body, then runs `action`.
+/// Who the caller is: its token's name where tokens are asked for (`None` without a valid
+/// one), with its certificate's name where it has one.
+fn caller(state: &AdminState, peer: Option<Peer>, headers: &HeaderMap) -> Option<String> {
+    let certificate = peer.and_then(|p| p.0);
+    let Some(tokens) = &state.tokens else {
+        // Mutual TLS alone: the handshake admitted the certificate.
+        return certificate;
+    };
+    let authorization = headers
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok());
+    let name = tokens.who(authorization)?;
+    Some(match certificate {
+        Some(certificate) => format!("{name} ({certificate})"),
+        None => name,
+    })
+}
+
+/// Checks the caller before reading anything of the body, then runs `action`.
 async fn serve(
     state: AdminState,
+    peer: Option<Peer>,
     headers: HeaderMap,
     body: axum::body::Body,
     action: Action,
 ) -> Response {
-    let authorization = headers
-        .get(header::AUTHORIZATION)
-        .and_then(|v| v.to_str().ok());
-    let Some(who) = state.tokens.who(authorization) else {
+    let Some(who) = caller(&state, peer, &headers) else {
         state.metrics.admin_call(action.name(), "unauthorized");
         tracing::warn!(target: TARGET, action = action.name(), "admin call refused: no valid bearer token");
         return (

@@ -154,6 +154,7 @@ fn exposition(limiter: &Limiter, metrics: &Metrics) -> Response {
     if let Some(resent) = limiter.store_resent() {
         metrics.set_store_resent(resent);
     }
+    metrics.set_spans_dropped(crate::traces::dropped());
     let (content_type, body) = metrics.render();
     ([(axum::http::header::CONTENT_TYPE, content_type)], body).into_response()
 }
@@ -164,7 +165,16 @@ async fn config(State(state): State<HttpState>) -> String {
 
 /// `POST /json`: the proto3 JSON form of a `RateLimitRequest` (read by the pbjson mapping
 /// generated from `proto/`, like grpc-gateway's), decided on the same path as a gRPC call.
-async fn json(State(state): State<HttpState>, body: axum::body::Body) -> Response {
+async fn json(
+    State(state): State<HttpState>,
+    headers: axum::http::HeaderMap,
+    body: axum::body::Body,
+) -> Response {
+    let caller = crate::traces::callers_context(&headers);
+    crate::traces::within(caller, decide_json(state, body)).await
+}
+
+async fn decide_json(state: HttpState, body: axum::body::Body) -> Response {
     let account = state.bytes.connection();
     let read = read_body(body, account.hold());
     let body = match tokio::time::timeout(state.body_timeout, read).await {

@@ -103,8 +103,8 @@ pub struct Listeners {
     pub metrics: Option<TcpListener>,
     /// TLS (and with a client CA, mutual TLS) on the gRPC port.
     pub grpc_tls: Option<Arc<ServerTls>>,
-    /// The admin API (`--admin-addr`), with the tokens it takes.
-    pub admin: Option<(TcpListener, Arc<admin::Tokens>)>,
+    /// The admin API (`--admin-addr`).
+    pub admin: Option<AdminListener>,
 }
 
 impl Listeners {
@@ -118,6 +118,14 @@ impl Listeners {
             admin: None,
         }
     }
+}
+
+/// The admin API's listener and what admits a caller: tokens, mutual TLS, or both (at least
+/// one; TLS without a client CA only encrypts).
+pub struct AdminListener {
+    pub listener: TcpListener,
+    pub tokens: Option<Arc<admin::Tokens>>,
+    pub tls: Option<Arc<ServerTls>>,
 }
 
 /// Stops a background task when dropped.
@@ -190,19 +198,8 @@ pub async fn run(
     if let Some(listener) = listeners.metrics {
         spawn_metrics_listener(listener, &app, wait_for(stop.clone()));
     }
-    if let Some((listener, tokens)) = listeners.admin {
-        let state = admin::AdminState {
-            limiter: app.limiter.clone(),
-            metrics: app.metrics.clone(),
-            tokens,
-            bytes: bytes.clone(),
-            body_timeout: limits.body_timeout,
-        };
-        tokio::spawn(net::serve_http(
-            GuardedListener::new(listener, limits),
-            admin::router(state),
-            wait_for(stop.clone()),
-        ));
+    if let Some(admin) = listeners.admin {
+        spawn_admin_listener(admin, &app, &bytes, wait_for(stop.clone()));
     }
 
     if !*draining.borrow() {
@@ -259,6 +256,44 @@ fn spawn_metrics_listener(
         router,
         stop,
     ));
+}
+
+/// The admin API on its own listener, until `stop`; with TLS, each connection's router knows
+/// the client certificate's name.
+fn spawn_admin_listener(
+    admin: AdminListener,
+    app: &App,
+    bytes: &RequestBytes,
+    stop: impl Future<Output = ()> + Send + 'static,
+) {
+    let limits = app.options.connections;
+    let state = admin::AdminState {
+        limiter: app.limiter.clone(),
+        metrics: app.metrics.clone(),
+        tokens: admin.tokens,
+        bytes: bytes.clone(),
+        body_timeout: limits.body_timeout,
+    };
+    let router = admin::router(state);
+    let listener = GuardedListener::new(admin.listener, limits);
+    match admin.tls {
+        None => {
+            tokio::spawn(net::serve_http(listener, router, stop));
+        }
+        Some(tls) => {
+            let reloader = AbortOnDrop(tls.clone().spawn_reloader(app.options.tls_reload_interval));
+            let connections = tls::incoming(listener, Some(tls), limits.header_timeout());
+            let router_for = move |conn: &GrpcConn| {
+                router
+                    .clone()
+                    .layer(axum::Extension(admin::Peer(tls::peer_name(conn))))
+            };
+            tokio::spawn(async move {
+                net::serve_http_on(connections, limits, router_for, stop).await;
+                drop(reloader);
+            });
+        }
+    }
 }
 
 /// Waits for the servers to finish, or, once `stop` is set, at most `grace` for their

@@ -229,15 +229,36 @@ impl tonic::transport::server::Connected for GuardedStream {
 /// requests must send their headers within [`ConnectionLimits::header_timeout`]; HTTP/2
 /// connections are pinged.
 pub async fn serve_http(
-    mut listener: GuardedListener,
+    listener: GuardedListener,
     router: axum::Router,
     shutdown: impl Future<Output = ()>,
 ) {
+    let limits = listener.limits;
+    let connections = futures_util::StreamExt::map(listener.into_stream(), |c| c);
+    serve_http_on(
+        Box::pin(connections),
+        limits,
+        move |_| router.clone(),
+        shutdown,
+    )
+    .await;
+}
+
+/// [`serve_http`] on connections from elsewhere (a TLS acceptor), with a router made for each
+/// (`router_for` sees the connection: who is at the other end).
+pub async fn serve_http_on<IO>(
+    mut connections: Pin<Box<dyn futures_util::Stream<Item = io::Result<IO>> + Send>>,
+    limits: ConnectionLimits,
+    router_for: impl Fn(&IO) -> axum::Router,
+    shutdown: impl Future<Output = ()>,
+) where
+    IO: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+{
+    use futures_util::StreamExt as _;
     use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
     use hyper_util::server::conn::auto::Builder;
     use hyper_util::service::TowerToHyperService;
 
-    let limits = listener.limits;
     let mut builder = Builder::new(TokioExecutor::new());
     builder
         .http1()
@@ -253,16 +274,20 @@ pub async fn serve_http(
     tokio::pin!(shutdown);
     loop {
         tokio::select! {
-            (stream, _) = listener.next() => {
-                let service = TowerToHyperService::new(router.clone());
-                let connection = builder
-                    .serve_connection_with_upgrades(TokioIo::new(stream), service)
-                    .into_owned();
-                let connection = graceful.watch(connection);
-                tokio::spawn(async move {
-                    let _ = connection.await;
-                });
-            }
+            accepted = connections.next() => match accepted {
+                Some(Ok(stream)) => {
+                    let service = TowerToHyperService::new(router_for(&stream));
+                    let connection = builder
+                        .serve_connection_with_upgrades(TokioIo::new(stream), service)
+                        .into_owned();
+                    let connection = graceful.watch(connection);
+                    tokio::spawn(async move {
+                        let _ = connection.await;
+                    });
+                }
+                Some(Err(e)) => tracing::debug!("HTTP connection not accepted: {e}"),
+                None => break,
+            },
             () = &mut shutdown => break,
         }
     }

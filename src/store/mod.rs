@@ -304,6 +304,15 @@ pub enum StoreError {
 }
 
 impl StoreError {
+    /// A short name of the failure, for spans and logs.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            StoreError::Timeout(_) => "timeout",
+            StoreError::Unavailable { .. } => "unavailable",
+            StoreError::Protocol(_) => "protocol_error",
+        }
+    }
+
     /// Unavailable for a reason with no underlying error.
     pub fn unavailable(context: impl Into<String>) -> StoreError {
         StoreError::Unavailable {

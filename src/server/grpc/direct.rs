@@ -57,10 +57,12 @@ where
         .get(&GRPC_TIMEOUT)
         .and_then(grpc_timeout)
         .and_then(|timeout| tokio::time::Instant::now().checked_add(timeout));
+    let caller = crate::traces::callers_context(request.headers());
+    let answering = crate::traces::within(caller, answer(limiter, bounds, request));
     let answered = match deadline {
-        None => answer(limiter, bounds, request).await,
+        None => answering.await,
         Some(deadline) => {
-            let decided = store::with_caller_deadline(deadline, answer(limiter, bounds, request));
+            let decided = store::with_caller_deadline(deadline, answering);
             let cancelled = || Err(Status::cancelled("Timeout expired"));
             match tokio::time::timeout_at(deadline, decided).await {
                 // A networked store answers by the failure policy a little before the

@@ -41,6 +41,8 @@ pub struct ServerTlsFiles {
 /// The serving TLS configuration, replaced when its files change.
 pub struct ServerTls {
     files: ServerTlsFiles,
+    /// Offer HTTP/1.1 as well as HTTP/2 (the admin listener; gRPC is HTTP/2 alone).
+    http1: bool,
     client_san: Option<ServerName<'static>>,
     config: ArcSwap<ServerConfig>,
     /// The bytes of the files the current configuration was built from.
@@ -50,6 +52,15 @@ pub struct ServerTls {
 impl ServerTls {
     /// Loads the files; an error names the file and what is wrong with it.
     pub fn load(files: ServerTlsFiles) -> Result<ServerTls, TlsError> {
+        ServerTls::load_with(files, false)
+    }
+
+    /// [`ServerTls::load`] for an HTTP listener, whose clients may speak HTTP/1.1.
+    pub fn load_for_http(files: ServerTlsFiles) -> Result<ServerTls, TlsError> {
+        ServerTls::load_with(files, true)
+    }
+
+    fn load_with(files: ServerTlsFiles, http1: bool) -> Result<ServerTls, TlsError> {
         let client_san = match &files.client_san {
             Some(san) => Some(
                 ServerName::try_from(san.clone())
@@ -57,9 +68,10 @@ impl ServerTls {
             ),
             None => None,
         };
-        let (config, bytes) = build(&files)?;
+        let (config, bytes) = build(&files, http1)?;
         Ok(ServerTls {
             files,
+            http1,
             client_san,
             config: ArcSwap::from_pointee(config),
             loaded_from: Mutex::new(bytes),
@@ -76,7 +88,7 @@ impl ServerTls {
         if *loaded_from == bytes {
             return Ok(false);
         }
-        let (config, bytes) = build(&self.files)?;
+        let (config, bytes) = build(&self.files, self.http1)?;
         self.config.store(Arc::new(config));
         *loaded_from = bytes;
         Ok(true)
@@ -91,13 +103,14 @@ impl ServerTls {
                 tick.tick().await;
                 match self.reload_if_changed() {
                     Ok(true) => {
-                        tracing::info!(cert = %self.files.cert.display(), "gRPC TLS certificate reloaded")
+                        tracing::info!(cert = %self.files.cert.display(), "TLS certificate reloaded")
                     }
                     Ok(false) => {}
                     // Often a rotation caught half-way (certificate new, key old): the next
                     // check sees the whole set.
                     Err(e) => tracing::warn!(
-                        "gRPC TLS files changed but do not load, keeping the previous ones: {e}"
+                        "TLS files of {} changed but do not load, keeping the previous ones: {e}",
+                        self.files.cert.display()
                     ),
                 }
             }
@@ -144,7 +157,7 @@ fn file_bytes(files: &ServerTlsFiles) -> Vec<u8> {
     bytes
 }
 
-fn build(files: &ServerTlsFiles) -> Result<(ServerConfig, Vec<u8>), TlsError> {
+fn build(files: &ServerTlsFiles, http1: bool) -> Result<(ServerConfig, Vec<u8>), TlsError> {
     // Read the bytes first: if the files change while building, the next check sees it.
     let bytes = file_bytes(files);
     let provider = Arc::new(rustls::crypto::ring::default_provider());
@@ -165,7 +178,22 @@ fn build(files: &ServerTlsFiles) -> Result<(ServerConfig, Vec<u8>), TlsError> {
         .map_err(|e| TlsError::file("the certificate does not fit its key", &files.cert, e))?;
     // gRPC is HTTP/2; clients that insist on ALPN get it.
     config.alpn_protocols = vec![b"h2".to_vec()];
+    if http1 {
+        config.alpn_protocols.push(b"http/1.1".to_vec());
+    }
     Ok((config, bytes))
+}
+
+/// The name the client's certificate gives (its first DNS name), on a connection with one.
+pub fn peer_name(conn: &GrpcConn) -> Option<String> {
+    let GrpcConn::Tls(tls) = conn else {
+        return None;
+    };
+    let (_, connection) = tls.get_ref();
+    let leaf = connection.peer_certificates()?.first()?;
+    let cert = webpki::EndEntityCert::try_from(leaf).ok()?;
+    let name = cert.valid_dns_names().next().map(str::to_string);
+    Some(name.unwrap_or_else(|| "a client certificate without a DNS name".into()))
 }
 
 /// One gRPC connection, with or without TLS.

@@ -2,6 +2,8 @@
 //! tentative calls combined, and the entries of a rejected request spread over several
 //! masters removed again (`undo`), so a request is all-or-nothing and never over-admits.
 
+use tracing::Instrument as _;
+
 use super::encode::{parse_reply, unavailable};
 use super::*;
 
@@ -11,6 +13,9 @@ impl RedisStore {
     /// master refused it (the slot moved) goes again to the master the cluster names now; if
     /// that is still the one that refused, the slot is mid-migration and this request's keys
     /// have left (or are new): it is answered by the failure policy until the slot has moved.
+    ///
+    /// As a trace's span (`--tracing`): the master and slot, the attempt (2 when it followed
+    /// its slot) and the outcome.
     pub(super) async fn call_group(
         &self,
         items: &[CheckItem<'_>],
@@ -18,6 +23,50 @@ impl RedisStore {
         now_ms: u64,
         call: &Call,
         mode: Mode,
+    ) -> Result<GroupReply, StoreError> {
+        let span = if crate::traces::spans_wanted() {
+            tracing::debug_span!(
+                "redis_call",
+                otel.name = "redis",
+                node = tracing::field::Empty,
+                slot = tracing::field::Empty,
+                items = group.items.len(),
+                attempt = 1u32,
+                outcome = tracing::field::Empty,
+            )
+        } else {
+            tracing::Span::none()
+        };
+        if !span.is_disabled() {
+            if let Some(master) = group.master.as_ref().and_then(|b| b.master()) {
+                span.record("node", tracing::field::display(&master.server));
+            }
+            if let Slots::One(slot) = group.slots {
+                span.record("slot", slot);
+            }
+        }
+        let once = self.call_group_once(items, group, now_ms, call, mode, &span);
+        // Untraced, the call's future is awaited as it is.
+        let result = if span.is_disabled() {
+            once.await
+        } else {
+            once.instrument(span.clone()).await
+        };
+        span.record(
+            "outcome",
+            result.as_ref().map_or_else(StoreError::kind, |_| "ok"),
+        );
+        result
+    }
+
+    async fn call_group_once(
+        &self,
+        items: &[CheckItem<'_>],
+        group: &Group,
+        now_ms: u64,
+        call: &Call,
+        mode: Mode,
+        span: &tracing::Span,
     ) -> Result<GroupReply, StoreError> {
         let request = self.script_input(items, group, now_ms, call, mode);
         let batcher = self.batcher.as_ref().or(group.master.as_ref());
@@ -31,6 +80,7 @@ impl RedisStore {
             && self.nodes.is_some()
             && not_served(&answer)
         {
+            span.record("attempt", 2u32);
             // Boxed: rare, and its future would otherwise enlarge every decision's.
             answer = Box::pin(self.follow_slot(items, group, slot, now_ms, call, mode)).await;
         }
