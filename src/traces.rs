@@ -93,14 +93,18 @@ pub fn extract(headers: &http::HeaderMap) -> Context {
     propagator.extract(&opentelemetry_http::HeaderExtractor(headers))
 }
 
-/// A call to trace: the caller's context (or none) and the call sampled, as decided when it
-/// arrived.
-pub struct Traced(Context);
+/// A call under traces: the caller's context (or none), and whether the call is sampled, as
+/// decided when it arrived.
+pub struct Traced {
+    context: Context,
+    sampled: bool,
+}
 
-/// Whether traces are on and the call with these `headers` is sampled, and if so its parent
-/// context (one flag check when traces are off). Parent-based: a caller's sampled flag
-/// decides; otherwise the rate does, on the caller's trace id where there is one (so every
-/// process sampling by rate picks the same traces), or at random.
+/// With traces on, the call with these `headers`: its caller's context, and whether it is
+/// sampled (`None`, after one flag check, when traces are off, or when the call neither
+/// carries a context nor is sampled). Parent-based: a caller's sampled flag decides; otherwise
+/// the rate does, on the caller's trace id where there is one (so every process sampling by
+/// rate picks the same traces), or at random.
 pub fn callers_context(headers: &http::HeaderMap) -> Option<Traced> {
     if !enabled() {
         return None;
@@ -131,11 +135,12 @@ pub fn callers_context(headers: &http::HeaderMap) -> Option<Traced> {
         };
         bits < threshold
     };
-    sampled.then_some(Traced(context))
+    (sampled || parent.is_valid()).then_some(Traced { context, sampled })
 }
 
-/// `work` under the caller's context, its spans made, when it was sampled
-/// ([`callers_context`]); as it is otherwise.
+/// `work` under the caller's context ([`callers_context`]), its spans made when it is
+/// sampled; as it is without a context. (Not sampled, the caller's trace id still reaches the
+/// decision log.)
 pub fn within<F: std::future::Future>(
     traced: Option<Traced>,
     work: F,
@@ -144,7 +149,10 @@ pub fn within<F: std::future::Future>(
     use opentelemetry::context::FutureExt as _;
     // Boxed when traced, so that the untraced future is no larger than `work`.
     match traced {
-        Some(Traced(context)) => Either::Left(Sampled(Box::pin(work.with_context(context)))),
+        Some(Traced { context, sampled }) => Either::Left(Sampled {
+            work: Box::pin(work.with_context(context)),
+            sampled,
+        }),
         None => Either::Right(work),
     }
 }
@@ -169,8 +177,11 @@ pub fn spans_wanted() -> bool {
     !enabled() || LOG_SPANS.load(Ordering::Relaxed) || sampled_here()
 }
 
-/// A sampled call's future: marks the thread as running it while it is polled.
-struct Sampled<F>(std::pin::Pin<Box<F>>);
+/// A traced call's future: a sampled one marks the thread as running it while it is polled.
+struct Sampled<F> {
+    work: std::pin::Pin<Box<F>>,
+    sampled: bool,
+}
 
 impl<F: std::future::Future> std::future::Future for Sampled<F> {
     type Output = F::Output;
@@ -179,8 +190,9 @@ impl<F: std::future::Future> std::future::Future for Sampled<F> {
         mut self: std::pin::Pin<&mut Self>,
         cx: &mut std::task::Context<'_>,
     ) -> std::task::Poll<F::Output> {
-        let before = SAMPLED.with(|s| s.replace(true));
-        let polled = self.0.as_mut().poll(cx);
+        let sampled = self.sampled;
+        let before = SAMPLED.with(|s| s.replace(sampled));
+        let polled = self.work.as_mut().poll(cx);
         SAMPLED.with(|s| s.set(before));
         polled
     }
@@ -204,16 +216,20 @@ fn threshold(rate: f64) -> u64 {
     }
 }
 
-/// The trace id of the span being recorded now, for the decision log; `None` without one.
+/// The trace the call being decided belongs to, for the decision log: its span's, or where it
+/// has none (not sampled) the caller's; `None` without either.
 pub fn current_trace_id() -> Option<String> {
     use tracing_opentelemetry::OpenTelemetrySpanExt as _;
     if !enabled() {
         return None;
     }
-    let context = tracing::Span::current().context();
-    let span = context.span();
-    let id = span.span_context();
-    id.is_valid().then(|| id.trace_id().to_string())
+    let ours = tracing::Span::current().context();
+    let callers = Context::current();
+    [ours, callers].iter().find_map(|context| {
+        let span = context.span();
+        let id = span.span_context();
+        id.is_valid().then(|| id.trace_id().to_string())
+    })
 }
 
 /// What [`start`] hands back: the provider (its tracer goes into the layer) and a way to send

@@ -154,6 +154,23 @@ async fn a_calls_span_joins_the_callers_trace() {
         })
     });
 
+    // A caller's trace it did not sample is not exported, but its id reaches the log.
+    let unsampled = "d4cda95b652f4a1592b449d5929fda1b";
+    server
+        .call(
+            "zoe",
+            &[(
+                "traceparent",
+                &format!("00-{unsampled}-6e0c63257de34c92-00"),
+            )],
+        )
+        .await;
+    wait_until("the unsampled call's log line", DEADLINE, || {
+        server.log().lines().any(|l| {
+            l.contains("descriptor decided") && l.contains(&format!("trace_id=\"{unsampled}\""))
+        })
+    });
+
     // B3, one header and several.
     let b3_trace = "80f198ee56343ba864fe8b2a57d3eff7";
     let single = format!("{b3_trace}-e457b5a2e4d86bd1-1");
@@ -187,6 +204,11 @@ async fn a_calls_span_joins_the_callers_trace() {
             && s.parent_span_id.is_empty()
             && s.attribute("code").as_deref() == Some("OVER_LIMIT")
     });
+    // Spans leave in the order they end: the root's came after the unsampled call's would have.
+    assert!(
+        receiver.spans().iter().all(|s| s.trace_id != unsampled),
+        "the unsampled trace sent nothing"
+    );
     assert_ne!(root.trace_id, trace);
 }
 
