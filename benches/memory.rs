@@ -10,6 +10,11 @@
 //! (`sliding_counter`, ten buckets per window); with `SLIDEGATE_BENCH_LIMITADOR`, Kuadrant's
 //! limitador (fixed windows) on the same limit, in its `redis` mode. Every call is admitted
 //! (500 calls stay under the limit), so each log holds one entry per call.
+//!
+//! Then the same logs in candidate encodings, written straight into a fresh Redis by one
+//! `EVAL` (`FORMATS` below; each key with a TTL, as slidegate's are): the comparison a compact
+//! log is chosen by. The first row rebuilds today's sorted set, which checks the method against
+//! the table above.
 // Benchmarks may panic on a broken set-up, read the wall clock and run long.
 #![allow(
     clippy::unwrap_used,
@@ -245,4 +250,92 @@ fn main() {
         }
     }
     let _ = std::fs::remove_dir_all(&scratch);
+    formats();
+}
+
+/// Candidate encodings of one user's log, each written by [`BUILD`] (its `kind` argument).
+const FORMATS: [(&str, &str, &[&str]); 5] = [
+    (
+        "zset",
+        "today's sorted set (member `<cum>:<weight>:<time>`)",
+        &[],
+    ),
+    (
+        "zset",
+        "the same, kept a listpack up to 1,024 entries",
+        &["--zset-max-listpack-entries", "1024"],
+    ),
+    (
+        "offsets",
+        "one string: 8-byte base, 4-byte ms offset a call, appended",
+        &[],
+    ),
+    (
+        "offsets+totals",
+        "one string: 8-byte base, 4-byte offset and 4-byte running total a call",
+        &[],
+    ),
+    (
+        "hash",
+        "a hash of time -> running total (a listpack while small)",
+        &[],
+    ),
+];
+
+/// Writes `ARGV[1]` users' logs of `ARGV[2]` calls each, in encoding `ARGV[3]`, calls 7 ms
+/// apart, every key with a one-hour TTL.
+const BUILD: &str = r"
+local users, calls, kind = tonumber(ARGV[1]), tonumber(ARGV[2]), ARGV[3]
+local now = 1767225600000
+for u = 1, users do
+  local key = 'rl:{memory:user=' .. u .. '}:log'
+  if kind == 'zset' then
+    for c = 1, calls do
+      local t = now + 7 * c
+      redis.call('ZADD', key, t, string.format('%020d:1:%d', c, t))
+    end
+  elseif kind == 'hash' then
+    for c = 1, calls do
+      redis.call('HSET', key, now + 7 * c, c)
+    end
+  else
+    redis.call('APPEND', key, struct.pack('<d', now))
+    for c = 1, calls do
+      if kind == 'offsets' then
+        redis.call('APPEND', key, struct.pack('<I4', 7 * c))
+      else
+        redis.call('APPEND', key, struct.pack('<I4I4', 7 * c, c))
+      end
+    end
+  end
+  redis.call('PEXPIRE', key, 3600000)
+end
+return users
+";
+
+/// The candidate encodings' bytes per user, at each size.
+fn formats() {
+    println!(
+        "\nCandidate encodings of the same logs (used_memory above the empty baseline, divided by the users; written by one EVAL each, calls 7 ms apart, each key with a TTL)\n"
+    );
+    println!("| users x calls | encoding | bytes per user | bytes per call |");
+    println!("|---|---|---:|---:|");
+    for (users, calls) in sizes() {
+        for (kind, name, config) in FORMATS {
+            let redis = redis_proc::RedisProcess::start(config);
+            let before = used_memory(&redis);
+            let out = Command::new("redis-cli")
+                .args(["-p", &redis.port.to_string(), "EVAL", BUILD, "0"])
+                .args([users.to_string(), calls.to_string(), kind.to_string()])
+                .output()
+                .expect("redis-cli");
+            let made = String::from_utf8_lossy(&out.stdout);
+            assert_eq!(made.trim(), users.to_string(), "{name}: {made}");
+            let per_user = (used_memory(&redis) - before) / users as f64;
+            println!(
+                "| {users} x {calls} | {name} | {per_user:.0} | {:.1} |",
+                per_user / calls as f64
+            );
+        }
+    }
 }
