@@ -16,7 +16,7 @@ use std::path::Path;
 use std::time::Duration;
 
 use common::redis::{RedisCluster, RedisProcess, free_port, make_certs, wait_until};
-use common::{KillOnDrop, TempDir, http, http_with, temp_dir};
+use common::{KillOnDrop, TempDir, http, http_with, spawn_slidegate_logged, temp_dir};
 use serde_json::Value;
 
 const CONFIG: &str = r"
@@ -55,20 +55,12 @@ impl Admin {
     /// The server in `dir`, with these admin and store flags.
     fn start_in(dir: TempDir, flags: &[String]) -> Admin {
         std::fs::write(dir.0.join("login.yaml"), CONFIG).expect("config");
-        let (grpc, http, admin) = (free_port(), free_port(), free_port());
-        let log = std::fs::File::create(dir.0.join("log")).expect("log file");
-        let child = std::process::Command::new(env!("CARGO_BIN_EXE_slidegate"))
-            .arg("--config")
-            .arg(dir.0.join("login.yaml"))
-            .args(["--grpc-addr", &format!("127.0.0.1:{grpc}")])
-            .args(["--http-addr", &format!("127.0.0.1:{http}")])
-            .args(["--admin-addr", &format!("127.0.0.1:{admin}")])
-            .args(flags)
-            .stderr(log)
-            .stdout(std::process::Stdio::null())
-            .spawn()
-            .expect("start slidegate");
-        let process = KillOnDrop(child);
+        let admin = free_port();
+        let admin_addr = format!("127.0.0.1:{admin}");
+        let mut extra = vec!["--admin-addr", admin_addr.as_str()];
+        extra.extend(flags.iter().map(String::as_str));
+        let (_, http, process) =
+            spawn_slidegate_logged(&dir.0.join("login.yaml"), &extra, &dir.0.join("log"));
         let http = std::net::SocketAddr::from(([127, 0, 0, 1], http));
         let runtime = tokio::runtime::Handle::current();
         wait_until("slidegate ready", Duration::from_secs(20), || {

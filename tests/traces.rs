@@ -15,7 +15,10 @@ use std::time::Duration;
 
 use common::otlp::{Receiver, Span};
 use common::redis::{RedisProcess, free_port, wait_until};
-use common::{KillOnDrop, TempDir, connect, descriptor, http, ok, over, request, temp_dir};
+use common::{
+    KillOnDrop, TempDir, connect, descriptor, http, ok, over, request, spawn_slidegate_logged,
+    temp_dir,
+};
 
 const CONFIG: &str = r"
 domain: login
@@ -35,24 +38,15 @@ impl Server {
     fn start(name: &str, flags: &[String]) -> Server {
         let dir = temp_dir(name);
         std::fs::write(dir.0.join("login.yaml"), CONFIG).unwrap();
-        let (grpc, http) = (free_port(), free_port());
-        let log = std::fs::File::create(dir.0.join("log")).unwrap();
-        let child = std::process::Command::new(env!("CARGO_BIN_EXE_slidegate"))
-            .arg("--config")
-            .arg(dir.0.join("login.yaml"))
-            .args(["--grpc-addr", &format!("127.0.0.1:{grpc}")])
-            .args(["--http-addr", &format!("127.0.0.1:{http}")])
-            .arg("--tracing")
-            .args(flags)
-            .stderr(log)
-            .stdout(std::process::Stdio::null())
-            .spawn()
-            .unwrap();
+        let mut extra = vec!["--tracing"];
+        extra.extend(flags.iter().map(String::as_str));
+        let (grpc, http, process) =
+            spawn_slidegate_logged(&dir.0.join("login.yaml"), &extra, &dir.0.join("log"));
         let server = Server {
             grpc: ([127, 0, 0, 1], grpc).into(),
             http: ([127, 0, 0, 1], http).into(),
             dir,
-            _process: KillOnDrop(child),
+            _process: process,
         };
         wait_until("slidegate listens", Duration::from_secs(20), || {
             std::net::TcpStream::connect(server.grpc).is_ok()

@@ -165,12 +165,10 @@ async fn config(State(state): State<HttpState>) -> String {
 
 /// `POST /json`: the proto3 JSON form of a `RateLimitRequest` (read by the pbjson mapping
 /// generated from `proto/`, like grpc-gateway's), decided on the same path as a gRPC call.
-async fn json(
-    State(state): State<HttpState>,
-    headers: axum::http::HeaderMap,
-    body: axum::body::Body,
-) -> Response {
-    let caller = crate::traces::callers_context(&headers);
+async fn json(State(state): State<HttpState>, request: axum::extract::Request) -> Response {
+    // The headers are read in place (an extractor of them would copy them for every call).
+    let (parts, body) = request.into_parts();
+    let caller = crate::traces::callers_context(&parts.headers);
     crate::traces::within(caller, decide_json(state, body)).await
 }
 

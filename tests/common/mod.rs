@@ -304,6 +304,24 @@ pub async fn hammer(servers: &[std::net::SocketAddr], domain: &str, key: &str) -
 /// Starts the slidegate binary on the config at `config` with `extra` flags, gRPC and HTTP on
 /// free ports, its output discarded; does not wait for it. (gRPC port, HTTP port, process.)
 pub fn spawn_slidegate(config: &std::path::Path, extra: &[&str]) -> (u16, u16, KillOnDrop) {
+    spawn_slidegate_to(config, extra, std::process::Stdio::null())
+}
+
+/// [`spawn_slidegate`] with its log (stderr) written to the file `log`.
+pub fn spawn_slidegate_logged(
+    config: &std::path::Path,
+    extra: &[&str],
+    log: &std::path::Path,
+) -> (u16, u16, KillOnDrop) {
+    let file = std::fs::File::create(log).expect("log file");
+    spawn_slidegate_to(config, extra, file.into())
+}
+
+fn spawn_slidegate_to(
+    config: &std::path::Path,
+    extra: &[&str],
+    stderr: std::process::Stdio,
+) -> (u16, u16, KillOnDrop) {
     let (grpc, http) = (redis::free_port(), redis::free_port());
     let child = std::process::Command::new(env!("CARGO_BIN_EXE_slidegate"))
         .arg("--config")
@@ -312,7 +330,7 @@ pub fn spawn_slidegate(config: &std::path::Path, extra: &[&str]) -> (u16, u16, K
         .args(["--http-addr", &format!("127.0.0.1:{http}")])
         .args(extra)
         .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::null())
+        .stderr(stderr)
         .spawn()
         .expect("start slidegate");
     (grpc, http, KillOnDrop(child))
