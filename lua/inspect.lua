@@ -3,10 +3,12 @@
 -- writes nothing (no trim, no TTL), so an inspection never changes a decision. Declared
 -- no-writes, Redis runs it on a replica too and while over `maxmemory`.
 --
--- KEYS: 1 the log (sorted set), 2 the counters (hash), 3 the ban (string); any may be absent.
+-- KEYS: 1 the log (a compact string or a sorted set), 2 the counters (hash), 3 the ban
+-- (string); any may be absent.
 -- ARGV: 1 now, ms since the epoch ("" reads Redis TIME); 2 the longest window, ms.
--- Reply: now; the log's members inside the longest window, oldest first; the counters as
--- field, hits, field, hits...; the ban's end (ms since the epoch) or nil.
+-- Reply: now; the log: a sorted set's members inside the longest window, oldest first, or a
+-- compact log's text whole (slidegate reads it); the counters as field, hits, field, hits...;
+-- the ban's end (ms since the epoch) or nil.
 
 local now = tonumber(ARGV[1])
 if now == nil then
@@ -28,10 +30,14 @@ local function kind(key, wanted)
 end
 
 local present, log, counters, ban = nil, {}, {}, false
-present = kind(KEYS[1], 'zset')
-if type(present) == 'table' then return present end
-if present then
-  log = redis.call('ZRANGE', KEYS[1], string.format('(%d', now - longest), '+inf', 'BYSCORE')
+if redis.call('TYPE', KEYS[1]).ok == 'string' then
+  log = redis.call('GET', KEYS[1])
+else
+  present = kind(KEYS[1], 'zset')
+  if type(present) == 'table' then return present end
+  if present then
+    log = redis.call('ZRANGE', KEYS[1], string.format('(%d', now - longest), '+inf', 'BYSCORE')
+  end
 end
 present = kind(KEYS[2], 'hash')
 if type(present) == 'table' then return present end

@@ -16,15 +16,19 @@
 --
 -- KEYS, per descriptor of each request in order:
 --   key    when               type        content
---   data   sliding_log        sorted set  score: time in ms; member: "<cum>:<weight>:<time>",
+--   data   sliding_log        string      a compact log: a head, then a slot per entry, oldest
+--                                         first (layout at "sliding_log, compact" below)
+--          ... rule flag 2    sorted set  score: time in ms; member: "<cum>:<weight>:<time>",
 --                                         or "<cum>:<weight>:<time>:<prefix>:<i>" when written
 --                                         by a tentative request
 --   data   sliding_counter    hash        field "<bucket_ms>:<bucket>" = hits
 --   ban    the rule has one   string      the ban's end, ms since the epoch (with a TTL)
---   weight is the request's hits; cum (20 digits, zero-padded) is the log's running total of
---   hits up to and including the entry, so the hits in a window are the newest cum minus the
---   cum before the window's first entry, whatever the number of entries; no two entries of a
---   log share a cum. <time> repeats the score, so an entry is read without its score.
+--   In a sorted set, weight is the request's hits; cum (20 digits, zero-padded) is the log's
+--   running total of hits up to and including the entry, so the hits in a window are the
+--   newest cum minus the cum before the window's first entry, whatever the number of entries;
+--   no two entries of a log share a cum. <time> repeats the score, so an entry is read without
+--   its score. A log found in the other format than its rule asks for is rewritten in that
+--   one first, whole (a rolling upgrade between formats).
 --
 -- ARGV:
 --   position                     value
@@ -40,10 +44,11 @@
 --                                  2 rejected (already known to be over): record nothing but
 --                                    debits, set bans, report
 --   per descriptor: hits         0 checks without recording
---   per descriptor: rule         "role:ban_ms:buckets:debit:limit:window_ms[:limit:window_ms...]"
+--   per descriptor: rule         "role:ban_ms:buckets:flags:limit:window_ms[:limit:window_ms...]"
 --                                  role 0 enforce, 1 shadow, 2 quota; ban_ms 0: no ban;
 --                                  buckets 0: sliding_log, else sliding_counter with that many
---                                  buckets per window; debit 1: usage already spent
+--                                  buckets per window; flags: 1 debit (usage already spent),
+--                                  2 a sliding_log kept as a sorted set
 --   tentative request: prefix    last; unique per request, names its entries for their removal
 --
 -- Reply: one flat array of integers (and error texts), packed by cmsgpack into one string:
@@ -54,8 +59,9 @@
 --                   did not write) or its arguments are bad
 --   per descriptor  flags: 1 fits, 2 this request set the ban, 4 recorded, 8 banned;
 --                   if banned: ban_remaining_ms, and nothing more;
---                   if recorded: cum of the entry (0 for sliding_counter), and in a tentative
---                   request the entry's time (0 for sliding_counter);
+--                   if recorded: cum of the entry (a compact log: its total after the
+--                   entry; 0 for sliding_counter), and in a tentative request the entry's
+--                   time (0 for sliding_counter);
 --                   per window of the rule: count, reset_ms
 --   count     hits in the window after this call
 --   reset_ms  fitting descriptor: until the oldest counted hit leaves the window (0 if empty);
@@ -80,7 +86,7 @@
 -- table lookup. Set by the first call: while a library loads, Redis lets its code reach
 -- nothing but the registration API. (Loops count with an index: `ipairs` is a function call
 -- per step.)
-local tonumber, format, find, max, call
+local tonumber, format, find, max, call, byte, char
 -- This call's KEYS and ARGV (the function's arguments).
 local KEYS, ARGV
 
@@ -173,9 +179,10 @@ local function read_rule(text)
     role, ban_ms, buckets, debit, at = string.match(text, '^(%d+):(%d+):(%d+):(%d+)()')
   end
   if role ~= nil then
+    local flags = whole(debit)
     rule = { role = whole(role), ban_ms = whole(ban_ms), buckets = whole(buckets),
-             debit = whole(debit) == 1, m = 0, longest = 0, ttl = '' }
-    local ok = rule.role <= 2 and whole(debit) <= 1
+             debit = flags % 2 == 1, sorted = flags >= 2, m = 0, longest = 0, ttl = '' }
+    local ok = rule.role <= 2 and flags <= 3
     buckets = rule.buckets
     local last = #text
     while at <= last do
@@ -202,7 +209,13 @@ local function read_rule(text)
       -- The common kind, which `decide_logs` and `decide_single` decide: one sliding_log
       -- window, no ban (one field to read where three were). Their keys' expiry is set once
       -- per period, a quarter of the window, and lasts a period longer (see `expiry_due`).
-      rule.one_log = buckets == 0 and rule.ban_ms == 0 and rule.m == 1
+      local one = buckets == 0 and rule.ban_ms == 0 and rule.m == 1
+      rule.one_log = one and rule.sorted
+      rule.one_compact = one and not rule.sorted
+      -- A compact log's slots: 4 bytes hold offsets up to 2^31 ms, room for twice a window
+      -- up to 2^30 ms (12.4 days); longer windows take 6. Its expiry is set on every write.
+      rule.width = rule.longest < 1073741824 and 4 or 6
+      rule.compact_ttl = ms(rule.longest + CLOCK_SLACK_MS)
       if rule.one_log then
         rule.period = max(math.floor(rule.longest / 4), 1)
         ttl = ttl + rule.period
@@ -257,7 +270,7 @@ local function check_request(r, a, k)
       end
       if not hits or not rule then
         -- Messages are built only on failure: turning a number into text costs a printf.
-        problem = 'descriptor ' .. i .. ': hits and a rule "role(0-2):ban_ms:buckets:debit(0-1):limit:window_ms(>= 1)[:limit:window_ms...]" are required'
+        problem = 'descriptor ' .. i .. ': hits and a rule "role(0-2):ban_ms:buckets:flags(0-3):limit:window_ms(>= 1)[:limit:window_ms...]" are required'
         break
       end
       k = k + (rule.ban_ms > 0 and 2 or 1)
@@ -348,7 +361,7 @@ local function bind(a, k)
       d = { rule = false, hits = 0, key = false, ban = false, fits = false, records = false,
             banned = 0, ban_set = 0, cum = 0, buckets = false, st = false, size = 0, head_read = false,
             head_cum = 0, head_time = 0, pending = 0, recorded = 0, new_before = false,
-            new_time = 0, trimmed = false }
+            new_time = 0, trimmed = false, lg = {} }
       states[i] = d
     end
     -- Read again where it is no longer kept: the rules kept may have been dropped since the
@@ -379,6 +392,7 @@ local function bind(a, k)
       -- head_cum, head_time and trimmed are set where head_read is, new_time where
       -- new_before is.
       d.head_read, d.pending, d.recorded, d.new_before = false, 0, 0, false
+      d.lg.changed = false
     end
     d.st = st
     -- Counts are set by step 1 for every window; a first entry's time is read only with it.
@@ -458,6 +472,315 @@ local function time_reaching(log, length, total, need)
     end
   end
   return found
+end
+
+-- For a log descriptor that does not fit `size` hits with `count` in a window of `limit` and
+-- `length` ms: the hits that must leave the window first, or nil and the reset when no entry
+-- decides it (0: the window has room; its length: the hits exceed its limit).
+local function hits_to_leave(limit, length, count, size)
+  local need = count + size - limit
+  if need <= 0 then
+    return nil, 0
+  end
+  if size > limit then
+    return nil, length
+  end
+  return need
+end
+
+-- === sliding_log, compact: one string per log ===
+--
+-- The log as one string (docs/redis.md#the-compact-log): a 13-byte head, then fixed-width
+-- slots, oldest entry first. Head: one byte, the slot width (4 or 6 bytes) plus 16 once the
+-- log may hold a weighted entry; 6 bytes, the base (ms since the epoch); 6 bytes, the total
+-- of the entries' weights. An entry is its time less the base in one slot; an entry that
+-- weighs more than 1 has the slot's top bit set and its weight in the next slot (whose top bit
+-- is clear: so a slot whose previous slot has its top bit set is a weight). Every number is
+-- big-endian. A log is written whole (one SET, which keeps a string exactly its length where
+-- APPEND and SETRANGE leave room to grow) when a call trims or records, and its expiry with
+-- it.
+local HEAD = 13
+-- The top bit of a slot, by width; a weight is below it.
+local TOP = { [4] = 2147483648, [6] = 140737488355328 }
+
+-- The value of slot i (from 0) of the log text s of width W.
+local function slot(s, i, W)
+  local at = HEAD + 1 + i * W
+  if W == 4 then
+    local a, b, c, d = byte(s, at, at + 3)
+    return ((a * 256 + b) * 256 + c) * 256 + d
+  end
+  local a, b, c, d, e, f = byte(s, at, at + 5)
+  return ((((a * 256 + b) * 256 + c) * 256 + d) * 256 + e) * 256 + f
+end
+
+-- A whole number below 2^48 as W (4 or 6) big-endian bytes.
+local function bytes(v, W)
+  local low = v % 16777216
+  local low_bytes = char(math.floor(low / 65536), math.floor(low / 256) % 256, low % 256)
+  local high = (v - low) / 16777216
+  if W == 4 then
+    return char(high) .. low_bytes
+  end
+  return char(math.floor(high / 65536), math.floor(high / 256) % 256, high % 256) .. low_bytes
+end
+
+-- The state of a compact log while a request decides on it, in a table `lg`: s, its text as
+-- read, with what this request appended (false: no log); W, the slot width; base and total
+-- (as in the head, total less what the trim dropped and plus what was appended); weighted; f,
+-- the first slot kept (the trim drops slots before it); n, the number of slots in s; newest,
+-- the newest entry's time (0: none); changed, whether it must be written.
+
+-- Reads the compact log `key` into lg. A sorted set there is a log in the former format
+-- (written by a slidegate before this format, or by one asked for it): it is rewritten in this
+-- one first, whole, so that nothing it counted is lost.
+local sorted_to_compact
+local function open_log(lg, key, rule)
+  local s = redis.pcall('GET', key)
+  if type(s) == 'table' then
+    if find(tostring(s.err), 'WRONGTYPE', 1, true) then
+      s = sorted_to_compact(key, rule)
+    else
+      error(s)
+    end
+  end
+  lg.changed, lg.newest, lg.f = false, 0, 0
+  if not s then
+    lg.s, lg.W, lg.base, lg.total, lg.weighted, lg.n = false, rule.width, 0, 0, false, 0
+    return
+  end
+  local len, tag = #s, byte(s, 1)
+  local W = tag and tag % 16
+  if len < HEAD or (W ~= 4 and W ~= 6) or tag >= 32 or (len - HEAD) % W ~= 0 then
+    foreign(key)
+  end
+  local n = (len - HEAD) / W
+  lg.s, lg.W, lg.weighted, lg.n = s, W, tag >= 16, n
+  local b1, b2, b3, b4, b5, b6, t1, t2, t3, t4, t5, t6 = byte(s, 2, 13)
+  lg.base = ((((b1 * 256 + b2) * 256 + b3) * 256 + b4) * 256 + b5) * 256 + b6
+  lg.total = ((((t1 * 256 + t2) * 256 + t3) * 256 + t4) * 256 + t5) * 256 + t6
+  if n > 0 then
+    local last = n - 1
+    if n > 1 and slot(s, n - 2, W) >= TOP[W] then
+      last = n - 2
+    end
+    lg.newest = lg.base + slot(s, last, W) % TOP[W]
+  end
+end
+
+-- The entry whose first slot is i: its time, its weight and the slot after it.
+local function entry_at(lg, i)
+  local s, W = lg.s, lg.W
+  local v, top = slot(s, i, W), TOP[W]
+  if v >= top then
+    return lg.base + v - top, slot(s, i + 1, W), i + 2
+  end
+  return lg.base + v, 1, i + 1
+end
+
+-- The first slot of the first entry kept whose time is after `bound` (lg.n: none), by binary
+-- search: a slot that is a weight stands for the entry before it.
+local function first_after(lg, bound)
+  local lo, hi = lg.f, lg.n
+  local s, W, top, base = lg.s, lg.W, TOP[lg.W], lg.base
+  while lo < hi do
+    local h = math.floor((lo + hi) / 2)
+    if h > lo and slot(s, h - 1, W) >= top then
+      h = h - 1
+    end
+    local v = slot(s, h, W)
+    if v >= top then
+      if base + v - top > bound then hi = h else lo = h + 2 end
+    elseif base + v > bound then
+      hi = h
+    else
+      lo = h + 1
+    end
+  end
+  return lo
+end
+
+-- The weight of the entries from slot i to slot j (each the first slot of an entry, or j =
+-- lg.n).
+local function weight_of(lg, i, j)
+  if not lg.weighted then
+    return j - i
+  end
+  local sum, t, w = 0, 0, 0
+  while i < j do
+    t, w, i = entry_at(lg, i)
+    sum = sum + w
+  end
+  return sum
+end
+
+-- Drops the entries at or before `bound`.
+local function trim_log(lg, bound)
+  if lg.n > lg.f then
+    local first = first_after(lg, bound)
+    if first > lg.f then
+      lg.total = lg.total - weight_of(lg, lg.f, first)
+      lg.f, lg.changed = first, true
+    end
+  end
+end
+
+-- The hits after `bound`, and the first slot of the first entry after it.
+local function count_after(lg, bound)
+  local first = first_after(lg, bound)
+  if first - lg.f <= lg.n - first then
+    return lg.total - weight_of(lg, lg.f, first), first
+  end
+  return weight_of(lg, first, lg.n), first
+end
+
+-- The reset of a compact log's window of `limit` and `length` ms after bound = now - length,
+-- for a descriptor that must fit `size` hits, from its count after the call (as
+-- `window_reset` for the former format).
+local function compact_reset(lg, limit, length, fits, count, size)
+  local first = first_after(lg, now - length)
+  if fits then
+    if first >= lg.n then
+      return 0
+    end
+    return entry_at(lg, first) + length - now
+  end
+  local need, reset = hits_to_leave(limit, length, count, size)
+  if need == nil then
+    return reset
+  end
+  if not lg.weighted then
+    -- One slot an entry: the entry that takes the window's count down by `need` is need - 1
+    -- entries past its first.
+    local i = first + need - 1
+    return i < lg.n and (entry_at(lg, i) + length - now) or length
+  end
+  local i, t, w = first, 0, 0
+  while i < lg.n do
+    t, w, i = entry_at(lg, i)
+    need = need - w
+    if need <= 0 then
+      return t + length - now
+    end
+  end
+  return length
+end
+
+-- Re-encodes the entries kept with width W from base `base`: when an entry would lie further
+-- from the base than a slot holds (the base is kept until the log empties: a log busy for
+-- weeks), or a rule with a longer window writes a log of one with a shorter.
+local function reencode(lg, W, base)
+  local parts, i, t, w = {}, lg.f, 0, 0
+  local top = TOP[W]
+  while i < lg.n do
+    t, w, i = entry_at(lg, i)
+    if w == 1 then
+      parts[#parts + 1] = bytes(t - base, W)
+    else
+      parts[#parts + 1] = bytes(t - base + top, W) .. bytes(w, W)
+    end
+  end
+  lg.s = string.rep('\0', HEAD) .. table.concat(parts)
+  lg.W, lg.base, lg.f, lg.n = W, base, 0, (#lg.s - HEAD) / W
+end
+
+-- Appends an entry of `hits` at time `stamp` (no earlier than the newest).
+local function append_entry(lg, rule, hits, stamp)
+  if lg.n == lg.f then
+    lg.s, lg.W, lg.base, lg.f, lg.n, lg.total, lg.weighted =
+      string.rep('\0', HEAD), rule.width, stamp, 0, 0, 0, false
+  end
+  local W = lg.W
+  if stamp - lg.base >= TOP[W] or W < rule.width then
+    W = max(W, rule.width)
+    local oldest = entry_at(lg, lg.f)
+    if stamp - oldest >= TOP[W] then
+      W = 6
+    end
+    reencode(lg, W, oldest)
+  end
+  local v, top = stamp - lg.base, TOP[W]
+  if hits == 1 then
+    lg.s = lg.s .. bytes(v, W)
+  else
+    -- A weight must stay below the top bit: larger hits go as several entries of one time.
+    local left, parts = hits, {}
+    while left > 0 do
+      local w = math.min(left, top - 1)
+      parts[#parts + 1] = bytes(v + top, W) .. bytes(w, W)
+      left = left - w
+    end
+    lg.s = lg.s .. table.concat(parts)
+    lg.weighted = true
+  end
+  lg.n = (#lg.s - HEAD) / W
+  lg.total, lg.newest, lg.changed = lg.total + hits, stamp, true
+end
+
+-- The log's text as it is stored: its head, then the slots kept.
+local function log_text(lg)
+  local W = lg.W
+  return char(W + (lg.weighted and 16 or 0)) .. bytes(lg.base, 6) .. bytes(lg.total, 6)
+    .. string.sub(lg.s, HEAD + 1 + lg.f * W)
+end
+
+-- Writes the log if the request changed it: emptied, the key goes; else one SET with its
+-- expiry, the longest window and the slack for replicas' clocks past now (every entry leaves
+-- every window before it).
+local function write_log(lg, key, rule)
+  if not lg.changed then
+    return
+  end
+  if lg.n == lg.f then
+    call('DEL', key)
+    return
+  end
+  local W = lg.W
+  call('SET', key, log_text(lg), 'PX', rule.compact_ttl)
+end
+
+-- The time to live to give a log rewritten in another format: the one it had.
+local function kept_ttl(key, fallback)
+  local pttl = call('PTTL', key)
+  return pttl > 0 and ms(pttl) or fallback
+end
+
+-- Rewrites the sorted-set log `key` as a compact one (its entries' times and weights, in order)
+-- and answers its text, or false when it held nothing.
+sorted_to_compact = function(key, rule)
+  local members = call('ZRANGE', key, '0', '-1')
+  if members[1] == nil then
+    return false
+  end
+  -- Every member read before anything is written: one slidegate did not write fails the
+  -- request and leaves the log as it was.
+  local lg = { n = 0, f = 0 }
+  for i = 1, #members do
+    local _, weight, time = log_entry(key, members[i])
+    append_entry(lg, rule, weight, max(time, lg.newest or 0))
+  end
+  local text = log_text(lg)
+  call('SET', key, text, 'PX', kept_ttl(key, rule.compact_ttl))
+  return text
+end
+
+-- Rewrites the compact log `key` as a sorted set (`rule`: the one that reads it now), for a
+-- slidegate asked for that format that finds a compact log: members "<cum>:<weight>:<time>",
+-- cum counted from the first entry kept.
+local function compact_to_sorted(key, rule)
+  local lg = {}
+  open_log(lg, key, rule)
+  local ttl = kept_ttl(key, rule.ttl)
+  call('DEL', key)
+  local i, cum, t, w = 0, 0, 0, 0
+  while i < lg.n do
+    t, w, i = entry_at(lg, i)
+    cum = cum + w
+    call('ZADD', key, ms(t), padded_cum(cum) .. ':' .. ms(w) .. ':' .. ms(t))
+  end
+  if cum > 0 then
+    call('PEXPIRE', key, ttl)
+  end
 end
 
 -- === sliding_counter: buckets in a hash ===
@@ -549,9 +872,18 @@ end
 
 -- === sliding_log, continued ===
 
--- The log's newest entry: its cum and time (0, 0 when empty).
-local function last_entry(log)
-  local last = call('ZRANGE', log, '-1', '-1')[1]
+-- The log's newest entry: its cum and time (0, 0 when empty). A compact log there (written by
+-- a slidegate not asked for sorted sets) is rewritten as a sorted set first.
+local function last_entry(log, rule)
+  local newest = redis.pcall('ZRANGE', log, '-1', '-1')
+  if newest.err ~= nil then
+    if not find(tostring(newest.err), 'WRONGTYPE', 1, true) then
+      error(newest)
+    end
+    compact_to_sorted(log, rule)
+    newest = call('ZRANGE', log, '-1', '-1')
+  end
+  local last = newest[1]
   if last == nil then
     return 0, 0
   end
@@ -571,12 +903,9 @@ local function window_reset(key, limit, length, fits, count, size, before, time)
   if fits then
     return before and (time + length - now) or 0
   end
-  local need = count + size - limit
-  if need <= 0 then
-    return 0
-  end
-  if size > limit then
-    return length
+  local need, reset = hits_to_leave(limit, length, count, size)
+  if need == nil then
+    return reset
   end
   local at = time_reaching(key, length, (before or 0) + need, need)
   return at and (at + length - now) or length
@@ -606,13 +935,24 @@ local function count_and_fit(d)
     d.banned = ban_end - now
     return
   end
-  if rule.buckets == 0 then
+  if rule.buckets == 0 and not rule.sorted then
+    -- A compact log, read once per key, trimmed to the longest window.
+    local lg = st.lg
+    if not st.head_read then
+      st.head_read = true
+      open_log(lg, d.key, rule)
+      trim_log(lg, now - rule.longest)
+    end
+    for w = 1, rule.m do
+      d[3 * w - 2] = count_after(lg, now - rule[3 * w - 1])
+    end
+  elseif rule.buckets == 0 then
     -- The newest entry first: an empty log, or one whose newest entry is older than a
     -- window, has nothing in that window, so it needs no count (and, for the longest
     -- window, no trim: every entry is stale, and the whole log goes).
     if not st.head_read then
       st.head_read = true
-      st.head_cum, st.head_time = last_entry(d.key)
+      st.head_cum, st.head_time = last_entry(d.key, rule)
       if st.head_cum > 0 then
         st.trimmed = now - rule.longest
         if st.head_time <= st.trimmed then
@@ -685,7 +1025,12 @@ end
 local function record(d, i)
   local rule, st = d.rule, d.st
   st.recorded = st.recorded + d.hits
-  if rule.buckets == 0 then
+  if rule.buckets == 0 and not rule.sorted then
+    local lg = st.lg
+    local stamp = max(now, lg.newest)
+    append_entry(lg, rule, d.hits, stamp)
+    d.cum, d.stamp = lg.total, stamp
+  elseif rule.buckets == 0 then
     d.cum = st.head_cum + d.hits
     local stamp = max(now, st.head_time)
     call('ZADD', d.key, score(stamp), member_of(d.cum, d.hits, stamp, i))
@@ -738,6 +1083,9 @@ local function report(d, reply, r)
     if rule.buckets > 0 then
       c = counted_hits(d, w)
       reset = counter_reset(d, w, c)
+    elseif not rule.sorted then
+      c = d[3 * w - 2] + added
+      reset = compact_reset(d.st.lg, rule[3 * w - 2], rule[3 * w - 1], d.fits, c, d.size)
     else
       c = d[3 * w - 2] + added
       reset = log_reset(d, w, c)
@@ -810,7 +1158,16 @@ local function decide(a, k)
     else
       d.records = false
     end
-    call('PEXPIRE', d.key, d.rule.ttl)
+    if d.rule.buckets > 0 or d.rule.sorted then
+      call('PEXPIRE', d.key, d.rule.ttl)
+    end
+  end
+  -- A compact log is written once, with its expiry, by the first descriptor on it.
+  for i = 1, n do
+    local d = states[i]
+    if d.st == d and d.rule.buckets == 0 and not d.rule.sorted then
+      write_log(d.lg, d.key, d.rule)
+    end
   end
 
   -- 5. Report.
@@ -835,8 +1192,8 @@ end
 -- times a window. Weighted entries are not read for it: reading an entry's weight beside its
 -- total would cost every other request a little.
 -- (The general path, `count_and_fit`, does the same.)
-local function trim_and_count(key, length)
-  local head_cum, head_time = last_entry(key)
+local function trim_and_count(key, length, rule)
+  local head_cum, head_time = last_entry(key, rule)
   if head_cum > 0 then
     local bound = now - length
     if head_time <= bound then
@@ -935,7 +1292,7 @@ local function decide_logs(a, k, n)
   for i = 1, n do
     local rule, key = s_rule[i], s_key[i]
     local limit, length = rule[1], rule[2]
-    local head_cum, head_time, before, time, count = trim_and_count(key, length)
+    local head_cum, head_time, before, time, count = trim_and_count(key, length, rule)
     local size = s_size[i]
     local fits = count + size <= limit
     s_head[i], s_head_time[i], s_before[i], s_time[i], s_count[i], s_fits[i] =
@@ -993,6 +1350,54 @@ local function decide_logs(a, k, n)
   return r
 end
 
+-- The reply of a request of one descriptor of one window, from out[o + 2] on (layout in the
+-- header): flags, and if it recorded the entry's running total (and in a tentative request its
+-- time), then count and reset. Answers the index of its last value.
+local function single_reply(flags, cum, newest, count, reset)
+  local r = o
+  if flags >= 4 then
+    if mode == 0 then
+      out[r + 2], out[r + 3], out[r + 4], out[r + 5], out[r + 6] = flags, cum, newest, count, reset
+      return r + 6
+    end
+    out[r + 2], out[r + 3], out[r + 4], out[r + 5] = flags, cum, count, reset
+    return r + 5
+  end
+  out[r + 2], out[r + 3], out[r + 4] = flags, count, reset
+  return r + 4
+end
+
+-- A request of one descriptor on a compact log of one window without a ban, the most common
+-- request: `decide`'s steps for this case only, in straight-line code (see `decide_logs`).
+local single = {}
+local function decide_one_compact(key, rule, hits)
+  local limit, length, debit = rule[1], rule[2], rule.debit
+  local size = (debit and hits == 0) and 1 or hits
+  -- 1. Read the log, trim it to the window: what is left is the count.
+  local lg = single
+  open_log(lg, key, rule)
+  trim_log(lg, now - length)
+  local count = lg.total
+  -- 2. Decide (as in `decide_single`: alone, the role changes nothing).
+  local fits = count + size <= limit
+  local flags, cum, newest = fits and 1 or 0, 0, now
+  -- 3. Record, 4. write the log with its expiry if the request trimmed or recorded.
+  if hits > 0 and (fits or (debit and count < limit)) and (mode ~= 2 or debit) then
+    newest = max(now, lg.newest)
+    append_entry(lg, rule, hits, newest)
+    cum, count, flags = lg.total, count + hits, flags + 4
+  end
+  write_log(lg, key, rule)
+  -- 5. The reset and the reply.
+  local reset
+  if fits then
+    reset = lg.n > lg.f and (entry_at(lg, lg.f) + length - now) or 0
+  else
+    reset = compact_reset(lg, limit, length, fits, count, size)
+  end
+  return single_reply(flags, cum, newest, count, reset)
+end
+
 -- `decide_logs` for a request of one descriptor, the most common request, in straight-line
 -- code and locals, cheaper again than `decide_logs` for the same request (docs/performance.md
 -- has the counts). Writes as `decide` does; answers
@@ -1001,7 +1406,7 @@ local function decide_single(a, k)
   local text = ARGV[a + 2]
   local rule = rules[text] or read_rule(text)
   local key = KEYS[k + 1]
-  if not (rule and rule.one_log and key) then
+  if not (rule and (rule.one_log or rule.one_compact) and key) then
     return nil
   end
   text = ARGV[a + 1]
@@ -1014,12 +1419,15 @@ local function decide_single(a, k)
     return nil
   end
   next_a, next_k = after, k + 1
+  if rule.one_compact then
+    return decide_one_compact(key, rule, hits)
+  end
   local limit, length = rule[1], rule[2]
   local debit = rule.debit
   local size = (debit and hits == 0) and 1 or hits
   -- 1. The newest entry, the trim, the window's first entry (the log was just trimmed to
   --    this window, so it is the log's first) and the count.
-  local head_cum, head_time, before, time, count = trim_and_count(key, length)
+  local head_cum, head_time, before, time, count = trim_and_count(key, length, rule)
   -- 2. Decide. Alone, a descriptor that records either fits (then every role admits the
   --    request) or is a debit (which records whatever the decision), so the role changes
   --    nothing here: only a request the caller already rejected (mode 2) records no fitting
@@ -1052,17 +1460,7 @@ local function decide_single(a, k)
   end
   -- 5. The reset (as `log_reset`) and the reply.
   local reset = window_reset(key, limit, length, fits, count, size, before, time)
-  local r = o
-  if flags >= 4 then
-    if mode == 0 then
-      out[r + 2], out[r + 3], out[r + 4], out[r + 5], out[r + 6] = flags, cum, newest, count, reset
-      return r + 6
-    end
-    out[r + 2], out[r + 3], out[r + 4], out[r + 5] = flags, cum, count, reset
-    return r + 5
-  end
-  out[r + 2], out[r + 3], out[r + 4] = flags, count, reset
-  return r + 4
+  return single_reply(flags, cum, newest, count, reset)
 end
 
 -- Decides requests `first` to `last` of the call, from next_a and next_k on, each on its own,
@@ -1118,8 +1516,9 @@ local function decide_call(keys, args, spread)
     out = {}
   end
   if call == nil then
-    tonumber, format, find, max, call =
-      _G.tonumber, _G.string.format, _G.string.find, _G.math.max, _G.redis.call
+    tonumber, format, find, max, call, byte, char =
+      _G.tonumber, _G.string.format, _G.string.find, _G.math.max, _G.redis.call, _G.string.byte,
+      _G.string.char
   end
   local base = 0
   if spread then

@@ -23,7 +23,7 @@ use common::{T0, unique_domain};
 use proptest::prelude::*;
 use proptest::test_runner::{Config, TestCaseError, TestRunner};
 use slidegate::limiter::{Descriptor, Limiter, LimiterOptions, ManualClock, Override, Request};
-use slidegate::store::{ClockSource, MemoryStore, RedisOptions, RedisStore, Store};
+use slidegate::store::{ClockSource, LogFormat, MemoryStore, RedisOptions, RedisStore, Store};
 
 const CONFIG: &str = r#"
 domain: DOMAIN
@@ -166,7 +166,23 @@ fn limiter(domain: &str, store: Arc<dyn Store>, clock: &ManualClock) -> Limiter 
 
 #[test]
 fn embedded_store_and_lua_script_answer_alike() {
-    answer_alike(&shared_standalone().url());
+    answer_alike(&shared_standalone().url(), &[LogFormat::Compact]);
+}
+
+/// The sorted-set log of the releases before the compact one, still written when asked for.
+#[test]
+fn sorted_set_logs_answer_alike() {
+    answer_alike(&shared_standalone().url(), &[LogFormat::SortedSet]);
+}
+
+/// A rolling upgrade, both ways: replicas asked for either format decide on the same logs, each
+/// rewriting a log it finds in the other format, and every answer is the embedded store's.
+#[test]
+fn replicas_of_either_log_format_side_by_side_answer_alike() {
+    answer_alike(
+        &shared_standalone().url(),
+        &[LogFormat::Compact, LogFormat::SortedSet],
+    );
 }
 
 /// Redis keeps a log of up to `zset-max-listpack-entries` entries (128 by default) as a listpack
@@ -182,32 +198,38 @@ fn logs_kept_as_skiplists_answer_alike_too() {
         redis.cmd("OBJECT ENCODING probe").contains("skiplist"),
         "zset-max-listpack-entries 0 not in force"
     );
-    answer_alike(&redis.url());
+    answer_alike(&redis.url(), &[LogFormat::SortedSet]);
 }
 
 /// The random request sequences, each given to the embedded store and to the script on the
-/// Redis at `url`, answer for answer.
-fn answer_alike(url: &str) {
+/// Redis at `url`, answer for answer; with several log formats, each step goes to a server
+/// asked for one of them.
+fn answer_alike(url: &str, formats: &[LogFormat]) {
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
         .build()
         .expect("runtime");
-    let redis: Arc<dyn Store> = runtime.block_on(async {
-        Arc::new(
-            RedisStore::connect(RedisOptions {
-                url: url.to_owned(),
-                pool_size: 2,
-                timeout: Duration::from_secs(5),
-                connect_timeout: Duration::from_secs(5),
-                clock: ClockSource::Server,
-                tls: Default::default(),
-                key_prefix: String::new(),
-                wait_replicas: 0,
-            })
-            .await
-            .expect("connect to the test Redis"),
-        )
+    let redis: Vec<Arc<dyn Store>> = runtime.block_on(async {
+        let mut stores: Vec<Arc<dyn Store>> = Vec::new();
+        for &log_format in formats {
+            stores.push(Arc::new(
+                RedisStore::connect(RedisOptions {
+                    url: url.to_owned(),
+                    pool_size: 2,
+                    timeout: Duration::from_secs(5),
+                    connect_timeout: Duration::from_secs(5),
+                    clock: ClockSource::Server,
+                    tls: Default::default(),
+                    key_prefix: String::new(),
+                    wait_replicas: 0,
+                    log_format,
+                })
+                .await
+                .expect("connect to the test Redis"),
+            ));
+        }
+        stores
     });
     let mut runner = TestRunner::new(Config {
         cases: 64,
@@ -220,7 +242,10 @@ fn answer_alike(url: &str) {
         let domain = unique_domain("diff");
         let clock = ManualClock::new(T0);
         let embedded = limiter(&domain, Arc::new(MemoryStore::new()), &clock);
-        let scripted = limiter(&domain, redis.clone(), &clock);
+        let scripted: Vec<Limiter> = redis
+            .iter()
+            .map(|store| limiter(&domain, store.clone(), &clock))
+            .collect();
         let mut now = T0;
         for (n, step) in steps.iter().enumerate() {
             now += step.advance_ms;
@@ -229,7 +254,9 @@ fn answer_alike(url: &str) {
             let (a, b) = runtime.block_on(async {
                 (
                     embedded.should_rate_limit(&request).await,
-                    scripted.should_rate_limit(&request).await,
+                    scripted[(n + usize::from(step.advance_ms % 2 == 1)) % scripted.len()]
+                        .should_rate_limit(&request)
+                        .await,
                 )
             });
             let a = a.map_err(|e| TestCaseError::fail(format!("embedded: {e}")))?;

@@ -1007,6 +1007,7 @@ async fn health_follows_the_store() {
             tls: Default::default(),
             key_prefix: String::new(),
             wait_replicas: 0,
+            log_format: slidegate::store::LogFormat::default(),
         })
         .await
         .expect("connect"),

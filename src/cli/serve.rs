@@ -14,13 +14,17 @@ use slidegate::server::grpc::tls::{ServerTls, ServerTlsFiles};
 use slidegate::server::net::ConnectionLimits;
 use slidegate::server::{App, Listeners, ServerOptions};
 use slidegate::store::redis::redact;
-use slidegate::store::{ClockSource, MemoryStore, RedisOptions, RedisStore, Store};
+use slidegate::store::{
+    ClockSource, LogFormat as RedisLogFormat, MemoryStore, RedisOptions, RedisStore, Store,
+};
 use slidegate::tls::TlsFiles;
 use slidegate::xds::{XdsOptions, XdsTls};
 
 use slidegate::traces::{Protocol, TraceOptions, Tracing};
 
-use super::{ClockArg, FailureArg, LogFormat, MetricNamesArg, ServeArgs, TracingProtocolArg};
+use super::{
+    ClockArg, FailureArg, LogFormat, LogFormatArg, MetricNamesArg, ServeArgs, TracingProtocolArg,
+};
 
 /// Logging as `--log-level` (or `RUST_LOG`) says; a level or filter that means nothing is an
 /// error (it would otherwise turn every log off, store errors included). With `traces`, the
@@ -389,6 +393,10 @@ async fn open_store(args: &ServeArgs, clock: Arc<SystemClock>) -> Result<Arc<dyn
         },
         key_prefix: args.redis_key_prefix.clone(),
         wait_replicas: args.redis_wait_replicas,
+        log_format: match args.redis_log_format {
+            LogFormatArg::Compact => RedisLogFormat::Compact,
+            LogFormatArg::SortedSet => RedisLogFormat::SortedSet,
+        },
     };
     let store = RedisStore::connect(options)
         .await

@@ -139,42 +139,49 @@ impl Role {
     }
 }
 
+/// How the Redis store keeps a `sliding_log`: one compact string per log (the default), or the
+/// sorted set of the releases before it, kept for a rolling upgrade from them
+/// (`docs/redis.md#the-compact-log`). Either reads a log written in the other, rewriting it.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum LogFormat {
+    #[default]
+    Compact,
+    SortedSet,
+}
+
 /// A configured rule as the Redis script reads it, made once when the config compiles: one text
-/// per role and debit, since the global quota mode and the domains that take debits can give a
-/// rule another role or debit than its own. The layout (`role:ban_ms:buckets:debit`, then
-/// `limit:window_ms` per window) is the script's; the embedded store has no use for it.
+/// per role, debit and log format, since the global quota mode and the domains that take debits
+/// can give a rule another role or debit than its own. The layout (`role:ban_ms:buckets:flags`,
+/// flags 1 debit and 2 sorted-set log, then `limit:window_ms` per window) is the script's; the
+/// embedded store has no use for it.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub struct RuleText(Box<[Bytes; 6]>);
+pub struct RuleText(Box<[Bytes; 12]>);
 
 impl RuleText {
     pub fn new(windows: &[Window], algorithm: Algorithm, ban_ms: Option<u64>) -> RuleText {
-        let text = |role, debit| {
+        let text = |i: usize| {
+            let role = [Role::Enforce, Role::Shadow, Role::Quota][i / 4];
+            let format = [LogFormat::Compact, LogFormat::SortedSet][i % 2];
             Bytes::from(rule_text(
                 windows,
                 algorithm,
                 ban_ms.unwrap_or(0),
                 role,
-                debit,
+                i / 2 % 2 == 1,
+                format,
             ))
         };
-        RuleText(Box::new([
-            text(Role::Enforce, false),
-            text(Role::Enforce, true),
-            text(Role::Shadow, false),
-            text(Role::Shadow, true),
-            text(Role::Quota, false),
-            text(Role::Quota, true),
-        ]))
+        RuleText(Box::new(std::array::from_fn(text)))
     }
 
-    /// The text for a request that gives the rule `role` and `debit`.
-    pub fn get(&self, role: Role, debit: bool) -> &Bytes {
+    /// The text for a request that gives the rule `role` and `debit`, for logs in `format`.
+    pub fn get(&self, role: Role, debit: bool, format: LogFormat) -> &Bytes {
         let role = match role {
             Role::Enforce => 0,
             Role::Shadow => 1,
             Role::Quota => 2,
         };
-        &self.0[role * 2 + usize::from(debit)]
+        &self.0[role * 4 + usize::from(debit) * 2 + usize::from(format == LogFormat::SortedSet)]
     }
 }
 
@@ -185,14 +192,16 @@ pub fn rule_text(
     ban_ms: u64,
     role: Role,
     debit: bool,
+    format: LogFormat,
 ) -> String {
     let buckets = match algorithm {
         Algorithm::SlidingLog => 0,
         Algorithm::SlidingCounter { buckets } => buckets,
     };
+    let flags = u64::from(debit) + 2 * u64::from(format == LogFormat::SortedSet);
     let mut text = String::with_capacity(16 + windows.len() * 20);
     push_decimal(&mut text, role.code());
-    for n in [ban_ms, u64::from(buckets), u64::from(debit)] {
+    for n in [ban_ms, u64::from(buckets), flags] {
         text.push(':');
         push_decimal(&mut text, n);
     }

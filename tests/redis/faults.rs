@@ -502,7 +502,7 @@ async fn a_foreign_key_fails_only_its_own_decision_in_a_shared_call() {
         None,
     )
     .log();
-    assert_eq!(redis.cmd(&format!("SET {log} not-a-log")).trim(), "+OK");
+    assert_eq!(redis.cmd(&format!("HSET {log} not a-log")).trim(), ":1");
     let before = fcall_calls(&redis);
     let calls: Vec<_> = (0..120)
         .map(|n| {

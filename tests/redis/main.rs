@@ -46,6 +46,7 @@ fn options(url: String, timeout: Duration) -> RedisOptions {
         tls: Default::default(),
         key_prefix: String::new(),
         wait_replicas: 0,
+        log_format: slidegate::store::LogFormat::default(),
     }
 }
 
@@ -119,10 +120,57 @@ fn cluster_cli(cluster: &RedisCluster, args: &[&str]) -> Vec<String> {
         .collect()
 }
 
-fn zcard(cluster: &RedisCluster, key: &str) -> i64 {
-    cluster_cli(cluster, &["ZCARD", key])[0]
-        .parse()
-        .expect("integer reply")
+/// Reads a log in either format (docs/redis.md's layouts, read here on their own, not by the
+/// script's code) as its entries: time, weight, time, weight...
+const LOG_ENTRIES: &str = r"
+local kind, out = redis.call('TYPE', KEYS[1]).ok, {}
+if kind == 'zset' then
+  for _, m in ipairs(redis.call('ZRANGE', KEYS[1], 0, -1)) do
+    local weight, time = string.match(m, '^%d+:(%d+):(%d+)')
+    out[#out + 1], out[#out + 2] = tonumber(time), tonumber(weight)
+  end
+elseif kind == 'string' then
+  local s = redis.call('GET', KEYS[1])
+  local w = string.byte(s, 1) % 16
+  local function num(at, n)
+    local v = 0
+    for i = at, at + n - 1 do v = v * 256 + string.byte(s, i) end
+    return v
+  end
+  local base, top, at = num(2, 6), 2 ^ (8 * w - 1), 14
+  while at <= #s do
+    local v = num(at, w)
+    if v >= top then
+      out[#out + 1], out[#out + 2], at = base + v - top, num(at + w, w), at + 2 * w
+    else
+      out[#out + 1], out[#out + 2], at = base + v, 1, at + w
+    end
+  end
+end
+return out
+";
+
+/// A log's entries as (time, weight), oldest first, from the lines of `LOG_ENTRIES`'s reply.
+fn entries_of(lines: &[String]) -> Vec<(u64, u64)> {
+    lines
+        .chunks(2)
+        .filter(|pair| pair.len() == 2 && !pair[0].is_empty())
+        .map(|pair| {
+            let number = |text: &str| text.parse::<u64>().expect("a number");
+            (number(&pair[0]), number(&pair[1]))
+        })
+        .collect()
+}
+
+/// The entries of a log on a standalone Redis.
+fn log_entries(port: u16, key: &str) -> Vec<(u64, u64)> {
+    entries_of(&node_cli(port, &["EVAL", LOG_ENTRIES, "1", key]))
+}
+
+/// The number of entries in a log on the cluster.
+fn entries_in(cluster: &RedisCluster, key: &str) -> i64 {
+    let entries = entries_of(&cluster_cli(cluster, &["EVAL", LOG_ENTRIES, "1", key]));
+    i64::try_from(entries.len()).expect("a count")
 }
 
 /// Hits held in a descriptor's sliding_counter buckets.
@@ -350,6 +398,32 @@ fn redis_with_library() -> (RedisProcess, slidegate::store::redis::Library) {
         [library.function.to_string()]
     );
     (redis, library)
+}
+
+/// One final request of one descriptor on `key` (`hits`, `rule` as the script reads them) at
+/// `now`, by `FCALL`: the reply's values, one a line.
+fn one_request(
+    port: u16,
+    library: &slidegate::store::redis::Library,
+    key: &str,
+    now: &str,
+    hits: &str,
+    rule: &str,
+) -> Vec<String> {
+    node_cli(
+        port,
+        &[
+            "FCALL",
+            &library.function,
+            "1",
+            key,
+            "1",
+            now,
+            "5",
+            hits,
+            rule,
+        ],
+    )
 }
 
 /// `redis-cli` against one node, whole reply lines; a script call's packed reply one value a

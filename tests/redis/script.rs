@@ -151,7 +151,7 @@ fn malformed_script_arguments_get_an_error_reply() {
         request("1", "x", "1", ok),
         request("1", "5", "abc", ok),
         request("1", "5", "1", "9:0:0:0:10:1000"),
-        request("1", "5", "1", "0:0:0:2:10:1000"),
+        request("1", "5", "1", "0:0:0:4:10:1000"),
         request("1", "5", "1", "0:0:0:0:10:0"),
         request("1", "5", "1", "0:0:0:0:10"),
         request("1", "5", "1", "0:0:0:0"),
@@ -195,7 +195,7 @@ fn malformed_script_arguments_get_an_error_reply() {
         "{reply}"
     );
     assert_eq!(lines.len(), 10, "{reply}");
-    assert_eq!(cli(&["ZCARD", "b1:log"]), "1");
+    assert_eq!(log_entries(redis.port, "b1:log").len(), 1);
     assert_eq!(cli(&["EXISTS", "b2:log", "b3:log"]), "0");
     // And a well-formed call answers the documented layout: the call's time, then per request
     // its length, flags (1 fits, 4 recorded), the entry it recorded, count, reset.
@@ -208,8 +208,14 @@ fn malformed_script_arguments_get_an_error_reply() {
         call("t:log", "0:0:0:0:10:1000"),
         vec!["1000", "4", "5", "1", "1", "1000"]
     );
+    assert_eq!(log_entries(redis.port, "t:log"), [(1000, 1)]);
+    // A sorted-set log (flag 2) names its entry by running total, weight, time.
     assert_eq!(
-        cli(&["ZRANGE", "t:log", "0", "-1"]),
+        call("ts:log", "0:0:0:2:10:1000"),
+        vec!["1000", "4", "5", "1", "1", "1000"]
+    );
+    assert_eq!(
+        cli(&["ZRANGE", "ts:log", "0", "-1"]),
         "00000000000000000001:1:1000",
         "one weighted entry: running total, weight, time"
     );
@@ -226,7 +232,7 @@ fn malformed_script_arguments_get_an_error_reply() {
     // One call, three requests, each decided as if alone and in order: the first meets a key of
     // another type and fails alone (-1 and what Redis said), the second and third share a log
     // with a limit of 1, so the third finds the second's entry and is rejected.
-    assert_eq!(cli(&["SET", "w:log", "not a log"]), "OK");
+    assert_eq!(cli(&["HSET", "w:log", "not", "a log"]), "1");
     let request = ["5", "1", "0:0:0:0:1:1000"];
     let mut full = vec![
         "FCALL", function, "3", "w:log", "v:log", "v:log", "3", "2000",
@@ -245,7 +251,7 @@ fn malformed_script_arguments_get_an_error_reply() {
             "3", "0", "1", "1000", // 1 of 1, nothing recorded: wait 1,000 ms
         ]
     );
-    assert_eq!(cli(&["ZCARD", "v:log"]), "1");
+    assert_eq!(log_entries(redis.port, "v:log").len(), 1);
 }
 
 /// The library keeps the rules it has read from call to call, up to 1,000, then drops them all
@@ -275,8 +281,8 @@ fn a_call_with_more_rules_than_the_library_keeps_decides_each_request() {
 /// The library keeps the numbers it has read (and their text) from call to call, and drops them
 /// all when a call starts with more than it keeps (1,000), never during a call: a call whose own
 /// arguments hold more distinct numbers than that decides each request, and the calls after the
-/// drop still count every hit (two calls of 1,200 requests on one log, each request with hits
-/// of its own, 1 to 1,200).
+/// drop still count every hit (two calls of 1,200 requests on one sorted-set log, whose members
+/// carry the padded totals the library keeps, each request with hits of its own, 1 to 1,200).
 #[test]
 fn calls_across_the_dropped_numbers_count_every_hit() {
     let (library, cli) = library_on_shared_redis();
@@ -295,7 +301,7 @@ fn calls_across_the_dropped_numbers_count_every_hit() {
             args.extend([
                 "5".into(),
                 (1 + r).to_string(),
-                "0:0:0:0:100000000:100000000".into(),
+                "0:0:0:2:100000000:100000000".into(),
             ]);
         }
         let reply = cli(&args);
@@ -344,7 +350,7 @@ fn a_tentative_entry_holds_its_time_and_is_read_without_its_score() {
             now,
             "4",
             "1",
-            "0:0:0:0:5:1000",
+            "0:0:0:2:5:1000",
             prefix,
         ])
     };
@@ -433,10 +439,10 @@ fn a_logs_expiry_is_set_once_a_period_and_outlasts_its_newest_entry() {
     // role:ban_ms:buckets:debit:limit:window_ms; a period of 250 ms, a TTL of 2,250 ms.
     let (window, ttl) = (1_000u64, 2_250u64);
     for (rule, keys) in [
-        ("0:0:0:0:10:1000", vec!["one:log"]),
-        ("0:0:0:0:10:1000", vec!["two:log", "three:log"]),
-        ("0:0:0:0:1000:1000", vec!["four:log"]),
-        ("0:0:0:0:1000:1000", vec!["five:log", "six:log"]),
+        ("0:0:0:2:10:1000", vec!["one:log"]),
+        ("0:0:0:2:10:1000", vec!["two:log", "three:log"]),
+        ("0:0:0:2:1000:1000", vec!["four:log"]),
+        ("0:0:0:2:1000:1000", vec!["five:log", "six:log"]),
     ] {
         let n = keys.len().to_string();
         // Final mode (1), n descriptors.
@@ -499,7 +505,7 @@ fn a_logs_expiry_is_set_once_a_period_and_outlasts_its_newest_entry() {
                 }
             }
         }
-        if rule.contains(":10:") {
+        if rule.ends_with(":10:1000") {
             assert!(rejected > 40, "{keys:?}: {rejected} of 80 rejected");
         } else {
             // 80 calls over 2.9 s: twelve periods.
@@ -517,10 +523,11 @@ fn a_logs_expiry_is_set_once_a_period_and_outlasts_its_newest_entry() {
 /// window, logs whose only entry is their first (which the common paths read as such), several
 /// requests on one log in one call, calls whose time is behind their logs' newest entries (a
 /// replica's clock behind another's), and requests that are not of those kinds (two
-/// descriptors on one log, a ban, two windows) left to the general path.
+/// descriptors on one log, a ban, two windows) left to the general path; in both log formats
+/// (for a compact log, `decide_one_compact` against the general path).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_common_request_paths_answer_as_the_general_one() {
-    use fred::prelude::{ClientLike as _, SortedSetsInterface as _, Value};
+    use fred::prelude::{ClientLike as _, LuaInterface as _, Value};
     use slidegate::store::redis::Library;
 
     const SOURCE: &str = include_str!("../../lua/slidegate.lua");
@@ -563,7 +570,14 @@ async fn the_common_request_paths_answer_as_the_general_one() {
     let mut lone = [0u64; 3];
     let mut several = 0u64;
     let mut one_entry = 0u64;
-    for case in 0..32 {
+    // Both log formats: a sorted-set rule has flag 2 (its fourth field).
+    let sorted_rule = |rule: &str| {
+        let mut fields: Vec<String> = rule.split(':').map(str::to_string).collect();
+        fields[3] = (fields[3].parse::<u64>().unwrap() + 2).to_string();
+        fields.join(":")
+    };
+    for case in 0..64 {
+        let sorted = case % 2 == 1;
         let tag = unique_domain("paths");
         let mut now = 1_000_000u64;
         for step in 0..60 {
@@ -590,7 +604,12 @@ async fn the_common_request_paths_answer_as_the_general_one() {
                     let kinds = if next(4) == 0 { 9 } else { 7 };
                     let rule = RULES[usize::try_from(next(kinds)).unwrap()];
                     let log = next(3);
-                    args.extend([Value::from(next(4).to_string()), Value::from(rule)]);
+                    let text = if sorted {
+                        sorted_rule(rule)
+                    } else {
+                        rule.to_string()
+                    };
+                    args.extend([Value::from(next(4).to_string()), Value::from(text)]);
                     descriptors.push((log, rule.starts_with("0:800:")));
                 }
                 // A tentative request (mode 0) ends with the prefix that names its entries.
@@ -599,21 +618,18 @@ async fn the_common_request_paths_answer_as_the_general_one() {
                 }
                 several += u64::from(n > 1);
             }
-            // Logs whose newest entry has a running total of 1, their only entry (the common
-            // paths read such a log as it is: nothing to trim, no first entry to read),
-            // counted on the own paths' twin before the call.
-            // A member starts with its running total, padded to 20 digits.
-            const ONLY_ENTRY: &str = "00000000000000000001:";
+            // Logs of one entry (the sorted-set paths read such a log as it is: nothing to
+            // trim, no first entry to read), counted on the own paths' twin before the call.
             let mut logs: Vec<u64> = descriptors.iter().map(|&(log, _)| log).collect();
             logs.sort_unstable();
             logs.dedup();
             for log in logs {
                 let key = format!("rl:{{{tag}}}:own:{log}");
-                let newest: Vec<String> = client
-                    .zrange(key, -1, -1, None, false, None, false)
+                let entries: Vec<u64> = client
+                    .eval(LOG_ENTRIES, key, Vec::<String>::new())
                     .await
                     .unwrap();
-                one_entry += u64::from(newest.first().is_some_and(|m| m.starts_with(ONLY_ENTRY)));
+                one_entry += u64::from(entries.len() == 2);
             }
             let mut answers = Vec::new();
             for (library, twin) in [(&own_paths, "own"), (&general, "general")] {
@@ -726,7 +742,7 @@ fn a_log_entry_slidegate_did_not_write_fails_that_request_alone() {
 }
 
 /// Memory per call, not per hit: 10,000 debits of 5,000 tokens are 10,000 log entries, not
-/// 50,000,000 members.
+/// 50,000,000.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn weighted_log_memory_is_per_call() {
     let redis = shared_standalone();
@@ -740,13 +756,9 @@ async fn weighted_log_memory_is_per_call() {
         assert!(outcome.items[0].recorded);
     }
     let log = key.log();
-    let entries: u64 = redis
-        .cmd(&format!("ZCARD {log}"))
-        .trim_start_matches(':')
-        .trim()
-        .parse()
-        .expect("ZCARD");
-    assert_eq!(entries, 10_000);
+    let entries = log_entries(redis.port, &log);
+    assert_eq!(entries.len(), 10_000);
+    assert!(entries.iter().all(|&(_, weight)| weight == 5_000));
     let bytes: u64 = redis
         .cmd(&format!("MEMORY USAGE {log}"))
         .trim_start_matches(':')
@@ -757,11 +769,11 @@ async fn weighted_log_memory_is_per_call() {
         "10,000 weighted entries: {bytes} bytes, {} bytes per entry",
         bytes / 10_000
     );
-    // About 160 bytes an entry (a sorted-set member of ~50 characters and its score), whatever
-    // the hits it carries.
+    // 8 bytes an entry in a compact log (a slot for its time, one for its weight), whatever the
+    // hits it carries.
     assert!(
-        bytes < 10_000 * 200,
-        "{bytes} bytes for 10,000 entries: more than 200 bytes each"
+        bytes < 10_000 * 9,
+        "{bytes} bytes for 10,000 entries: more than 9 bytes each"
     );
     let last = store
         .check(&[budget_item(&key, 0, u32::MAX)], T0 + 10_000)
@@ -805,4 +817,211 @@ async fn without_function_load_the_script_goes_by_evalsha() {
         assert_eq!(calls_of(redis, "fcall"), 0, "{url}");
         server.stop().await;
     }
+}
+
+/// The compact log as docs/redis.md lays it out: a 13-byte head (slot width, plus 16 once a
+/// weighted entry is in; base; total), then a slot per entry, and a weighted entry's weight in
+/// the slot after it; written whole with its expiry; 6-byte slots for windows past 2^30 ms; hits
+/// past a slot's top bit as several entries of one time; a base moved when the log stays busy
+/// longer than a slot reaches; and a text slidegate did not write fails its request alone.
+#[test]
+fn a_compact_log_is_a_head_and_a_slot_per_entry() {
+    let (redis, library) = redis_with_library();
+    let cli = |args: &[&str]| node_cli(redis.port, args);
+    let decide = |key: &str, now: u64, hits: u64, rule: &str| {
+        one_request(
+            redis.port,
+            &library,
+            key,
+            &now.to_string(),
+            &hits.to_string(),
+            rule,
+        )
+    };
+    let bytes = |key: &str| -> Vec<u64> {
+        let lines = cli(&[
+            "EVAL",
+            "return {string.byte(redis.call('GET', KEYS[1]), 1, -1)}",
+            "1",
+            key,
+        ]);
+        lines.iter().map(|l| l.parse().expect("a byte")).collect()
+    };
+    let be = |v: u64, width: usize| -> Vec<u64> {
+        (0..width)
+            .rev()
+            .map(|i| (v >> (8 * i)) & 0xff)
+            .collect::<Vec<_>>()
+    };
+
+    // Three calls on a 10 a second rule: one hit, one hit, three hits.
+    let rule = "0:0:0:0:10:1000";
+    assert_eq!(
+        decide("c:log", 1_000, 1, rule),
+        ["1000", "4", "5", "1", "1", "1000"]
+    );
+    assert_eq!(
+        decide("c:log", 1_001, 1, rule),
+        ["1001", "4", "5", "2", "2", "999"]
+    );
+    assert_eq!(
+        decide("c:log", 1_002, 3, rule),
+        ["1002", "4", "5", "5", "5", "998"]
+    );
+    let mut expected = vec![4 + 16];
+    expected.extend(be(1_000, 6));
+    expected.extend(be(5, 6));
+    for slot in [0, 1, 0x8000_0000 + 2, 3] {
+        expected.extend(be(slot, 4));
+    }
+    assert_eq!(bytes("c:log"), expected);
+    let ttl: i64 = cli(&["PTTL", "c:log"])[0].parse().expect("PTTL");
+    assert!((1..=2_000).contains(&ttl), "the window and 1 s: {ttl}");
+    // Past the window the trim drops the first two; past all of it the log goes.
+    assert_eq!(
+        decide("c:log", 2_001, 1, rule),
+        ["2001", "4", "5", "4", "4", "1"]
+    );
+    assert_eq!(log_entries(redis.port, "c:log"), [(1_002, 3), (2_001, 1)]);
+    assert_eq!(
+        decide("c:log", 9_000, 0, rule),
+        ["9000", "3", "1", "0", "0"]
+    );
+    assert_eq!(cli(&["EXISTS", "c:log"]), ["0"]);
+
+    // 30 days: 6-byte slots.
+    let month = "0:0:0:0:10:2592000000";
+    decide("m:log", 5_000, 1, month);
+    let mut expected = vec![6];
+    expected.extend(be(5_000, 6));
+    expected.extend(be(1, 6));
+    expected.extend(be(0, 6));
+    assert_eq!(bytes("m:log"), expected);
+
+    // Hits past 2^31 - 1 in a 4-byte log: two entries of one time, counted whole.
+    let big = "0:0:0:0:4294967295:60000";
+    let hits = 3_000_000_000u64;
+    assert_eq!(
+        decide("b:log", 7_000, hits, big)[3..5],
+        ["3000000000", "3000000000"]
+    );
+    assert_eq!(
+        log_entries(redis.port, "b:log"),
+        [(7_000, (1 << 31) - 1), (7_000, hits - ((1 << 31) - 1))]
+    );
+
+    // A log busy for 26 days on a one-day window, a call every 23 hours: past 2^31 ms from the
+    // first entry the base moves to the oldest entry kept, and every count stays 2.
+    let day = "0:0:0:0:10:86400000";
+    let hour = 3_600_000u64;
+    for call in 0..27u64 {
+        let now = 1_000_000 + call * 23 * hour;
+        let answer = decide("busy:log", now, 1, day);
+        let count = if call == 0 { "1" } else { "2" };
+        assert_eq!(answer[4], count, "call {call}: {answer:?}");
+    }
+    let last = 1_000_000 + 26 * 23 * hour;
+    assert_eq!(
+        log_entries(redis.port, "busy:log"),
+        [(last - 23 * hour, 1), (last, 1)]
+    );
+    let head = bytes("busy:log");
+    let base = head[1..7].iter().fold(0, |v, &b| v << 8 | b);
+    assert!(base > 1_000_000, "the base moved: {base}");
+
+    // Not a compact log: the request fails, saying so, and the key stays as it was.
+    assert_eq!(cli(&["SET", "f:log", "hello world, not a log"]), ["OK"]);
+    let answer = decide("f:log", 1_000, 1, rule);
+    assert_eq!(answer[1], "-1", "{answer:?}");
+    assert_eq!(
+        answer[2],
+        "SLIDEGATE log f:log holds an entry slidegate did not write"
+    );
+    assert_eq!(cli(&["GET", "f:log"]), ["hello world, not a log"]);
+}
+
+/// A replica asked for the sorted-set format (a rolling upgrade's first step) and one asked for
+/// the compact format decide on the same log in turns: each rewrites the log it finds in the
+/// other format, keeping every entry's time and weight and the key's expiry, so the counts run
+/// on as on one log.
+#[test]
+fn either_format_reads_a_log_the_other_wrote() {
+    let (redis, library) = redis_with_library();
+    let cli = |args: &[&str]| node_cli(redis.port, args);
+    let decide = |now: u64, hits: u64, rule: &str| {
+        one_request(
+            redis.port,
+            &library,
+            "x:log",
+            &now.to_string(),
+            &hits.to_string(),
+            rule,
+        )
+    };
+    let (compact, sorted) = ("0:0:0:0:100:10000", "0:0:0:2:100:10000");
+    let mut total = 0;
+    let mut expected = Vec::new();
+    for (step, rule) in [sorted, sorted, compact, compact, sorted, compact, sorted]
+        .into_iter()
+        .enumerate()
+    {
+        let now = 50_000 + 1_000 * step as u64;
+        let hits = 1 + step as u64 % 3;
+        total += hits;
+        expected.push((now, hits));
+        let answer = decide(now, hits, rule);
+        assert_eq!(
+            answer[2], "5",
+            "step {step}: admitted and recorded: {answer:?}"
+        );
+        assert_eq!(answer[4], total.to_string(), "step {step}: {answer:?}");
+        let kind = if rule == sorted { "zset" } else { "string" };
+        assert_eq!(cli(&["TYPE", "x:log"]), [kind], "step {step}");
+        assert_eq!(log_entries(redis.port, "x:log"), expected, "step {step}");
+        let ttl: i64 = cli(&["PTTL", "x:log"])[0].parse().expect("PTTL");
+        assert!(ttl > 0, "step {step}: {ttl}");
+    }
+}
+
+/// `lua/undo.lua` takes back one entry of the time and weight it is given from a compact log (the
+/// head's total with it), or the member it is given from a sorted set; an entry no longer there
+/// is left alone.
+#[test]
+fn undo_takes_back_one_entry_in_either_format() {
+    const UNDO: &str = include_str!("../../lua/undo.lua");
+    let (redis, library) = redis_with_library();
+    let cli = |args: &[&str]| node_cli(redis.port, args);
+    let decide = |key: &str, now: &str, hits: &str, rule: &str| {
+        one_request(redis.port, &library, key, now, hits, rule)
+    };
+    let undo = |key: &str, member: &str, time: &str, weight: &str| -> String {
+        cli(&["EVAL", UNDO, "1", key, member, time, weight])[0].clone()
+    };
+    let rule = "0:0:0:0:100:10000";
+    for (now, hits) in [("5000", "1"), ("5000", "2"), ("5001", "1"), ("5000", "2")] {
+        decide("u:log", now, hits, rule);
+    }
+    // Entries: (5000, 1), (5000, 2), (5001, 1), (5001, 2): the last stamped at the newest
+    // entry's time, as a clock behind records.
+    assert_eq!(undo("u:log", "", "5000", "2"), "2");
+    assert_eq!(
+        log_entries(redis.port, "u:log"),
+        [(5_000, 1), (5_001, 1), (5_001, 2)]
+    );
+    assert_eq!(undo("u:log", "", "5000", "2"), "0", "no such entry left");
+    // The head's total went down with it: 4 counted.
+    assert_eq!(decide("u:log", "5002", "0", rule)[3], "4");
+    let ttl: i64 = cli(&["PTTL", "u:log"])[0].parse().expect("PTTL");
+    assert!(ttl > 0, "the expiry is kept: {ttl}");
+    for (time, weight) in [("5000", "1"), ("5001", "1"), ("5001", "2")] {
+        assert_eq!(undo("u:log", "", time, weight), weight);
+    }
+    assert_eq!(cli(&["EXISTS", "u:log"]), ["0"], "emptied, the log goes");
+    // A sorted-set log: its member.
+    decide("s:log", "5000", "1", "0:0:0:2:100:10000");
+    assert_eq!(
+        undo("s:log", "00000000000000000001:1:5000", "5000", "1"),
+        "1"
+    );
+    assert_eq!(cli(&["EXISTS", "s:log"]), ["0"]);
 }

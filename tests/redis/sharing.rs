@@ -202,11 +202,14 @@ async fn key_prefixes_keep_installations_on_one_redis_apart() {
             .await
             .expect("connect");
         let client = store.client();
-        use fred::prelude::SortedSetsInterface as _;
+        use fred::prelude::LuaInterface as _;
         for prefix in ["team-a:", "team-b:"] {
             let key = format!("{prefix}rl:{{{domain}:a=x}}:log");
-            let held: i64 = client.zcard(&key).await.expect("ZCARD");
-            assert_eq!(held, 1, "{key} on {url}");
+            let held: Vec<u64> = client
+                .eval(LOG_ENTRIES, &key, Vec::<String>::new())
+                .await
+                .expect("the log's entries");
+            assert_eq!(held.len(), 2, "one entry (time, weight) in {key} on {url}");
         }
         for server in servers {
             server.stop().await;

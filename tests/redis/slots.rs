@@ -36,9 +36,9 @@ async fn rejecting_slot_leaves_nothing_in_the_others(algorithm: &str) {
     let held = || -> (i64, i64, i64) {
         if algorithm == "sliding_log" {
             (
-                zcard(cluster, &ka.log()),
-                zcard(cluster, &kb.log()),
-                zcard(cluster, &kc.log()),
+                entries_in(cluster, &ka.log()),
+                entries_in(cluster, &kb.log()),
+                entries_in(cluster, &kc.log()),
             )
         } else {
             (
@@ -167,7 +167,7 @@ async fn tag_by_keeps_escaped_values_in_the_tagged_slot() {
     assert_eq!(server.call(req()).await.overall_code, ok());
     assert_eq!(server.call(req()).await.overall_code, ok());
     assert_eq!(server.call(req()).await.overall_code, over());
-    assert_eq!(zcard(cluster, &braces.log()), 2);
+    assert_eq!(entries_in(cluster, &braces.log()), 2);
     let method = key::build(
         &domain,
         &[seg("user", "42"), seg("method", "GET")],
@@ -175,7 +175,7 @@ async fn tag_by_keeps_escaped_values_in_the_tagged_slot() {
         Some("user"),
     );
     assert_eq!(
-        zcard(cluster, &method.log()),
+        entries_in(cluster, &method.log()),
         2,
         "the rejected third request recorded nothing in either"
     );
@@ -234,7 +234,10 @@ async fn a_request_over_two_slots_of_one_master_is_one_call() {
         zrems,
         "nothing recorded to remove again"
     );
-    assert_eq!((zcard(&cluster, &a), zcard(&cluster, &log("b", w))), (2, 2));
+    assert_eq!(
+        (entries_in(&cluster, &a), entries_in(&cluster, &log("b", w))),
+        (2, 2)
+    );
 
     // y's slot moves after one request; the client's routing and slidegate's copy still say
     // it is on a's master.
@@ -252,7 +255,10 @@ async fn a_request_over_two_slots_of_one_master_is_one_call() {
     );
     // a counted the two admitted requests only: the rejected one's entry, if a per-slot call
     // recorded it, was removed again.
-    assert_eq!((zcard(&cluster, &a), zcard(&cluster, &log("b", y))), (4, 2));
+    assert_eq!(
+        (entries_in(&cluster, &a), entries_in(&cluster, &log("b", y))),
+        (4, 2)
+    );
     server.stop().await;
 }
 
@@ -298,7 +304,10 @@ async fn without_function_load_a_cluster_call_keeps_to_one_slot() {
     assert_eq!(server.call(both()).await.overall_code, ok());
     assert_eq!(server.call(both()).await.overall_code, over(), "b allows 2");
     assert_eq!(
-        (zcard(&cluster, &a), zcard(&cluster, &log("b", &w))),
+        (
+            entries_in(&cluster, &a),
+            entries_in(&cluster, &log("b", &w))
+        ),
         (2, 2)
     );
 
@@ -367,10 +376,10 @@ fn a_spread_call_decides_one_masters_slots_and_refuses_others() {
     assert_eq!(reply[6..8], ["4", "5"], "{reply:?}");
     assert_eq!(reply[11], "-1", "{reply:?}");
     assert!(reply[12].contains("non local key"), "{reply:?}");
-    assert_eq!(zcard(cluster, &keys[0]), 1);
-    assert_eq!(zcard(cluster, &keys[1]), 1);
+    assert_eq!(entries_in(cluster, &keys[0]), 1);
+    assert_eq!(entries_in(cluster, &keys[1]), 1);
     assert_eq!(
-        zcard(cluster, &keys[2]),
+        entries_in(cluster, &keys[2]),
         0,
         "the refused request recorded nothing"
     );
@@ -450,6 +459,10 @@ async fn a_masters_slots_share_calls_and_stay_exact_when_a_slot_moves() {
     assert!(resent(&server).await > 0, "no request sent again");
     let third = wave(&server).await;
     assert!(third.iter().all(|&c| c == over()), "{third:?}");
-    assert_eq!(zcard(&cluster, &team_key.log()), 2, "u0's log moved whole");
+    assert_eq!(
+        entries_in(&cluster, &team_key.log()),
+        2,
+        "u0's log moved whole"
+    );
     server.stop().await;
 }

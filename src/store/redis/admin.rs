@@ -46,7 +46,7 @@ impl RedisStore {
             .eval(INSPECT, keys, args)
             .await
             .map_err(|e| encode::call_failed(&e))?;
-        let read = Read::from_reply(reply)?;
+        let read = Read::from_reply(reply, longest_ms(&item.windows))?;
         Ok(read.state(item))
     }
 
@@ -130,7 +130,7 @@ struct Read {
 }
 
 impl Read {
-    fn from_reply(reply: Value) -> Result<Read, StoreError> {
+    fn from_reply(reply: Value, longest_ms: u64) -> Result<Read, StoreError> {
         let bad = |what: &str| StoreError::Protocol(format!("the inspect script answered {what}"));
         let Value::Array(parts) = reply else {
             return Err(bad("no array"));
@@ -146,12 +146,23 @@ impl Read {
                 _ => Vec::new(),
             }
         };
-        let log = texts(parts.next())
-            .iter()
-            .map(|m| {
-                entry(m).ok_or_else(|| bad(&format!("a log entry slidegate did not write: {m:?}")))
-            })
-            .collect::<Result<Vec<_>, _>>()?;
+        let log = match parts.next() {
+            Some(Value::Bytes(text)) => {
+                compact_entries(&text, now_ms.saturating_sub(longest_ms))
+                    .ok_or_else(|| bad("a compact log slidegate did not write"))?
+            }
+            Some(Value::String(text)) => {
+                compact_entries(text.as_bytes(), now_ms.saturating_sub(longest_ms))
+                    .ok_or_else(|| bad("a compact log slidegate did not write"))?
+            }
+            members => texts(members)
+                .iter()
+                .map(|m| {
+                    entry(m)
+                        .ok_or_else(|| bad(&format!("a log entry slidegate did not write: {m:?}")))
+                })
+                .collect::<Result<Vec<_>, _>>()?,
+        };
         let counters = texts(parts.next());
         let buckets = counters
             .chunks(2)
@@ -230,6 +241,33 @@ impl Read {
     }
 }
 
+/// A compact log's entries after `edge` (layout in `lua/slidegate.lua`), as (time, cum, weight)
+/// with cum counted from the first of them; None for a text slidegate did not write.
+fn compact_entries(text: &[u8], edge: u64) -> Option<Vec<(u64, u64, u64)>> {
+    const HEAD: usize = 13;
+    let number = |bytes: &[u8]| bytes.iter().fold(0u64, |v, &b| v << 8 | u64::from(b));
+    let width = usize::from(*text.first()? % 16);
+    if text.len() < HEAD || !matches!(width, 4 | 6) || !(text.len() - HEAD).is_multiple_of(width) {
+        return None;
+    }
+    let top = 1u64 << (width * 8 - 1);
+    let base = number(text.get(1..7)?);
+    let mut slots = text[HEAD..].chunks_exact(width).map(number);
+    let (mut entries, mut cum) = (Vec::new(), 0);
+    while let Some(v) = slots.next() {
+        let (at, weight) = if v >= top {
+            (base + (v - top), slots.next()?)
+        } else {
+            (base + v, 1)
+        };
+        if at > edge {
+            cum += weight;
+            entries.push((at, cum, weight));
+        }
+    }
+    Some(entries)
+}
+
 /// A log member, `<cum>:<weight>:<time>[:<prefix>:<i>]`, as (time, cum, weight).
 fn entry(member: &str) -> Option<(u64, u64, u64)> {
     let mut parts = member.split(':');
@@ -283,7 +321,7 @@ mod tests {
             texts(&[]),
             Value::Integer(112_000),
         ]);
-        let read = Read::from_reply(reply).expect("a well-formed reply");
+        let read = Read::from_reply(reply, 60_000).expect("a well-formed reply");
         let windows = vec![
             Window {
                 limit: 10,
@@ -314,6 +352,52 @@ mod tests {
         );
     }
 
+    /// A compact log (a 4-byte slot an entry, a weighted entry's weight in the slot after it)
+    /// reads as the same entries, counted alike.
+    #[test]
+    fn a_compact_log_reads_as_its_entries() {
+        let mut text = vec![4 + 16];
+        text.extend_from_slice(&40_000u64.to_be_bytes()[2..]);
+        text.extend_from_slice(&6u64.to_be_bytes()[2..]);
+        for slot in [0x8000_0000u32, 2, 30_000, 0x8000_0000 + 59_000, 3] {
+            text.extend_from_slice(&slot.to_be_bytes());
+        }
+        let reply = Value::Array(vec![
+            Value::Integer(100_000),
+            Value::Bytes(text.clone().into()),
+            texts(&[]),
+            Value::Null,
+        ]);
+        let read = Read::from_reply(reply, 100_000).expect("a well-formed reply");
+        assert_eq!(
+            read.log,
+            [(40_000, 2, 2), (70_000, 3, 1), (99_000, 6, 3)],
+            "(time, cum, weight)"
+        );
+        let windows = vec![Window {
+            limit: 10,
+            length_ms: 60_000,
+        }];
+        let state = read.state(&item(windows, Algorithm::SlidingLog));
+        assert_eq!(
+            state.windows[0],
+            WindowOutcome {
+                count: 4,
+                reset_ms: 30_000
+            }
+        );
+        // Cut short, or a slot width it does not know: not slidegate's.
+        for bad in [&text[..text.len() - 1], &[5u8; 17][..]] {
+            let reply = Value::Array(vec![
+                Value::Integer(1),
+                Value::Bytes(bad.to_vec().into()),
+                texts(&[]),
+                Value::Null,
+            ]);
+            assert!(Read::from_reply(reply, 60_000).is_err());
+        }
+    }
+
     #[test]
     fn counters_count_the_buckets_overlapping_each_window() {
         // 60 s in 6 buckets of 10 s at 125 s: buckets 6 to 12 overlap.
@@ -325,7 +409,7 @@ mod tests {
             ]),
             Value::Null,
         ]);
-        let read = Read::from_reply(reply).expect("a well-formed reply");
+        let read = Read::from_reply(reply, 60_000).expect("a well-formed reply");
         let windows = vec![Window {
             limit: 10,
             length_ms: 60_000,
@@ -350,7 +434,7 @@ mod tests {
             texts(&[]),
             Value::Null,
         ]);
-        let error = Read::from_reply(reply).expect_err("not a slidegate entry");
+        let error = Read::from_reply(reply, 60_000).expect_err("not a slidegate entry");
         assert!(error.to_string().contains("\"hello\""), "{error}");
     }
 }

@@ -7,6 +7,9 @@ use tracing::Instrument as _;
 use super::encode::{parse_reply, unavailable};
 use super::*;
 
+/// Takes back a rejected spread request's log entry (see [`RedisStore::undo`]).
+const UNDO: &str = include_str!("../../../lua/undo.lua");
+
 impl RedisStore {
     /// One group's call: by its master's batcher (the store's on standalone Redis), or by the
     /// redirect client where its cluster master is not known yet. A group of one slot whose
@@ -267,7 +270,8 @@ impl RedisStore {
     }
 
     /// Removes the entries a rejected request recorded in the slots that admitted it (debits
-    /// stay: that usage happened). A removed log entry leaves the running totals of later
+    /// stay: that usage happened), by `lua/undo.lua`, in either log format. From a compact
+    /// log, exactly; from a sorted-set log, a removed entry leaves the running totals of later
     /// entries as they were, so windows that still hold an earlier entry count its hits until
     /// that entry ages out: stricter for a while, never looser.
     pub(super) async fn undo(
@@ -292,13 +296,18 @@ impl RedisStore {
                 let client = self.undo_client(item, call.lane);
                 match item.algorithm {
                     Algorithm::SlidingLog => {
-                        // The member as the script wrote it for a tentative request:
-                        // "<cum>:<weight>:<time>:<prefix>:<i>", i 1-based per call.
+                        // The member as the script writes it in a sorted-set log for a
+                        // tentative request: "<cum>:<weight>:<time>:<prefix>:<i>", i 1-based
+                        // per call; a compact log's entry goes by its time and weight.
                         let member =
                             format!("{cum:020}:{}:{at_ms}:{prefix}:{}", item.hits, position + 1);
+                        let args = vec![member, at_ms.to_string(), item.hits.to_string()];
                         let log = self.key(item.key.log());
                         removals.push(Box::pin(async move {
-                            client.zrem::<i64, _, _>(log, member).await.map(|_| ())
+                            client
+                                .eval::<i64, _, _, _>(UNDO, log, args)
+                                .await
+                                .map(|_| ())
                         }) as UndoFuture<'_>);
                     }
                     Algorithm::SlidingCounter { buckets } => {

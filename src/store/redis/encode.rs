@@ -69,7 +69,7 @@ impl RedisStore {
                 keys.push(self.key(item.key.ban()));
             }
             args.push(number(item.hits));
-            args.push(rule_arg(item, ban_ms));
+            args.push(rule_arg(item, ban_ms, self.recipe.options.log_format));
         }
         // The prefix names a tentative request's entries, for their removal (`undo`); the
         // script writes the others' without it, so they send none.
@@ -113,15 +113,16 @@ impl RedisStore {
 
 /// The item's rule as the script reads it: made when the config compiled, for a configured
 /// rule, so a call sends it without building it.
-pub(super) fn rule_arg(item: &CheckItem<'_>, ban_ms: u64) -> Value {
+pub(super) fn rule_arg(item: &CheckItem<'_>, ban_ms: u64, format: LogFormat) -> Value {
     match item.text {
-        Some(text) => Value::Bytes(text.get(item.role, item.debit).clone()),
+        Some(text) => Value::Bytes(text.get(item.role, item.debit, format).clone()),
         None => Value::String(Str::from(rule_text(
             &item.windows,
             item.algorithm,
             ban_ms,
             item.role,
             item.debit,
+            format,
         ))),
     }
 }
@@ -325,9 +326,21 @@ mod tests {
                 Algorithm::SlidingCounter { buckets: 12 },
                 900_000,
                 Role::Quota,
-                true
+                true,
+                LogFormat::Compact
             ),
             "2:900000:12:1:5:1000:4294967295:86400000"
+        );
+        assert_eq!(
+            rule_text(
+                &windows[..1],
+                Algorithm::SlidingLog,
+                0,
+                Role::Enforce,
+                true,
+                LogFormat::SortedSet
+            ),
+            "0:0:0:3:5:1000"
         );
     }
 
@@ -359,15 +372,17 @@ mod tests {
         let mut seen = std::collections::HashSet::new();
         for role in [Role::Enforce, Role::Shadow, Role::Quota] {
             for debit in [false, true] {
-                let sent = rule_arg(&item(role, debit, Some(&made)), 60_000);
-                let built = rule_arg(&item(role, debit, None), 60_000);
-                let bytes = |value: &Value| value.as_bytes().map(<[u8]>::to_vec);
-                assert_eq!(bytes(&sent), bytes(&built), "{role:?} {debit}");
-                assert!(matches!(sent, Value::Bytes(_)), "sent as made: {sent:?}");
-                assert!(
-                    seen.insert(bytes(&sent)),
-                    "{role:?} {debit}: a text of its own"
-                );
+                for format in [LogFormat::Compact, LogFormat::SortedSet] {
+                    let sent = rule_arg(&item(role, debit, Some(&made)), 60_000, format);
+                    let built = rule_arg(&item(role, debit, None), 60_000, format);
+                    let bytes = |value: &Value| value.as_bytes().map(<[u8]>::to_vec);
+                    assert_eq!(bytes(&sent), bytes(&built), "{role:?} {debit} {format:?}");
+                    assert!(matches!(sent, Value::Bytes(_)), "sent as made: {sent:?}");
+                    assert!(
+                        seen.insert(bytes(&sent)),
+                        "{role:?} {debit} {format:?}: a text of its own"
+                    );
+                }
             }
         }
     }

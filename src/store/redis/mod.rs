@@ -62,8 +62,8 @@ use nodes::Nodes;
 pub use crate::tls::TlsFiles;
 
 use super::{
-    Algorithm, CheckItem, CheckOutcome, ItemOutcome, Store, StoreError, StoreFuture, WindowOutcome,
-    admits, push_decimal, rule_text,
+    Algorithm, CheckItem, CheckOutcome, ItemOutcome, LogFormat, Store, StoreError, StoreFuture,
+    WindowOutcome, admits, push_decimal, rule_text,
 };
 
 type UndoFuture<'a> =
@@ -99,6 +99,8 @@ pub struct RedisOptions {
     /// Replicas that must hold a call's writes before its requests are answered (`WAIT`);
     /// 0: answered as soon as the master has them.
     pub wait_replicas: u32,
+    /// How `sliding_log` logs are kept.
+    pub log_format: LogFormat,
 }
 
 /// Script calls out at once from the store to a Redis (on a cluster, to each master), whatever
