@@ -6,15 +6,16 @@
 //!     SLIDEGATE_BENCH_LIMITADOR=/path/to/limitador-server cargo bench --bench memory
 //!     SLIDEGATE_BENCH_MEMORY="20000x50,2000x500" cargo bench --bench memory  # users x calls
 //!
-//! slidegate's exact log (`sliding_log`, one entry per recorded call) and its counter
+//! slidegate's exact log (`sliding_log`, one entry per recorded call) in its compact format and
+//! as the sorted set it is kept in with `--redis-log-format sorted-set`, and its counter
 //! (`sliding_counter`, ten buckets per window); with `SLIDEGATE_BENCH_LIMITADOR`, Kuadrant's
 //! limitador (fixed windows) on the same limit, in its `redis` mode. Every call is admitted
 //! (500 calls stay under the limit), so each log holds one entry per call.
 //!
 //! Then the same logs in candidate encodings, written straight into a fresh Redis by one
-//! `EVAL` (`FORMATS` below; each key with a TTL, as slidegate's are): the comparison a compact
-//! log is chosen by. The first row rebuilds today's sorted set, which checks the method against
-//! the table above.
+//! `EVAL` (`FORMATS` below; each key with a TTL, as slidegate's are): the comparison the
+//! compact log was chosen by (docs/redis.md). The first row rebuilds the sorted set, which checks
+//! the method against the table above.
 // Benchmarks may panic on a broken set-up, read the wall clock and run long.
 #![allow(
     clippy::unwrap_used,
@@ -59,6 +60,7 @@ impl Drop for Server {
 #[derive(Clone, Copy, Debug)]
 enum Contender {
     Log,
+    SortedLog,
     Counter,
     Limitador,
 }
@@ -67,6 +69,7 @@ impl Contender {
     fn name(self) -> &'static str {
         match self {
             Contender::Log => "slidegate sliding_log",
+            Contender::SortedLog => "slidegate sliding_log, --redis-log-format sorted-set",
             Contender::Counter => "slidegate sliding_counter",
             Contender::Limitador => "limitador (fixed window)",
         }
@@ -77,7 +80,7 @@ impl Contender {
         let grpc = redis_proc::free_port();
         let config = dir.join("limits.yaml");
         let child = match self {
-            Contender::Log | Contender::Counter => {
+            Contender::Log | Contender::SortedLog | Contender::Counter => {
                 let algorithm = match self {
                     Contender::Counter => "\n    algorithm: sliding_counter",
                     _ => "",
@@ -98,6 +101,10 @@ impl Contender {
                     .args(["--redis", redis_url, "--log-level", "error"])
                     // Memory is measured, not latency: no call given up on a busy machine.
                     .args(["--redis-timeout", "2s"])
+                    .args(match self {
+                        Contender::SortedLog => &["--redis-log-format", "sorted-set"][..],
+                        _ => &[],
+                    })
                     .stdout(Stdio::null())
                     .stderr(Stdio::inherit())
                     .spawn()
@@ -202,7 +209,7 @@ fn sizes() -> Vec<(usize, usize)> {
 
 fn main() {
     let limitador = std::env::var_os("SLIDEGATE_BENCH_LIMITADOR").map(std::path::PathBuf::from);
-    let mut contenders = vec![Contender::Log, Contender::Counter];
+    let mut contenders = vec![Contender::Log, Contender::SortedLog, Contender::Counter];
     if limitador.is_some() {
         contenders.push(Contender::Limitador);
     }
@@ -257,7 +264,7 @@ fn main() {
 const FORMATS: [(&str, &str, &[&str]); 5] = [
     (
         "zset",
-        "today's sorted set (member `<cum>:<weight>:<time>`)",
+        "the sorted set (member `<cum>:<weight>:<time>`)",
         &[],
     ),
     (

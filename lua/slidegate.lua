@@ -216,9 +216,11 @@ local function read_rule(text)
       -- up to 2^30 ms (12.4 days); longer windows take 6. Its expiry is set on every write.
       rule.width = rule.longest < 1073741824 and 4 or 6
       rule.compact_ttl = ms(rule.longest + CLOCK_SLACK_MS)
-      if rule.one_log then
+      if one then
         rule.period = max(math.floor(rule.longest / 4), 1)
         ttl = ttl + rule.period
+        -- The common path sets a compact log's expiry once a period too (`plain_write`).
+        rule.compact_ttl = ms(rule.longest + CLOCK_SLACK_MS + rule.period)
       end
       rule.ttl = ms(ttl)
     else
@@ -490,43 +492,68 @@ end
 
 -- === sliding_log, compact: one string per log ===
 --
--- The log as one string (docs/redis.md#the-compact-log): a 13-byte head, then fixed-width
--- slots, oldest entry first. Head: one byte, the slot width (4 or 6 bytes) plus 16 once the
--- log may hold a weighted entry; 6 bytes, the base (ms since the epoch); 6 bytes, the total
--- of the entries' weights. An entry is its time less the base in one slot; an entry that
--- weighs more than 1 has the slot's top bit set and its weight in the next slot (whose top bit
--- is clear: so a slot whose previous slot has its top bit set is a weight). Every number is
--- big-endian. A log is written whole (one SET, which keeps a string exactly its length where
--- APPEND and SETRANGE leave room to grow) when a call trims or records, and its expiry with
--- it.
-local HEAD = 13
+-- The log as one string (docs/redis.md#the-compact-log): a head, then fixed-width slots,
+-- oldest entry first. Head: one byte, the slot width (4 or 6 bytes) plus 16 once the log may
+-- hold a weighted entry; 6 bytes, the base (ms since the epoch); and in a weighted log 6 more,
+-- the total of the entries' weights (in the other, the number of slots). An entry is its time
+-- less the base in one slot; an entry that weighs more than 1 has the slot's top bit set and
+-- its weight in the next slot (whose top bit is clear: so a slot whose previous slot has its
+-- top bit set is a weight). Every number is big-endian. A log is written whole (one SET, which
+-- keeps a string exactly its length where APPEND and SETRANGE leave room to grow) when a call
+-- trims or records, and its expiry with it.
+--
+-- The functions below (`open_log` to `write_log`) read a log into a table and serve every
+-- path; the common one (`decide_one_compact`, `decide_logs`) reads a log of unweighted
+-- entries in place (`plain_log` to `plain_write`).
+-- A log of unweighted entries has a head of PLAIN bytes, a weighted one of HEAD.
+local HEAD, PLAIN = 13, 7
 -- The top bit of a slot, by width; a weight is below it.
 local TOP = { [4] = 2147483648, [6] = 140737488355328 }
 
--- The value of slot i (from 0) of the log text s of width W.
-local function slot(s, i, W)
-  local at = HEAD + 1 + i * W
+-- The value of the W-byte slot at byte p of s.
+local function slot_at(s, p, W)
   if W == 4 then
-    local a, b, c, d = byte(s, at, at + 3)
+    local a, b, c, d = byte(s, p, p + 3)
     return ((a * 256 + b) * 256 + c) * 256 + d
   end
-  local a, b, c, d, e, f = byte(s, at, at + 5)
+  local a, b, c, d, e, f = byte(s, p, p + 5)
   return ((((a * 256 + b) * 256 + c) * 256 + d) * 256 + e) * 256 + f
 end
 
--- A whole number below 2^48 as W (4 or 6) big-endian bytes.
-local function bytes(v, W)
-  local low = v % 16777216
-  local low_bytes = char(math.floor(low / 65536), math.floor(low / 256) % 256, low % 256)
-  local high = (v - low) / 16777216
+-- The value of slot i (from 0) of a log read into a table (see below). (`slot_at` in line: this
+-- runs for every slot read.)
+local function slot(lg, i)
+  local W = lg.W
+  local p = lg.o + 1 + i * W
   if W == 4 then
-    return char(high) .. low_bytes
+    local a, b, c, d = byte(lg.s, p, p + 3)
+    return ((a * 256 + b) * 256 + c) * 256 + d
   end
-  return char(math.floor(high / 65536), math.floor(high / 256) % 256, high % 256) .. low_bytes
+  local a, b, c, d, e, f = byte(lg.s, p, p + 5)
+  return ((((a * 256 + b) * 256 + c) * 256 + d) * 256 + e) * 256 + f
+end
+
+-- A whole number below 2^48 as W (4 or 6) big-endian bytes. (Arithmetic, not math.floor:
+-- each library call costs more than the operations it saves.)
+local function bytes(v, W)
+  local d = v % 256
+  v = (v - d) / 256
+  local c = v % 256
+  v = (v - c) / 256
+  local b = v % 256
+  v = (v - b) / 256
+  if W == 4 then
+    return char(v, b, c, d)
+  end
+  local a = v % 256
+  v = (v - a) / 256
+  local z = v % 256
+  return char((v - z) / 256, z, a, b, c, d)
 end
 
 -- The state of a compact log while a request decides on it, in a table `lg`: s, its text as
--- read, with what this request appended (false: no log); W, the slot width; base and total
+-- read, with what this request appended (false: no log); o, the length of its head; W, the
+-- slot width; base and total
 -- (as in the head, total less what the trim dropped and plus what was appended); weighted; f,
 -- the first slot kept (the trim drops slots before it); n, the number of slots in s; newest,
 -- the newest entry's time (0: none); changed, whether it must be written.
@@ -544,36 +571,40 @@ local function open_log(lg, key, rule)
       error(s)
     end
   end
-  lg.changed, lg.newest, lg.f = false, 0, 0
+  lg.changed, lg.newest, lg.f, lg.moved = false, 0, 0, false
   if not s then
     lg.s, lg.W, lg.base, lg.total, lg.weighted, lg.n = false, rule.width, 0, 0, false, 0
     return
   end
   local len, tag = #s, byte(s, 1)
   local W = tag and tag % 16
-  if len < HEAD or (W ~= 4 and W ~= 6) or tag >= 32 or (len - HEAD) % W ~= 0 then
+  local weighted = tag and tag >= 16
+  local head = weighted and HEAD or PLAIN
+  if len < head or (W ~= 4 and W ~= 6) or tag >= 32 or (len - head) % W ~= 0 then
     foreign(key)
   end
-  local n = (len - HEAD) / W
-  lg.s, lg.W, lg.weighted, lg.n = s, W, tag >= 16, n
-  local b1, b2, b3, b4, b5, b6, t1, t2, t3, t4, t5, t6 = byte(s, 2, 13)
+  local n = (len - head) / W
+  lg.s, lg.o, lg.W, lg.weighted, lg.n, lg.total = s, head, W, weighted, n, n
+  local b1, b2, b3, b4, b5, b6 = byte(s, 2, PLAIN)
   lg.base = ((((b1 * 256 + b2) * 256 + b3) * 256 + b4) * 256 + b5) * 256 + b6
-  lg.total = ((((t1 * 256 + t2) * 256 + t3) * 256 + t4) * 256 + t5) * 256 + t6
+  if weighted then
+    local t1, t2, t3, t4, t5, t6 = byte(s, PLAIN + 1, HEAD)
+    lg.total = ((((t1 * 256 + t2) * 256 + t3) * 256 + t4) * 256 + t5) * 256 + t6
+  end
   if n > 0 then
     local last = n - 1
-    if n > 1 and slot(s, n - 2, W) >= TOP[W] then
+    if n > 1 and slot(lg, n - 2) >= TOP[W] then
       last = n - 2
     end
-    lg.newest = lg.base + slot(s, last, W) % TOP[W]
+    lg.newest = lg.base + slot(lg, last) % TOP[W]
   end
 end
 
 -- The entry whose first slot is i: its time, its weight and the slot after it.
 local function entry_at(lg, i)
-  local s, W = lg.s, lg.W
-  local v, top = slot(s, i, W), TOP[W]
+  local v, top = slot(lg, i), TOP[lg.W]
   if v >= top then
-    return lg.base + v - top, slot(s, i + 1, W), i + 2
+    return lg.base + v - top, slot(lg, i + 1), i + 2
   end
   return lg.base + v, 1, i + 1
 end
@@ -582,13 +613,13 @@ end
 -- search: a slot that is a weight stands for the entry before it.
 local function first_after(lg, bound)
   local lo, hi = lg.f, lg.n
-  local s, W, top, base = lg.s, lg.W, TOP[lg.W], lg.base
+  local top, base = TOP[lg.W], lg.base
   while lo < hi do
-    local h = math.floor((lo + hi) / 2)
-    if h > lo and slot(s, h - 1, W) >= top then
+    local h = (lo + hi - (lo + hi) % 2) / 2
+    if h > lo and slot(lg, h - 1) >= top then
       h = h - 1
     end
-    local v = slot(s, h, W)
+    local v = slot(lg, h)
     if v >= top then
       if base + v - top > bound then hi = h else lo = h + 2 end
     elseif base + v > bound then
@@ -616,7 +647,7 @@ end
 
 -- Drops the entries at or before `bound`.
 local function trim_log(lg, bound)
-  if lg.n > lg.f then
+  if lg.n > lg.f and entry_at(lg, lg.f) <= bound then
     local first = first_after(lg, bound)
     if first > lg.f then
       lg.total = lg.total - weight_of(lg, lg.f, first)
@@ -625,25 +656,35 @@ local function trim_log(lg, bound)
   end
 end
 
--- The hits after `bound`, and the first slot of the first entry after it.
+-- The hits after `bound`, and the first slot of the first entry after it and its time (nil:
+-- none).
 local function count_after(lg, bound)
-  local first = first_after(lg, bound)
-  if first - lg.f <= lg.n - first then
-    return lg.total - weight_of(lg, lg.f, first), first
+  if lg.f == lg.n then
+    return 0, lg.f, nil
   end
-  return weight_of(lg, first, lg.n), first
+  local time = entry_at(lg, lg.f)
+  if time > bound then
+    -- Every entry kept is inside (the window the log was trimmed to).
+    return lg.total, lg.f, time
+  end
+  local first = first_after(lg, bound)
+  time = first < lg.n and entry_at(lg, first) or nil
+  if first - lg.f <= lg.n - first then
+    return lg.total - weight_of(lg, lg.f, first), first, time
+  end
+  return weight_of(lg, first, lg.n), first, time
 end
 
--- The reset of a compact log's window of `limit` and `length` ms after bound = now - length,
--- for a descriptor that must fit `size` hits, from its count after the call (as
--- `window_reset` for the former format).
-local function compact_reset(lg, limit, length, fits, count, size)
-  local first = first_after(lg, now - length)
+-- The reset of a compact log's window of `limit` and `length` ms for a descriptor that must
+-- fit `size` hits, from its count after the call and the window's first entry (its slot and
+-- time, nil: none), as `window_reset` for the former format.
+local function compact_reset(lg, limit, length, fits, count, size, first, time)
   if fits then
-    if first >= lg.n then
-      return 0
-    end
-    return entry_at(lg, first) + length - now
+    return time and (time + length - now) or 0
+  end
+  if lg.moved or first == nil then
+    -- The request moved the log's base, and its slots with it.
+    first = first_after(lg, now - length)
   end
   local need, reset = hits_to_leave(limit, length, count, size)
   if need == nil then
@@ -680,15 +721,15 @@ local function reencode(lg, W, base)
       parts[#parts + 1] = bytes(t - base + top, W) .. bytes(w, W)
     end
   end
-  lg.s = string.rep('\0', HEAD) .. table.concat(parts)
-  lg.W, lg.base, lg.f, lg.n = W, base, 0, (#lg.s - HEAD) / W
+  lg.s = table.concat(parts)
+  lg.o, lg.W, lg.base, lg.f, lg.n, lg.moved = 0, W, base, 0, #lg.s / W, true
 end
 
--- Appends an entry of `hits` at time `stamp` (no earlier than the newest).
+-- Appends an entry of `hits` at time `stamp` (no earlier than the newest); answers its slot.
 local function append_entry(lg, rule, hits, stamp)
   if lg.n == lg.f then
-    lg.s, lg.W, lg.base, lg.f, lg.n, lg.total, lg.weighted =
-      string.rep('\0', HEAD), rule.width, stamp, 0, 0, 0, false
+    lg.s, lg.o, lg.W, lg.base, lg.f, lg.n, lg.total, lg.weighted =
+      '', 0, rule.width, stamp, 0, 0, 0, false
   end
   local W = lg.W
   if stamp - lg.base >= TOP[W] or W < rule.width then
@@ -699,7 +740,7 @@ local function append_entry(lg, rule, hits, stamp)
     end
     reencode(lg, W, oldest)
   end
-  local v, top = stamp - lg.base, TOP[W]
+  local v, top, at = stamp - lg.base, TOP[W], lg.n
   if hits == 1 then
     lg.s = lg.s .. bytes(v, W)
   else
@@ -713,15 +754,26 @@ local function append_entry(lg, rule, hits, stamp)
     lg.s = lg.s .. table.concat(parts)
     lg.weighted = true
   end
-  lg.n = (#lg.s - HEAD) / W
+  lg.n = (#lg.s - lg.o) / W
   lg.total, lg.newest, lg.changed = lg.total + hits, stamp, true
+  return at
 end
 
 -- The log's text as it is stored: its head, then the slots kept.
 local function log_text(lg)
   local W = lg.W
-  return char(W + (lg.weighted and 16 or 0)) .. bytes(lg.base, 6) .. bytes(lg.total, 6)
-    .. string.sub(lg.s, HEAD + 1 + lg.f * W)
+  if lg.o == PLAIN and not lg.weighted then
+    -- Read as a log of unweighted entries, and still one: its head (base) as it was.
+    if lg.f == 0 then
+      return lg.s
+    end
+    return string.sub(lg.s, 1, PLAIN) .. string.sub(lg.s, PLAIN + 1 + lg.f * W)
+  end
+  local slots = string.sub(lg.s, lg.o + 1 + lg.f * W)
+  if lg.weighted then
+    return char(W + 16) .. bytes(lg.base, 6) .. bytes(lg.total, 6) .. slots
+  end
+  return char(W) .. bytes(lg.base, 6) .. slots
 end
 
 -- Writes the log if the request changed it: emptied, the key goes; else one SET with its
@@ -737,6 +789,111 @@ local function write_log(lg, key, rule)
   end
   local W = lg.W
   call('SET', key, log_text(lg), 'PX', rule.compact_ttl)
+end
+
+-- === The common path's compact log: unweighted entries, read in place ===
+
+-- Reads the log `key` of a one-window rule of `length` ms if it holds unweighted entries only
+-- (or is absent), and finds its trim: answers its text (false: none), slot width, base, number
+-- of slots n, the first slot inside the window f (n: none), that slot's time, and the newest
+-- entry's time (0: none). nil for any other log: a weighted one, a sorted set, a key of another
+-- type, a text slidegate did not write (the general path reads it, and tells why), or one
+-- whose next entry would lie further from its base than a slot holds (the general path moves
+-- the base).
+local function plain_log(key, rule, length)
+  local s = redis.pcall('GET', key)
+  if not s then
+    return false, rule.width, 0, 0, 0, 0, 0
+  end
+  if type(s) ~= 'string' then
+    return nil
+  end
+  local W, len = byte(s, 1), #s
+  if (W ~= 4 and W ~= 6) or len <= PLAIN or (len - PLAIN) % W ~= 0 then
+    return nil
+  end
+  local n = (len - PLAIN) / W
+  local b1, b2, b3, b4, b5, b6 = byte(s, 2, PLAIN)
+  local base = ((((b1 * 256 + b2) * 256 + b3) * 256 + b4) * 256 + b5) * 256 + b6
+  local newest = base + slot_at(s, PLAIN + 1 + (n - 1) * W, W)
+  local bound = now - length
+  if newest <= bound then
+    return s, W, base, n, n, 0, newest
+  end
+  if max(now, newest) - base >= TOP[W] then
+    return nil
+  end
+  local first = base + slot_at(s, PLAIN + 1, W)
+  if first > bound then
+    return s, W, base, n, 0, first, newest
+  end
+  -- Slot 0 is at or before the bound, slot n - 1 after it: the first after it, by bisection.
+  local lo, hi = 1, n - 1
+  while lo < hi do
+    local mid = (lo + hi - (lo + hi) % 2) / 2
+    if base + slot_at(s, PLAIN + 1 + mid * W, W) > bound then
+      hi = mid
+    else
+      lo = mid + 1
+    end
+  end
+  return s, W, base, n, lo, base + slot_at(s, PLAIN + 1 + lo * W, W), newest
+end
+
+-- Writes a log read by `plain_log` after the request: trimmed to slot f, with an entry at
+-- `stamp` when the request recorded one (false: none); nothing when neither. Its expiry, a
+-- window, a period (a quarter window) and 1 s, is set as `expiry_due` has it for a sorted set:
+-- when the entry recorded is the first of its period (time cut into periods) or the log is
+-- new, so that it outlasts every entry of that period by the window and 1 s, and a busy log
+-- sets it about once a period; other writes keep it (KEEPTTL), since it outlasts the newest
+-- entry kept.
+local function plain_write(key, rule, s, W, base, n, f, stamp, newest)
+  if stamp then
+    local text
+    if f == n then
+      -- New, or emptied by the trim: a fresh base.
+      W = rule.width
+      text = char(W) .. bytes(stamp, 6) .. bytes(0, W)
+    elseif f == 0 then
+      text = s .. bytes(stamp - base, W)
+    else
+      text = string.sub(s, 1, PLAIN) .. string.sub(s, PLAIN + 1 + f * W) .. bytes(stamp - base, W)
+    end
+    local period = rule.period
+    if f == n or stamp - stamp % period ~= newest - newest % period then
+      call('SET', key, text, 'PX', rule.compact_ttl)
+    else
+      call('SET', key, text, 'KEEPTTL')
+    end
+  elseif f == n then
+    if s then
+      call('DEL', key)
+    end
+  elseif f > 0 then
+    call('SET', key, string.sub(s, 1, PLAIN) .. string.sub(s, PLAIN + 1 + f * W), 'KEEPTTL')
+  end
+end
+
+-- The reset of a log read by `plain_log` (as `compact_reset`), from its window's first slot f
+-- and that slot's time, the entry the request recorded at `stamp` (false: none) and the count
+-- after the request.
+local function plain_reset(s, W, base, n, f, first, stamp, limit, length, fits, count, size)
+  if fits then
+    if f < n then
+      return first + length - now
+    end
+    return stamp and (stamp + length - now) or 0
+  end
+  local need, reset = hits_to_leave(limit, length, count, size)
+  if need == nil then
+    return reset
+  end
+  -- One slot an entry: the entry that takes the count down by `need` is need - 1 past f.
+  local i = f + need - 1
+  if i < n then
+    return base + slot_at(s, PLAIN + 1 + i * W, W) + length - now
+  end
+  return (i == n and stamp) and (stamp + length - now) or length
 end
 
 -- The time to live to give a log rewritten in another format: the one it had.
@@ -944,7 +1101,7 @@ local function count_and_fit(d)
       trim_log(lg, now - rule.longest)
     end
     for w = 1, rule.m do
-      d[3 * w - 2] = count_after(lg, now - rule[3 * w - 1])
+      d[3 * w - 2], d[3 * w - 1], d[3 * w] = count_after(lg, now - rule[3 * w - 1])
     end
   elseif rule.buckets == 0 then
     -- The newest entry first: an empty log, or one whose newest entry is older than a
@@ -1028,8 +1185,11 @@ local function record(d, i)
   if rule.buckets == 0 and not rule.sorted then
     local lg = st.lg
     local stamp = max(now, lg.newest)
-    append_entry(lg, rule, d.hits, stamp)
+    local at = append_entry(lg, rule, d.hits, stamp)
     d.cum, d.stamp = lg.total, stamp
+    if not st.new_before then
+      st.new_before, st.new_time, st.new_first = true, stamp, at
+    end
   elseif rule.buckets == 0 then
     d.cum = st.head_cum + d.hits
     local stamp = max(now, st.head_time)
@@ -1085,7 +1245,14 @@ local function report(d, reply, r)
       reset = counter_reset(d, w, c)
     elseif not rule.sorted then
       c = d[3 * w - 2] + added
-      reset = compact_reset(d.st.lg, rule[3 * w - 2], rule[3 * w - 1], d.fits, c, d.size)
+      local first, time = d[3 * w - 1], d[3 * w]
+      if time == nil and d.st.new_before then
+        -- The window held nothing before this request: its first entry is the first this
+        -- request recorded in the log.
+        first, time = d.st.new_first, d.st.new_time
+      end
+      reset = compact_reset(d.st.lg, rule[3 * w - 2], rule[3 * w - 1], d.fits, c, d.size, first,
+        time)
     else
       c = d[3 * w - 2] + added
       reset = log_reset(d, w, c)
@@ -1120,6 +1287,24 @@ local out, o = {}, 0
 -- checked, before it writes anything (so that when a Redis command fails it, the next one can
 -- be found).
 local current, current_a, next_a, next_k
+
+-- A log descriptor's part of the reply, from out[r + 1] on (layout in the header): flags, the
+-- running total and (in a tentative request) time of the entry it recorded, if it did, then
+-- its window's count and reset. Answers the index of its last value.
+local function log_answer(r, flags, cum, stamp, count, reset)
+  out[r + 1] = flags
+  r = r + 1
+  if flags >= 4 then
+    out[r + 1] = cum
+    r = r + 1
+    if mode == 0 then
+      out[r + 1] = stamp
+      r = r + 1
+    end
+  end
+  out[r + 1], out[r + 2] = count, reset
+  return r + 2
+end
 
 -- Decides the request whose arguments start at ARGV[a] and keys after KEYS[k], of any kind:
 -- writes its values from out[o + 2] on and answers the index of its last, or nil and why its
@@ -1245,13 +1430,14 @@ local s_before, s_time, s_count, s_fits, s_records, s_cum, s_stamp = {}, {}, {},
 
 -- Reads the n descriptors of the request whose arguments start at ARGV[a] and keys after
 -- KEYS[k] into the `s_` arrays, and its prefix and mode: where the next request's arguments
--- start if the request is of the kind `decide_logs` decides, with valid arguments, else nil.
-local function read_logs(a, k, n)
+-- start if the request is of the kind `decide_logs` decides (with `compact`, the kind
+-- `decide_compacts` decides), with valid arguments, else nil.
+local function read_logs(a, k, n, compact)
   for i = 1, n do
     local text = ARGV[a + 2 * i]
     local rule = rules[text] or read_rule(text)
     local key = KEYS[k + i]
-    if not (rule and rule.one_log and key) then
+    if not (rule and key and (compact and rule.one_compact or rule.one_log)) then
       return false
     end
     for j = 1, i - 1 do
@@ -1264,7 +1450,7 @@ local function read_logs(a, k, n)
     if hits == nil then
       hits = whole(text)
     end
-    if not hits then
+    if not hits or (compact and hits > 1) then
       return false
     end
     s_rule[i], s_hits[i], s_key[i] = rule, hits, key
@@ -1273,30 +1459,15 @@ local function read_logs(a, k, n)
   return begin_request(a)
 end
 
--- The request whose arguments start at ARGV[a] and keys after KEYS[k] when it is the common
--- kind: every descriptor on a sliding_log of one window, without a ban, each on a key of its
--- own. The same steps as `decide` in the same order, for this case only: `decide`'s state
--- tables, its loops over windows and its sharing of a key between descriptors cost the
--- interpreter more than the Redis commands do. Writes as `decide` does; answers nil, having written
--- nothing, for another kind or bad arguments (`decide` tells why).
-local function decide_logs(a, k, n)
-  local after = read_logs(a, k, n)
-  if not after then
-    return nil
-  end
-  next_a, next_k = after, k + n
-  -- 1. Per descriptor: the newest entry, the trim, the window's first entry (the log was just
-  --    trimmed to this window, so it is the log's first), the count, and whether it fits.
-  -- 2. Whether the request is admitted (as `decide`).
+-- 2. For `decide_logs` and `decide_compacts`: from each descriptor's count, whether it fits
+--    and whether it records, and whether the request is admitted (as `decide`).
+local function admit_counted(n)
   local enforced_fit, quota_seen, quota_fit = true, false, false
   for i = 1, n do
-    local rule, key = s_rule[i], s_key[i]
-    local limit, length = rule[1], rule[2]
-    local head_cum, head_time, before, time, count = trim_and_count(key, length, rule)
-    local size = s_size[i]
-    local fits = count + size <= limit
-    s_head[i], s_head_time[i], s_before[i], s_time[i], s_count[i], s_fits[i] =
-      head_cum, head_time, before, time, count, fits
+    local rule, count = s_rule[i], s_count[i]
+    local limit = rule[1]
+    local fits = count + s_size[i] <= limit
+    s_fits[i] = fits
     s_records[i] = s_hits[i] > 0 and (fits or (rule.debit and count < limit))
     local role = rule.role
     enforced_fit = enforced_fit and (fits or role ~= 0)
@@ -1304,7 +1475,80 @@ local function decide_logs(a, k, n)
       quota_seen, quota_fit = true, quota_fit or fits
     end
   end
-  local admitted = admits(enforced_fit, quota_seen, quota_fit)
+  return admits(enforced_fit, quota_seen, quota_fit)
+end
+
+-- The state of a request decided by `decide_compacts`, per descriptor: what `plain_log` read.
+local s_text, s_width, s_base, s_slots, s_first, s_first_time, s_newest =
+  {}, {}, {}, {}, {}, {}, {}
+
+-- `decide_logs` for compact logs: every descriptor on a one-window rule without a ban, each on
+-- a log of its own holding unweighted entries, with one hit or none. Every log is read before
+-- anything is written; answers nil, having written nothing, for another kind.
+local function decide_compacts(a, k, n)
+  local after = read_logs(a, k, n, true)
+  if not after then
+    return nil
+  end
+  -- 1. Per descriptor: the log, its trim, the count, and whether it fits.
+  for i = 1, n do
+    local s, W, base, slots, f, first, newest = plain_log(s_key[i], s_rule[i], s_rule[i][2])
+    if s == nil then
+      return nil
+    end
+    s_text[i], s_width[i], s_base[i], s_slots[i], s_first[i], s_first_time[i], s_newest[i] =
+      s, W, base, slots, f, first, newest
+    s_count[i] = slots - f
+  end
+  next_a, next_k = after, k + n
+  -- 2. Whether each fits, and the request is admitted.
+  local admitted = admit_counted(n)
+  -- 3. Record, 4. write each log with its expiry, 5. report.
+  local r = o + 1
+  for i = 1, n do
+    local rule, fits, stamp = s_rule[i], s_fits[i], false
+    local s, W, base, slots, f = s_text[i], s_width[i], s_base[i], s_slots[i], s_first[i]
+    if s_records[i] and (admitted or rule.debit) then
+      stamp = max(now, s_newest[i])
+      s_count[i] = s_count[i] + 1
+    else
+      s_records[i] = false
+    end
+    plain_write(s_key[i], rule, s, W, base, slots, f, stamp, s_newest[i])
+    local count = s_count[i]
+    local reset = plain_reset(s, W, base, slots, f, s_first_time[i], stamp, rule[1], rule[2],
+      fits, count, s_size[i])
+    r = log_answer(r, (fits and 1 or 0) + (stamp and 4 or 0), count, stamp, count, reset)
+  end
+  return r
+end
+
+-- The request whose arguments start at ARGV[a] and keys after KEYS[k] when it is the common
+-- kind: every descriptor on a sorted-set sliding_log of one window (compact logs:
+-- `decide_compacts`), without a ban, each on a key of its own. The same steps as `decide` in the same order, for this case only: `decide`'s state
+-- tables, its loops over windows and its sharing of a key between descriptors cost the
+-- interpreter more than the Redis commands do. Writes as `decide` does; answers nil, having written
+-- nothing, for another kind or bad arguments (`decide` tells why).
+local function decide_logs(a, k, n)
+  local first = rules[ARGV[a + 2]]
+  if first and first.one_compact then
+    return decide_compacts(a, k, n)
+  end
+  local after = read_logs(a, k, n)
+  if not after then
+    return nil
+  end
+  next_a, next_k = after, k + n
+  -- 1. Per descriptor: the newest entry, the trim, the window's first entry (the log was just
+  --    trimmed to this window, so it is the log's first) and the count.
+  for i = 1, n do
+    local rule = s_rule[i]
+    local head_cum, head_time, before, time, count = trim_and_count(s_key[i], rule[2], rule)
+    s_head[i], s_head_time[i], s_before[i], s_time[i], s_count[i] =
+      head_cum, head_time, before, time, count
+  end
+  -- 2. Whether each fits, and the request is admitted.
+  local admitted = admit_counted(n)
   -- 3. Record every fitting descriptor of an admitted request and every debit that records;
   --    4. keep every key.
   for i = 1, n do
@@ -1328,49 +1572,22 @@ local function decide_logs(a, k, n)
   end
   -- 5. Report: per descriptor its flags, the entry it recorded, its count and its reset (as
   --    `log_reset`).
-  local reply, r = out, o + 1
+  local r = o + 1
   for i = 1, n do
     local rule, fits, count, before = s_rule[i], s_fits[i], s_count[i], s_before[i]
     local limit, length = rule[1], rule[2]
     local reset = window_reset(s_key[i], limit, length, fits, count, s_size[i], before, s_time[i])
-    if s_records[i] then
-      reply[r + 1], reply[r + 2] = (fits and 5 or 4), s_cum[i]
-      r = r + 2
-      if mode == 0 then
-        reply[r + 1] = s_stamp[i]
-        r = r + 1
-      end
-    else
-      reply[r + 1] = fits and 1 or 0
-      r = r + 1
-    end
-    reply[r + 1], reply[r + 2] = count, reset
-    r = r + 2
+    r = log_answer(r, (fits and 1 or 0) + (s_records[i] and 4 or 0), s_cum[i], s_stamp[i], count,
+      reset)
   end
   return r
 end
 
--- The reply of a request of one descriptor of one window, from out[o + 2] on (layout in the
--- header): flags, and if it recorded the entry's running total (and in a tentative request its
--- time), then count and reset. Answers the index of its last value.
-local function single_reply(flags, cum, newest, count, reset)
-  local r = o
-  if flags >= 4 then
-    if mode == 0 then
-      out[r + 2], out[r + 3], out[r + 4], out[r + 5], out[r + 6] = flags, cum, newest, count, reset
-      return r + 6
-    end
-    out[r + 2], out[r + 3], out[r + 4], out[r + 5] = flags, cum, count, reset
-    return r + 5
-  end
-  out[r + 2], out[r + 3], out[r + 4] = flags, count, reset
-  return r + 4
-end
-
 -- A request of one descriptor on a compact log of one window without a ban, the most common
--- request: `decide`'s steps for this case only, in straight-line code (see `decide_logs`).
+-- request: `decide`'s steps for this case only, in straight-line code (see `decide_logs`), on
+-- the log read into a table.
 local single = {}
-local function decide_one_compact(key, rule, hits)
+local function decide_one_logged(key, rule, hits)
   local limit, length, debit = rule[1], rule[2], rule.debit
   local size = (debit and hits == 0) and 1 or hits
   -- 1. Read the log, trim it to the window: what is left is the count.
@@ -1389,13 +1606,35 @@ local function decide_one_compact(key, rule, hits)
   end
   write_log(lg, key, rule)
   -- 5. The reset and the reply.
-  local reset
-  if fits then
-    reset = lg.n > lg.f and (entry_at(lg, lg.f) + length - now) or 0
-  else
-    reset = compact_reset(lg, limit, length, fits, count, size)
+  -- (The log was trimmed to the window: its first entry kept is the window's.)
+  local first = lg.f < lg.n and entry_at(lg, lg.f) or nil
+  local reset = compact_reset(lg, limit, length, fits, count, size, lg.f, first)
+  return log_answer(o + 1, flags, cum, newest, count, reset)
+end
+
+-- The same, for the most common request of all: one hit or none, on a log of unweighted
+-- entries, read in place (no table of its state); any other goes by `decide_one_logged`.
+local function decide_one_compact(key, rule, hits)
+  local s, W, base, n, f, first, newest
+  if hits <= 1 then
+    s, W, base, n, f, first, newest = plain_log(key, rule, rule[2])
   end
-  return single_reply(flags, cum, newest, count, reset)
+  if s == nil then
+    return decide_one_logged(key, rule, hits)
+  end
+  local limit, length, debit = rule[1], rule[2], rule.debit
+  local size = (debit and hits == 0) and 1 or hits
+  local count = n - f
+  local fits = count + size <= limit
+  local flags, cum, stamp = fits and 1 or 0, 0, false
+  if hits > 0 and (fits or (debit and count < limit)) and (mode ~= 2 or debit) then
+    stamp = max(now, newest)
+    count = count + 1
+    cum, flags = count, flags + 4
+  end
+  plain_write(key, rule, s, W, base, n, f, stamp, newest)
+  local reset = plain_reset(s, W, base, n, f, first, stamp, limit, length, fits, count, size)
+  return log_answer(o + 1, flags, cum, stamp or now, count, reset)
 end
 
 -- `decide_logs` for a request of one descriptor, the most common request, in straight-line
@@ -1460,7 +1699,7 @@ local function decide_single(a, k)
   end
   -- 5. The reset (as `log_reset`) and the reply.
   local reset = window_reset(key, limit, length, fits, count, size, before, time)
-  return single_reply(flags, cum, newest, count, reset)
+  return log_answer(o + 1, flags, cum, newest, count, reset)
 end
 
 -- Decides requests `first` to `last` of the call, from next_a and next_k on, each on its own,

@@ -24,9 +24,10 @@ elseif kind ~= 'string' then
   return 0
 end
 
-local HEAD = 13
 local s = redis.call('GET', key)
-local W = string.byte(s, 1) % 16
+local W, weighted = string.byte(s, 1) % 16, string.byte(s, 1) >= 16
+-- The head: 13 bytes in a weighted log (the total after the base), 7 in another.
+local HEAD = weighted and 13 or 7
 if #s < HEAD or (W ~= 4 and W ~= 6) or (#s - HEAD) % W ~= 0 then
   return redis.error_reply('SLIDEGATE log ' .. key .. ' holds an entry slidegate did not write')
 end
@@ -38,7 +39,7 @@ local function number(at, width)
   end
   return v
 end
-local base, total = number(2, 6), number(8, 6)
+local base, total = number(2, 6), weighted and number(8, 6) or (#s - HEAD) / W
 
 -- Every entry: its first byte, its length in bytes, its time and weight.
 local entries, at = {}, HEAD + 1
@@ -82,11 +83,15 @@ if #kept == 0 then
   redis.call('DEL', key)
   return taken
 end
-total = total - taken
-local bytes = {}
-for i = 6, 1, -1 do
-  bytes[i] = total % 256
-  total = math.floor(total / 256)
+local head = string.sub(s, 1, 7)
+if weighted then
+  total = total - taken
+  local bytes = {}
+  for i = 6, 1, -1 do
+    bytes[i] = total % 256
+    total = math.floor(total / 256)
+  end
+  head = head .. string.char(unpack(bytes))
 end
-redis.call('SET', key, string.sub(s, 1, 7) .. string.char(unpack(bytes)) .. table.concat(kept), 'KEEPTTL')
+redis.call('SET', key, head .. table.concat(kept), 'KEEPTTL')
 return taken

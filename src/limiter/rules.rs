@@ -63,11 +63,11 @@ pub enum Limit {
     Unlimited,
 }
 
-/// Redis memory, about, as `docs/redis.md` (*Memory and TTLs*) has it measured: a log entry
-/// while the log is a listpack (up to 128 entries, Redis's default), and beyond, as a skiplist.
-const LISTPACK_ENTRY_BYTES: u64 = 56;
-const LISTPACK_MAX_ENTRIES: u64 = 128;
-const SKIPLIST_ENTRY_BYTES: u64 = 145;
+/// Redis memory, about, as `docs/redis.md` (*Memory and TTLs*) has it measured: a compact log
+/// of one entry, key and all, and each entry more (a slot: 4 bytes, 6 in a log whose longest
+/// window passes 2^30 ms; a weighted entry takes two).
+const LOG_BYTES: u64 = 64;
+const LONG_WINDOW_MS: u64 = 1 << 30;
 /// A `sliding_counter` bucket (328 bytes for a hash of 10 buckets).
 const BUCKET_BYTES: u64 = 33;
 /// A ban key.
@@ -89,16 +89,12 @@ impl Limit {
         };
         let held = match algorithm {
             Algorithm::SlidingLog => {
-                let entries = windows
+                let (entries, longest) = windows
                     .iter()
                     .max_by_key(|w| (w.length_ms, w.limit))
-                    .map_or(0, |w| u64::from(w.limit));
-                let per_entry = if entries <= LISTPACK_MAX_ENTRIES {
-                    LISTPACK_ENTRY_BYTES
-                } else {
-                    SKIPLIST_ENTRY_BYTES
-                };
-                entries.saturating_mul(per_entry)
+                    .map_or((0, 0), |w| (u64::from(w.limit), w.length_ms));
+                let slot = if longest < LONG_WINDOW_MS { 4 } else { 6 };
+                LOG_BYTES + entries.saturating_sub(1).saturating_mul(slot)
             }
             Algorithm::SlidingCounter { buckets } => {
                 let mut lengths: Vec<u64> = windows.iter().map(|w| w.length_ms).collect();
@@ -447,20 +443,22 @@ pub fn human_ms(ms: u64) -> String {
 mod tests {
     use super::*;
 
-    /// What one value of a rule can hold in Redis: a full log by its longest window (a
-    /// listpack up to 128 entries, a skiplist beyond), a counter's buckets per distinct window
-    /// length, a ban key; nothing for an unlimited rule.
+    /// What one value of a rule can hold in Redis: a full compact log by its longest window
+    /// (4 bytes an entry, 6 past 2^30 ms), a counter's buckets per distinct window length, a
+    /// ban key; nothing for an unlimited rule.
     #[test]
     fn a_rules_redis_memory_per_value() {
         let w = |limit, unit| Window::per_unit(limit, unit, None);
         let log = |windows, ban| Limit::windows(windows, ban, Algorithm::SlidingLog);
         // The longest window's limit bounds the log, whatever the shorter ones allow.
         let login = log(vec![w(3, Unit::Minute), w(50, Unit::Day)], Some(900_000));
-        assert_eq!(login.redis_bytes(), Some(50 * 56 + 72));
+        assert_eq!(login.redis_bytes(), Some(64 + 49 * 4 + 72));
         let burst = log(vec![w(500, Unit::Second), w(100, Unit::Hour)], None);
-        assert_eq!(burst.redis_bytes(), Some(100 * 56));
+        assert_eq!(burst.redis_bytes(), Some(64 + 99 * 4));
         let big = log(vec![w(1_000, Unit::Hour)], None);
-        assert_eq!(big.redis_bytes(), Some(1_000 * 145), "a skiplist past 128");
+        assert_eq!(big.redis_bytes(), Some(64 + 999 * 4));
+        let month = log(vec![w(1_000, Unit::Month)], None);
+        assert_eq!(month.redis_bytes(), Some(64 + 999 * 6), "6-byte slots");
         let counter = Limit::windows(
             vec![w(100_000, Unit::Minute), w(1_000_000, Unit::Hour)],
             None,

@@ -137,7 +137,8 @@ elseif kind == 'string' then
     for i = at, at + n - 1 do v = v * 256 + string.byte(s, i) end
     return v
   end
-  local base, top, at = num(2, 6), 2 ^ (8 * w - 1), 14
+  local base, top = num(2, 6), 2 ^ (8 * w - 1)
+  local at = string.byte(s, 1) >= 16 and 14 or 8
   while at <= #s do
     local v = num(at, w)
     if v >= top then

@@ -819,8 +819,8 @@ async fn without_function_load_the_script_goes_by_evalsha() {
     }
 }
 
-/// The compact log as docs/redis.md lays it out: a 13-byte head (slot width, plus 16 once a
-/// weighted entry is in; base; total), then a slot per entry, and a weighted entry's weight in
+/// The compact log as docs/redis.md lays it out: a head (slot width, plus 16 once a weighted
+/// entry is in; base; in a weighted log, the total), then a slot per entry, and a weighted entry's weight in
 /// the slot after it; written whole with its expiry; 6-byte slots for windows past 2^30 ms; hits
 /// past a slot's top bit as several entries of one time; a base moved when the log stays busy
 /// longer than a slot reaches; and a text slidegate did not write fails its request alone.
@@ -875,8 +875,19 @@ fn a_compact_log_is_a_head_and_a_slot_per_entry() {
         expected.extend(be(slot, 4));
     }
     assert_eq!(bytes("c:log"), expected);
+    // Unweighted entries only: a 7-byte head (no total: it is the number of slots).
+    decide("p:log", 1_000, 1, rule);
+    decide("p:log", 1_250, 1, rule);
+    let mut expected = vec![4];
+    expected.extend(be(1_000, 6));
+    expected.extend(be(0, 4));
+    expected.extend(be(250, 4));
+    assert_eq!(bytes("p:log"), expected);
     let ttl: i64 = cli(&["PTTL", "c:log"])[0].parse().expect("PTTL");
-    assert!((1..=2_000).contains(&ttl), "the window and 1 s: {ttl}");
+    assert!(
+        (1..=2_250).contains(&ttl),
+        "the window, a period (a quarter window) and 1 s: {ttl}"
+    );
     // Past the window the trim drops the first two; past all of it the log goes.
     assert_eq!(
         decide("c:log", 2_001, 1, rule),
@@ -889,12 +900,32 @@ fn a_compact_log_is_a_head_and_a_slot_per_entry() {
     );
     assert_eq!(cli(&["EXISTS", "c:log"]), ["0"]);
 
+    // The expiry is set when an entry is the first of its period (250 ms here) and kept by
+    // the other writes, and always outlasts the newest entry by the window and 1 s: 80 calls
+    // 37 ms apart, all admitted (Redis's own clock barely moves meanwhile, so an expiry set at
+    // call time t lasts, in the calls' time, until t + 2,250).
+    let (mut set_at, mut sets, mut last_ttl) = (0u64, 0, i64::MAX);
+    for call in 0..80u64 {
+        let now = 10_000 + 37 * call;
+        assert_eq!(decide("e:log", now, 1, "0:0:0:0:1000:1000")[2], "5");
+        let ttl: i64 = cli(&["PTTL", "e:log"])[0].parse().expect("PTTL");
+        if ttl > last_ttl || call == 0 {
+            set_at = now;
+            sets += 1;
+        }
+        last_ttl = ttl;
+        assert!(
+            set_at + 2_250 >= now + 1_000 + 1_000,
+            "call {call}: the expiry set at {set_at} ends before the entry at {now} leaves the window (plus 1 s)"
+        );
+    }
+    assert_eq!(sets, 12, "80 calls over 2.9 s: twelve periods");
+
     // 30 days: 6-byte slots.
     let month = "0:0:0:0:10:2592000000";
     decide("m:log", 5_000, 1, month);
     let mut expected = vec![6];
     expected.extend(be(5_000, 6));
-    expected.extend(be(1, 6));
     expected.extend(be(0, 6));
     assert_eq!(bytes("m:log"), expected);
 

@@ -244,15 +244,21 @@ impl Read {
 /// A compact log's entries after `edge` (layout in `lua/slidegate.lua`), as (time, cum, weight)
 /// with cum counted from the first of them; None for a text slidegate did not write.
 fn compact_entries(text: &[u8], edge: u64) -> Option<Vec<(u64, u64, u64)>> {
-    const HEAD: usize = 13;
     let number = |bytes: &[u8]| bytes.iter().fold(0u64, |v, &b| v << 8 | u64::from(b));
-    let width = usize::from(*text.first()? % 16);
-    if text.len() < HEAD || !matches!(width, 4 | 6) || !(text.len() - HEAD).is_multiple_of(width) {
+    let tag = *text.first()?;
+    let width = usize::from(tag % 16);
+    // The head: the tag and the base, then in a weighted log its total.
+    let head = if tag >= 16 { 13 } else { 7 };
+    if text.len() < head
+        || tag >= 32
+        || !matches!(width, 4 | 6)
+        || !(text.len() - head).is_multiple_of(width)
+    {
         return None;
     }
     let top = 1u64 << (width * 8 - 1);
     let base = number(text.get(1..7)?);
-    let mut slots = text[HEAD..].chunks_exact(width).map(number);
+    let mut slots = text[head..].chunks_exact(width).map(number);
     let (mut entries, mut cum) = (Vec::new(), 0);
     while let Some(v) = slots.next() {
         let (at, weight) = if v >= top {
