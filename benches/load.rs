@@ -723,7 +723,7 @@ fn memory_usage(redis: &redis_proc::RedisProcess) {
     // `CONFIG GET` answers the name, then the value.
     let listpack = redis_cli(redis.port, &["CONFIG", "GET", "zset-max-listpack-entries"]);
     println!(
-        "\nRedis memory (MEMORY USAGE, redis-server 7, zset-max-listpack-entries {}):",
+        "\nRedis memory (MEMORY USAGE, redis-server 7, compact logs; zset-max-listpack-entries {}):",
         listpack.lines().nth(1).unwrap_or("unknown")
     );
     // One call of one request: KEYS the log or the counters; ARGV request count, now, shape
