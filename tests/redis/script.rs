@@ -1056,3 +1056,101 @@ fn undo_takes_back_one_entry_in_either_format() {
     );
     assert_eq!(cli(&["EXISTS", "s:log"]), ["0"]);
 }
+
+/// A rolling upgrade's first step, with the released script itself: replicas of the release
+/// before the compact log (`tests/fixtures/slidegate-sorted-set-release.lua`, that release's
+/// `lua/slidegate.lua`) and replicas of this one with `--redis-log-format sorted-set` take turns
+/// on the same logs, and answer as this one alone does on twin logs, field by field; then this
+/// one's compact log, alone, converts what they left and counts on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_release_before_and_this_one_share_sorted_set_logs() {
+    use fred::prelude::{ClientLike as _, Value};
+    use slidegate::store::redis::Library;
+
+    let old = Library::from_source(include_str!("../fixtures/slidegate-sorted-set-release.lua"));
+    let new = Library::new();
+    let config = fred::types::config::Config::from_url(&shared_standalone().url()).unwrap();
+    let client = fred::clients::Client::new(config, None, None, None);
+    client.init().await.unwrap();
+    for library in [&old, &new] {
+        library.load(&client, TEST_TIMEOUT).await.unwrap();
+    }
+    let tag = unique_domain("upgrade");
+    // Enforced, weighted and debit rules; the new script's sorted-set flag is 2.
+    const RULES: [(&str, &str); 3] = [
+        ("0:0:0:0:3:1000", "0:0:0:2:3:1000"),
+        ("0:0:0:1:5:2000", "0:0:0:3:5:2000"),
+        ("0:0:0:0:4:500:6:3000", "0:0:0:2:4:500:6:3000"),
+    ];
+    let mut seed: u64 = 0x0bad_cafe;
+    let mut next = |below: u64| {
+        seed = seed
+            .wrapping_mul(6_364_136_223_846_793_005)
+            .wrapping_add(1_442_695_040_888_963_407);
+        (seed >> 33) % below
+    };
+    let mut now = 2_000_000u64;
+    let call = |library: &Library, key: String, args: Vec<Value>| {
+        let client = client.clone();
+        let library = library.clone();
+        async move {
+            unpacked(
+                &library
+                    .call(&client, vec![fred::types::Key::from(key)], args)
+                    .await
+                    .unwrap(),
+            )
+        }
+    };
+    for step in 0..400 {
+        now += next(300);
+        let log = next(3);
+        let rule = usize::try_from(next(3)).unwrap();
+        let hits = next(3).to_string();
+        let args = |text: &str| {
+            vec![
+                Value::from("1"),
+                Value::from(now.to_string()),
+                Value::from("5"),
+                Value::from(hits.clone()),
+                Value::from(text.to_string()),
+            ]
+        };
+        let (old_rule, new_rule) = RULES[rule];
+        let mixed = format!("rl:{{{tag}}}:mixed:{log}:{rule}");
+        let answer = if step % 2 == 0 {
+            call(&old, mixed, args(old_rule)).await
+        } else {
+            call(&new, mixed, args(new_rule)).await
+        };
+        let alone = call(
+            &new,
+            format!("rl:{{{tag}}}:alone:{log}:{rule}"),
+            args(new_rule),
+        )
+        .await;
+        assert_eq!(answer, alone, "step {step}");
+    }
+    // Then compact: the mixed logs are converted, and count as the twins do.
+    for log in 0..3 {
+        // The release's rule texts are this one's for compact logs (flags 0 and 1).
+        for (rule, &(compact, _)) in RULES.iter().enumerate() {
+            let args = vec![
+                Value::from("1"),
+                Value::from(now.to_string()),
+                Value::from("5"),
+                Value::from("0"),
+                Value::from(compact),
+            ];
+            let mixed = call(
+                &new,
+                format!("rl:{{{tag}}}:mixed:{log}:{rule}"),
+                args.clone(),
+            )
+            .await;
+            let alone = call(&new, format!("rl:{{{tag}}}:alone:{log}:{rule}"), args).await;
+            assert_eq!(mixed, alone, "log {log}, rule {rule}");
+        }
+    }
+    client.quit().await.unwrap();
+}

@@ -7,6 +7,33 @@ use tracing::Instrument as _;
 use super::encode::{parse_reply, unavailable};
 use super::*;
 
+/// The counts of a rejected spread request's group without the hits taken back: every
+/// descriptor on a key counted all the hits the request recorded on it (debits stay). A
+/// descriptor that fitted reports when the oldest hit it counts leaves, which changes only where
+/// the window held nothing else (then 0); one that did not fit keeps its reset, computed with
+/// the hits taken back: later, never sooner.
+fn take_back_counts(items: &[CheckItem<'_>], group: &[usize], outcomes: &mut [ItemOutcome]) {
+    let taken: Vec<(&crate::store::StoreKey, u64)> = group
+        .iter()
+        .filter(|&&i| outcomes[i].recorded && !items[i].debit)
+        .map(|&i| (&items[i].key, items[i].hits))
+        .collect();
+    for &i in group {
+        let hits: u64 = taken
+            .iter()
+            .filter(|(key, _)| **key == items[i].key)
+            .map(|(_, hits)| hits)
+            .sum();
+        let outcome = &mut outcomes[i];
+        for w in &mut outcome.windows {
+            w.count = w.count.saturating_sub(hits);
+            if outcome.fits && w.count == 0 {
+                w.reset_ms = 0;
+            }
+        }
+    }
+}
+
 /// Takes back a rejected spread request's log entry (see [`RedisStore::undo`]).
 const UNDO: &str = include_str!("../../../lua/undo.lua");
 
@@ -284,15 +311,13 @@ impl RedisStore {
         let prefix = self.prefix(call);
         let mut removals = Vec::new();
         for (group, now_ms, entries) in groups {
+            take_back_counts(items, group, outcomes);
             for (position, (&i, &Entry { cum, at_ms })) in group.iter().zip(entries).enumerate() {
                 let item = &items[i];
                 if !outcomes[i].recorded || item.debit {
                     continue;
                 }
                 outcomes[i].recorded = false;
-                for w in outcomes[i].windows.iter_mut() {
-                    w.count = w.count.saturating_sub(item.hits);
-                }
                 let client = self.undo_client(item, call.lane);
                 match item.algorithm {
                     Algorithm::SlidingLog => {
