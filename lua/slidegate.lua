@@ -503,8 +503,8 @@ end
 -- trims or records, and its expiry with it.
 --
 -- The functions below (`open_log` to `write_log`) read a log into a table and serve every
--- path; the common one (`decide_one_compact`, `decide_logs`) reads a log of unweighted
--- entries in place (`plain_log` to `plain_write`).
+-- path; the common one (`decide_one_compact`, `decide_compacts`) reads a log of unweighted
+-- entries in place (`plain_log` to `plain_reset`).
 -- A log of unweighted entries has a head of PLAIN bytes, a weighted one of HEAD.
 local HEAD, PLAIN = 13, 7
 -- The top bit of a slot, by width; a weight is below it.
@@ -553,10 +553,10 @@ end
 
 -- The state of a compact log while a request decides on it, in a table `lg`: s, its text as
 -- read, with what this request appended (false: no log); o, the length of its head; W, the
--- slot width; base and total
--- (as in the head, total less what the trim dropped and plus what was appended); weighted; f,
--- the first slot kept (the trim drops slots before it); n, the number of slots in s; newest,
--- the newest entry's time (0: none); changed, whether it must be written.
+-- slot width; base and total (as in the head, total less what the trim dropped and plus what
+-- was appended); weighted; f, the first slot kept (the trim drops slots before it); n, the
+-- number of slots in s; newest, the newest entry's time (0: none); changed, whether it must be
+-- written; moved, whether this request moved its base (and so its slots).
 
 -- Reads the compact log `key` into lg. A sorted set there is a log in the former format
 -- (written by a slidegate before this format, or by one asked for it): it is rewritten in this
