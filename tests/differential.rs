@@ -19,7 +19,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
-use common::redis::{RedisProcess, shared_standalone};
+use common::redis::{RedisProcess, shared_cluster, shared_standalone};
 use common::{T0, unique_domain};
 use proptest::prelude::*;
 use proptest::test_runner::{Config, TestCaseError, TestRunner};
@@ -171,6 +171,13 @@ fn limiter(domain: &str, store: Arc<dyn Store>, clock: &ManualClock) -> Limiter 
 #[test]
 fn embedded_store_and_lua_script_answer_alike() {
     answer_alike(&shared_standalone().url(), &[LogFormat::Compact]);
+}
+
+/// On a Redis Cluster of three masters: a request's descriptors sit in slots of several masters,
+/// decided by tentative calls and taken back where another master rejects (`undo`).
+#[test]
+fn on_a_cluster_the_lua_script_answers_alike() {
+    answer_alike(&shared_cluster().url(), &[LogFormat::Compact]);
 }
 
 /// The sorted-set log of the releases before the compact one, still written when asked for.

@@ -10,8 +10,9 @@ use super::*;
 /// The counts of a rejected spread request's group without the hits taken back: every
 /// descriptor on a key counted all the hits the request recorded on it (debits stay). A
 /// descriptor that fitted reports when the oldest hit it counts leaves, which changes only where
-/// the window held nothing else (then 0); one that did not fit keeps its reset, computed with
-/// the hits taken back: later, never sooner.
+/// the window held nothing else (then 0); one that did not fit reports 0 where its hits now fit
+/// the window (as the embedded store, which never recorded them), else keeps its reset, computed
+/// with the hits taken back: later, never sooner.
 fn take_back_counts(items: &[CheckItem<'_>], group: &[usize], outcomes: &mut [ItemOutcome]) {
     let taken: Vec<(&crate::store::StoreKey, u64)> = group
         .iter()
@@ -24,10 +25,14 @@ fn take_back_counts(items: &[CheckItem<'_>], group: &[usize], outcomes: &mut [It
             .filter(|(key, _)| **key == items[i].key)
             .map(|(_, hits)| hits)
             .sum();
-        let outcome = &mut outcomes[i];
-        for w in &mut outcome.windows {
+        if hits == 0 {
+            continue;
+        }
+        let (item, outcome) = (&items[i], &mut outcomes[i]);
+        for (w, window) in outcome.windows.iter_mut().zip(item.windows.iter()) {
             w.count = w.count.saturating_sub(hits);
-            if outcome.fits && w.count == 0 {
+            let room = w.count + item.size() <= u64::from(window.limit);
+            if (outcome.fits && w.count == 0) || (!outcome.fits && room) {
                 w.reset_ms = 0;
             }
         }
