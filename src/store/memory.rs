@@ -59,8 +59,10 @@ struct Shard {
     next_sweep_ms: u64,
 }
 
+/// One descriptor's state: its log or counters and its ban. The Redis store builds one from what
+/// it reads ([`Slot::held`]) to answer as a decision counts.
 #[derive(Default)]
-struct Slot {
+pub(crate) struct Slot {
     /// `sliding_counter` rules: hits per bucket.
     buckets: Vec<Bucket>,
     entries: VecDeque<Entry>,
@@ -488,8 +490,51 @@ fn state_of_nothing(item: &CheckItem<'_>) -> ItemState {
 }
 
 impl Slot {
+    /// A descriptor's state as Redis holds it: its log's entries as (time, running total,
+    /// weight), oldest first (totals may start anywhere: a window counts differences); its
+    /// counters as (bucket length, bucket index, hits); the end of its ban (0: none).
+    pub(crate) fn held(
+        log: &[(u64, u64, u64)],
+        buckets: &[(u64, u64, u64)],
+        ban_until_ms: u64,
+    ) -> Slot {
+        // The script counts a window from the total before its first entry: that entry's
+        // total less its weight, the previous entry's total unless an entry between them was
+        // taken back (a sorted-set log's totals stay as written). So each entry is given here
+        // the next one's total less its weight, and the newest its own; totals that would go
+        // down (entries slidegate did not write) stay level, so no count is negative.
+        let before = |(_, total, weight): (u64, u64, u64)| total.saturating_sub(weight);
+        let trimmed_total = log.first().map_or(0, |&e| before(e));
+        let next_before = log.iter().skip(1).map(|&e| before(e));
+        let entries = log
+            .iter()
+            .zip(next_before.map(Some).chain([None]))
+            .scan(trimmed_total, |most, (&(at_ms, total, _), next)| {
+                *most = next.unwrap_or(total).max(*most);
+                Some(Entry {
+                    at_ms,
+                    total: *most,
+                })
+            })
+            .collect();
+        Slot {
+            buckets: buckets
+                .iter()
+                .map(|&(size_ms, index, hits)| Bucket {
+                    size_ms,
+                    index,
+                    hits,
+                })
+                .collect(),
+            entries,
+            trimmed_total,
+            ban_until_ms,
+            keep_until_ms: 0,
+        }
+    }
+
     /// How `item` stands at `now_ms`, read without trimming.
-    fn state(&self, item: &CheckItem<'_>, now_ms: u64) -> ItemState {
+    pub(crate) fn state(&self, item: &CheckItem<'_>, now_ms: u64) -> ItemState {
         let entries = match item.algorithm {
             Algorithm::SlidingLog => {
                 let first = self.first_inside(longest_ms(&item.windows), now_ms);
@@ -573,7 +618,9 @@ impl Slot {
         }
     }
 
-    fn outcome(
+    /// One window's count and reset after a decision at `now_ms`, for an item of `hits` hits
+    /// that did or did not fit.
+    pub(crate) fn outcome(
         &self,
         algorithm: Algorithm,
         window: &Window,

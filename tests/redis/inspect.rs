@@ -24,6 +24,20 @@ fn windows() -> Vec<Window> {
     ]
 }
 
+/// An enforcing sliding-log item of one hit on `key`, in [`windows`].
+fn enforced(key: StoreKey) -> CheckItem<'static> {
+    CheckItem {
+        key,
+        windows: Cow::Owned(windows()),
+        algorithm: Algorithm::SlidingLog,
+        ban_ms: None,
+        hits: 1,
+        role: Role::Enforce,
+        debit: false,
+        text: None,
+    }
+}
+
 /// What one store saw: per step, the inspection of every key.
 async fn run(store: Arc<dyn Store>, domain: &str) -> Vec<Vec<ItemState>> {
     let keys: Vec<StoreKey> = (0..4)
@@ -37,14 +51,10 @@ async fn run(store: Arc<dyn Store>, domain: &str) -> Vec<Vec<ItemState>> {
         }
     };
     let item = |n: usize, hits: u64| CheckItem {
-        key: keys[n].clone(),
-        windows: Cow::Owned(windows()),
         algorithm: algorithm(n),
         ban_ms: (n == 2).then_some(700),
         hits,
-        role: Role::Enforce,
-        debit: false,
-        text: None,
+        ..enforced(keys[n].clone())
     };
     let mut seed: u64 = 0x5eed;
     let mut next = move |below: u64| {
@@ -118,4 +128,35 @@ async fn inspect_counts_as_every_store_decides() {
         "standalone Redis reads as the embedded store"
     );
     assert_eq!(cluster, memory, "Redis Cluster reads as the embedded store");
+}
+
+/// The admin API's calls wait as long as connecting may (`--redis-connect-timeout`, 5 s here),
+/// not a decision's `--redis-timeout` (15 ms here): while Redis holds every command for 300 ms,
+/// an inspection and a reset are answered once it resumes, and a decision meanwhile fails.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn admin_calls_wait_past_the_decision_timeout() {
+    let redis = RedisProcess::start(&[]);
+    let store = connect(redis.url(), Duration::from_millis(15)).await;
+    let other = enforced(StoreKey::new("admin-wait:user=2", ""));
+    let items = [enforced(StoreKey::new("admin-wait:user=1", ""))];
+    assert!(store.check(&items, T0).await.expect("a decision").admitted);
+
+    assert_eq!(redis.cmd("CLIENT PAUSE 300 ALL").trim(), "+OK");
+    // (On another key: Redis still runs it once the pause ends.)
+    assert!(
+        store.check(&[other], T0 + 1).await.is_err(),
+        "a decision fails at --redis-timeout while Redis holds commands"
+    );
+    let states = store.inspect(&items, T0 + 2).await.expect("an inspection");
+    assert_eq!(states[0].windows[0].count, 1);
+
+    assert_eq!(redis.cmd("CLIENT PAUSE 300 ALL").trim(), "+OK");
+    let started = Instant::now();
+    let cleared = store.reset(&[items[0].key.clone()]).await.expect("a reset");
+    assert_eq!(cleared, vec![true]);
+    assert!(
+        started.elapsed() >= Duration::from_millis(100),
+        "the reset waited for the pause: {:?}",
+        started.elapsed()
+    );
 }

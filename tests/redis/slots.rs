@@ -466,3 +466,106 @@ async fn a_masters_slots_share_calls_and_stay_exact_when_a_slot_moves() {
     );
     server.stop().await;
 }
+
+/// A request rejected on one master after another admitted it tentatively reports what is left
+/// once its hits are taken back, as the embedded store does (which never recorded them), field
+/// by field: a sliding counter whose hits went, from a replica whose clock is behind, to an
+/// older bucket than the one it counted already (its reset is that newer bucket's), and a quota
+/// descriptor that did not fit beside one of its own value that did (it fits once fewer hits
+/// have left).
+#[test]
+fn a_taken_back_request_reports_what_is_left() {
+    use slidegate::limiter::{Descriptor, Limiter, ManualClock, Request};
+    let cluster = shared_cluster();
+    let owner = owners(cluster);
+    let config = |domain: &str| {
+        format!(
+            "domain: {domain}\ndescriptors:\n  - key: big\n    rate_limit: {{requests_per_unit: 4, window: 2s}}\n    algorithm: sliding_counter\n    buckets: 4\n  - key: meter\n    rate_limit: {{requests_per_unit: 6, window: 2s}}\n  - key: q\n    rate_limit: {{requests_per_unit: 3, window: 10s}}\n    quota_mode: true\n"
+        )
+    };
+    let master = |domain: &str, k: &str, value: &str| {
+        let key = key::build(
+            domain,
+            &[Segment::Value { key: k, value }],
+            Variant::Configured,
+            None,
+        );
+        owner(slot(&key.log()))
+    };
+    // A domain whose rejecting descriptors sit on other masters than those they are sent with.
+    let domain = (0..1000)
+        .map(|_| unique_domain("taken_back"))
+        .find(|d| {
+            master(d, "big", "a") != master(d, "meter", "x")
+                && master(d, "q", "a") != master(d, "meter", "y")
+        })
+        .expect("a domain spread over two masters");
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .expect("runtime");
+    let clock = ManualClock::new(T0);
+    let limiter = |store: Arc<dyn Store>| {
+        let limits =
+            slidegate::config::compile_sources(&[("taken_back.yaml".into(), config(&domain))])
+                .expect("valid config");
+        Limiter::new(
+            limits,
+            store,
+            Arc::new(clock.clone()),
+            LimiterOptions::default(),
+        )
+    };
+    let redis = limiter(runtime.block_on(connect(cluster.url(), TEST_TIMEOUT)));
+    let embedded = limiter(Arc::new(slidegate::store::MemoryStore::new()));
+    let request = |descriptors: &[(&str, &str, u64)]| Request {
+        domain: domain.clone(),
+        hits_addend: 0,
+        descriptors: descriptors
+            .iter()
+            .map(|&(k, v, hits)| Descriptor {
+                entries: vec![(k.to_owned(), v.to_owned())],
+                limit: None,
+                hits_addend: Some(hits),
+            })
+            .collect(),
+    };
+    // (clock, request, the status whose reset is checked, that reset)
+    let t = T0 + 100; // 100 ms into a bucket of 500
+    let steps = [
+        (t, request(&[("big", "a", 1)]), 0, 2_400),
+        // 238 ms behind: this bucket is the one before the counted hit's.
+        (
+            t - 238,
+            request(&[("meter", "x", 7), ("big", "a", 1)]),
+            1,
+            2_638,
+        ),
+        (T0 + 10_000, request(&[("q", "a", 1)]), 0, 10_000),
+        (T0 + 11_000, request(&[("q", "a", 1)]), 0, 9_000),
+        // The first q fits (and was recorded, then taken back); the second fits once the
+        // oldest entry has left.
+        (
+            T0 + 12_000,
+            request(&[("q", "a", 1), ("q", "a", 2), ("meter", "y", 7)]),
+            1,
+            8_000,
+        ),
+    ];
+    for (n, (at, request, status, reset)) in steps.iter().enumerate() {
+        clock.set(*at);
+        let (want, got) = runtime.block_on(async {
+            (
+                embedded.should_rate_limit(request).await.expect("embedded"),
+                redis.should_rate_limit(request).await.expect("redis"),
+            )
+        });
+        assert_eq!(
+            want.statuses[*status].duration_until_reset_ms,
+            Some(*reset),
+            "step {n}: the embedded store's reset"
+        );
+        assert_eq!(got, want, "step {n}");
+    }
+}

@@ -6,10 +6,11 @@
 
 use std::collections::BTreeMap;
 
-use fred::types::Value;
+use fred::types::{ClusterHash, CustomCommand, Value};
 
 use super::*;
-use crate::store::{InspectFuture, ItemState, ResetFuture, StoreKey, Window, longest_ms};
+use crate::store::memory::Slot;
+use crate::store::{InspectFuture, ItemState, ResetFuture, StoreKey, WindowOutcome, longest_ms};
 
 const INSPECT: &str = include_str!("../../../lua/inspect.lua");
 const RESET: &str = include_str!("../../../lua/reset.lua");
@@ -31,23 +32,63 @@ impl RedisStore {
         item: &CheckItem<'_>,
         now_ms: u64,
     ) -> Result<ItemState, StoreError> {
+        let now = match self.clock {
+            ClockSource::Server => Some(now_ms),
+            ClockSource::Redis => None,
+        };
+        let (keys, args) = self.inspect_args(item, now);
+        let reply = self.admin_eval(&item.key, INSPECT, keys, args).await?;
+        Ok(Read::from_reply(reply, longest_ms(&item.windows))?.state(item))
+    }
+
+    /// `item`'s keys as they are now, read by `lua/inspect.lua` through `client` (a
+    /// decision's), at `now_ms`.
+    pub(super) async fn read(
+        &self,
+        item: &CheckItem<'_>,
+        now_ms: u64,
+        client: &Client,
+    ) -> Result<Read, StoreError> {
+        let (keys, args) = self.inspect_args(item, Some(now_ms));
+        let reply: Value = client
+            .eval(INSPECT, keys, args)
+            .await
+            .map_err(|e| encode::call_failed(&e))?;
+        Read::from_reply(reply, longest_ms(&item.windows))
+    }
+
+    /// The inspect script's keys and arguments for `item` at `now_ms` (None: Redis's clock).
+    fn inspect_args(&self, item: &CheckItem<'_>, now_ms: Option<u64>) -> (Vec<Key>, Vec<String>) {
         let keys = vec![
             self.key(item.key.log()),
             self.key(item.key.counters()),
             self.key(item.key.ban()),
         ];
-        let now = match self.clock {
-            ClockSource::Server => now_ms.to_string(),
-            ClockSource::Redis => String::new(),
-        };
-        let args = vec![now, longest_ms(&item.windows).to_string()];
-        let reply: Value = self
-            .admin_client(&item.key)
-            .eval(INSPECT, keys, args)
+        let now = now_ms.map_or_else(String::new, |now| now.to_string());
+        (keys, vec![now, longest_ms(&item.windows).to_string()])
+    }
+
+    /// `EVAL` of an admin script on `key`'s slot, waiting as an admin call may. Sent as a
+    /// custom command: fred's client with options has no Lua calls, and `eval` on it reaches
+    /// the client inside, which waits only a decision's `--redis-timeout`.
+    async fn admin_eval(
+        &self,
+        key: &StoreKey,
+        script: &str,
+        keys: Vec<Key>,
+        args: Vec<String>,
+    ) -> Result<Value, StoreError> {
+        let slot = fred::util::redis_keyslot(key.tag().as_bytes());
+        let eval = CustomCommand::new_static("EVAL", ClusterHash::Custom(slot), false);
+        let mut argv: Vec<Value> = Vec::with_capacity(2 + keys.len() + args.len());
+        argv.push(script.into());
+        argv.push(keys.len().try_into().unwrap_or(i64::MAX).into());
+        argv.extend(keys.into_iter().map(Value::from));
+        argv.extend(args.into_iter().map(Value::from));
+        self.admin_client(key)
+            .custom(eval, argv)
             .await
-            .map_err(|e| encode::call_failed(&e))?;
-        let read = Read::from_reply(reply, longest_ms(&item.windows))?;
-        Ok(read.state(item))
+            .map_err(|e| encode::call_failed(&e))
     }
 
     pub(super) fn reset_keys<'a>(&'a self, keys: &'a [StoreKey]) -> ResetFuture<'a> {
@@ -99,11 +140,8 @@ impl RedisStore {
             .flat_map(|key| [key.log(), key.counters(), key.ban()])
             .map(|name| self.key(name))
             .collect();
-        let reply: Vec<i64> = self
-            .admin_client(first)
-            .eval(RESET, names, Vec::<String>::new())
-            .await
-            .map_err(|e| encode::call_failed(&e))?;
+        let reply = self.admin_eval(first, RESET, names, Vec::new()).await?;
+        let reply: Vec<i64> = reply.convert().map_err(|e| encode::call_failed(&e))?;
         if reply.len() != group.len() {
             return Err(StoreError::Protocol(format!(
                 "the reset script answered {} counts for {} descriptors",
@@ -120,7 +158,7 @@ impl RedisStore {
 
 /// What the inspect script read of one descriptor's keys.
 #[derive(Debug, Default, PartialEq)]
-struct Read {
+pub(super) struct Read {
     now_ms: u64,
     /// The log's entries inside the longest window, oldest first: (time, cum, weight).
     log: Vec<(u64, u64, u64)>,
@@ -184,60 +222,24 @@ impl Read {
         })
     }
 
-    /// Counted as `lua/slidegate.lua` counts a decision: a log window holds the newest entry's
-    /// cum less the cum before its first entry; a counter window every bucket overlapping it.
+    /// The state read, counted as a decision counts it (the embedded store's rules, which
+    /// `lua/slidegate.lua` follows: `tests/differential.rs`).
+    fn slot(&self) -> Slot {
+        Slot::held(&self.log, &self.buckets, self.ban_end_ms)
+    }
+
     fn state(&self, item: &CheckItem<'_>) -> ItemState {
-        let now = self.now_ms;
-        let windows = item
-            .windows
-            .iter()
-            .map(|w| match item.algorithm {
-                Algorithm::SlidingLog => self.log_window(w),
-                Algorithm::SlidingCounter { buckets } => self.counter_window(w, buckets),
-            })
-            .collect();
-        ItemState {
-            ban_remaining_ms: self.ban_end_ms.saturating_sub(now),
-            windows,
-            entries: matches!(item.algorithm, Algorithm::SlidingLog)
-                .then_some(self.log.len() as u64),
-        }
+        self.slot().state(item, self.now_ms)
     }
 
-    fn log_window(&self, window: &Window) -> WindowOutcome {
-        let edge = self.now_ms.saturating_sub(window.length_ms);
-        let inside = self.log.iter().position(|&(at, _, _)| at > edge);
-        match (inside, self.log.last()) {
-            (Some(first), Some(&(_, newest, _))) => {
-                let (at, cum, weight) = self.log[first];
-                WindowOutcome {
-                    count: newest.saturating_sub(cum.saturating_sub(weight)),
-                    reset_ms: (at + window.length_ms).saturating_sub(self.now_ms),
-                }
-            }
-            _ => WindowOutcome::default(),
-        }
-    }
-
-    fn counter_window(&self, window: &Window, buckets: u32) -> WindowOutcome {
-        let (size, oldest) = window.bucket_span(buckets, self.now_ms);
-        let mut counted: Vec<(u64, u64)> = self
-            .buckets
+    /// `item`'s windows as a decision that recorded nothing reports them, where the item
+    /// did or did not fit.
+    pub(super) fn outcomes(&self, item: &CheckItem<'_>, fits: bool) -> Vec<WindowOutcome> {
+        let slot = self.slot();
+        item.windows
             .iter()
-            .filter(|&&(s, index, _)| s == size && index >= oldest)
-            .map(|&(_, index, hits)| (index, hits))
-            .collect();
-        counted.sort_unstable();
-        let reset_ms = counted
-            .iter()
-            .find(|(_, hits)| *hits > 0)
-            .map_or(0, |(index, _)| {
-                ((index + 1) * size + window.length_ms).saturating_sub(self.now_ms)
-            });
-        WindowOutcome {
-            count: counted.iter().map(|(_, hits)| hits).sum(),
-            reset_ms,
-        }
+            .map(|w| slot.outcome(item.algorithm, w, self.now_ms, fits, item.size()))
+            .collect()
     }
 }
 
@@ -294,7 +296,7 @@ mod tests {
     use std::borrow::Cow;
 
     use super::*;
-    use crate::store::Role;
+    use crate::store::{Role, Window};
 
     fn item(windows: Vec<Window>, algorithm: Algorithm) -> CheckItem<'static> {
         CheckItem {
@@ -307,6 +309,20 @@ mod tests {
             debit: false,
             text: None,
         }
+    }
+
+    /// Two windows: 10 a minute, 20 in 100 s.
+    fn minute_and_100s() -> Vec<Window> {
+        vec![
+            Window {
+                limit: 10,
+                length_ms: 60_000,
+            },
+            Window {
+                limit: 20,
+                length_ms: 100_000,
+            },
+        ]
     }
 
     fn texts(items: &[&str]) -> Value {
@@ -328,17 +344,7 @@ mod tests {
             Value::Integer(112_000),
         ]);
         let read = Read::from_reply(reply, 60_000).expect("a well-formed reply");
-        let windows = vec![
-            Window {
-                limit: 10,
-                length_ms: 60_000,
-            },
-            Window {
-                limit: 20,
-                length_ms: 100_000,
-            },
-        ];
-        let state = read.state(&item(windows, Algorithm::SlidingLog));
+        let state = read.state(&item(minute_and_100s(), Algorithm::SlidingLog));
         assert_eq!(state.ban_remaining_ms, 12_000);
         assert_eq!(state.entries, Some(3));
         // Inside 60 s: the entries of 70 s and 99 s, counted 9 - (6 - 1) = 4.
@@ -356,6 +362,30 @@ mod tests {
                 reset_ms: 40_000
             }
         );
+    }
+
+    /// Running totals that go down (no log slidegate wrote) count nothing rather than wrap.
+    #[test]
+    fn totals_that_go_down_count_nothing() {
+        let reply = Value::Array(vec![
+            Value::Integer(100_000),
+            texts(&[
+                "00000000000000000009:1:40000",
+                "00000000000000000002:1:70000",
+            ]),
+            texts(&[]),
+            Value::Null,
+        ]);
+        let read = Read::from_reply(reply, 100_000).expect("a well-formed reply");
+        let item = item(minute_and_100s(), Algorithm::SlidingLog);
+        let counts: Vec<u64> = read.state(&item).windows.iter().map(|w| w.count).collect();
+        assert_eq!(counts, vec![0, 0]);
+        let counts: Vec<u64> = read
+            .outcomes(&item, false)
+            .iter()
+            .map(|w| w.count)
+            .collect();
+        assert_eq!(counts, vec![0, 0]);
     }
 
     /// A compact log (a 4-byte slot an entry, a weighted entry's weight in the slot after it)

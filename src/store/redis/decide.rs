@@ -8,17 +8,25 @@ use super::encode::{parse_reply, unavailable};
 use super::*;
 
 /// The counts of a rejected spread request's group without the hits taken back: every
-/// descriptor on a key counted all the hits the request recorded on it (debits stay). A
-/// descriptor that fitted reports when the oldest hit it counts leaves, which changes only where
-/// the window held nothing else (then 0); one that did not fit reports 0 where its hits now fit
-/// the window (as the embedded store, which never recorded them), else keeps its reset, computed
-/// with the hits taken back: later, never sooner.
-fn take_back_counts(items: &[CheckItem<'_>], group: &[usize], outcomes: &mut [ItemOutcome]) {
+/// descriptor on a key counted all the hits the request recorded on it (debits stay). A log
+/// descriptor that fitted reports when the oldest entry it counts leaves, which changes only
+/// where the window held nothing else (then 0): the entry taken back was the log's newest (an
+/// entry is stamped no earlier than its log's newest). A descriptor that did not fit reports 0
+/// where its hits now fit the window. Answers the descriptors whose resets these counts do not
+/// settle, to be read again ([`RedisStore::undo`]): a counter's hits went to the bucket of the
+/// call's clock, which may be behind the newest bucket, and a descriptor that still does not
+/// fit waits for fewer hits to leave.
+fn take_back_counts(
+    items: &[CheckItem<'_>],
+    group: &[usize],
+    outcomes: &mut [ItemOutcome],
+) -> Vec<usize> {
     let taken: Vec<(&crate::store::StoreKey, u64)> = group
         .iter()
         .filter(|&&i| outcomes[i].recorded && !items[i].debit)
         .map(|&i| (&items[i].key, items[i].hits))
         .collect();
+    let mut unsettled = Vec::new();
     for &i in group {
         let hits: u64 = taken
             .iter()
@@ -29,14 +37,21 @@ fn take_back_counts(items: &[CheckItem<'_>], group: &[usize], outcomes: &mut [It
             continue;
         }
         let (item, outcome) = (&items[i], &mut outcomes[i]);
+        let mut settled = true;
         for (w, window) in outcome.windows.iter_mut().zip(item.windows.iter()) {
             w.count = w.count.saturating_sub(hits);
             let room = w.count + item.size() <= u64::from(window.limit);
             if (outcome.fits && w.count == 0) || (!outcome.fits && room) {
                 w.reset_ms = 0;
+            } else if !outcome.fits || matches!(item.algorithm, Algorithm::SlidingCounter { .. }) {
+                settled = false;
             }
         }
+        if !settled {
+            unsettled.push(i);
+        }
     }
+    unsettled
 }
 
 /// Takes back a rejected spread request's log entry (see [`RedisStore::undo`]).
@@ -315,8 +330,13 @@ impl RedisStore {
     ) {
         let prefix = self.prefix(call);
         let mut removals = Vec::new();
+        let mut unsettled = Vec::new();
         for (group, now_ms, entries) in groups {
-            take_back_counts(items, group, outcomes);
+            unsettled.extend(
+                take_back_counts(items, group, outcomes)
+                    .into_iter()
+                    .map(|i| (i, *now_ms)),
+            );
             for (position, (&i, &Entry { cum, at_ms })) in group.iter().zip(entries).enumerate() {
                 let item = &items[i];
                 if !outcomes[i].recorded || item.debit {
@@ -370,6 +390,21 @@ impl RedisStore {
             if let Err(e) = result {
                 // The members stay until they age out: stricter, never looser.
                 tracing::warn!(error = %unavailable(&e), "could not remove hits of a rejected cross-slot request");
+            }
+        }
+        // The descriptors whose resets the counts do not settle, read again at their call's
+        // time: their windows as they are with the hits taken back.
+        let reads = unsettled.iter().map(|&(i, now_ms)| {
+            let client = self.slot_client(&items[i].key, call.lane);
+            async move { (i, self.read(&items[i], now_ms, &client).await) }
+        });
+        for (i, read) in join_all(reads).await {
+            match read {
+                Ok(read) => outcomes[i].windows = read.outcomes(&items[i], outcomes[i].fits),
+                // The counts stand; a reset stays as counted with the hits, maybe sooner.
+                Err(e) => {
+                    tracing::debug!(error = %e, "could not read a rejected cross-slot request's descriptor again")
+                }
             }
         }
     }
