@@ -113,21 +113,23 @@ async fn a_script_load_past_the_connect_timeout_is_left_to_the_first_call() {
 
 /// The failure policy answers before the caller's deadline, not the caller's own timeout:
 /// Redis holds every command (`CLIENT PAUSE ... ALL`) and the store would wait 10 s, but a call
-/// sent with `grpc-timeout: 50m` is answered `UNAVAILABLE` (the policy) 3 ms before its
-/// deadline, not `CANCELLED` at it.
+/// sent with `grpc-timeout: 500m` is answered `UNAVAILABLE` (the policy) a tenth of it (50 ms)
+/// before its deadline, not `CANCELLED` at it. (At Envoy's 20 ms the margin is 3 ms, which a
+/// loaded two-core machine can lose to scheduling; `answer_by`'s own tests in src/store/mod.rs
+/// check that moment.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_policy_answers_just_before_the_callers_deadline() {
     let (redis, server, mut caller) = raw_caller_on_redis(Duration::from_secs(10)).await;
 
     assert_eq!(redis.cmd("CLIENT PAUSE 3000 ALL").trim(), "+OK");
-    let (status, headers, waited) = caller.call(Some("50m")).await;
+    let (status, headers, waited) = caller.call(Some("500m")).await;
     assert_eq!(
         status.as_deref(),
         Some("14"),
         "UNAVAILABLE by the policy, not CANCELLED: {headers:?}"
     );
     assert!(
-        waited >= Duration::from_millis(40) && waited < Duration::from_secs(2),
+        waited >= Duration::from_millis(440) && waited < Duration::from_secs(2),
         "answered at {waited:?}"
     );
     // The pause ends by itself (Redis holds even `CLIENT UNPAUSE` from a client during it).
