@@ -5,6 +5,7 @@
 //!     SLIDEGATE_COST_KEEP=/tmp/cost cargo bench --bench script_cost -- 32   # keep the profiles
 //!     SLIDEGATE_COST_SCRIPT=/tmp/other.lua cargo bench --bench script_cost   # another version
 //!     SLIDEGATE_COST_REDIS_CONFIG="zset-max-listpack-entries 16" cargo bench --bench script_cost
+//!     SLIDEGATE_COST_LOG_FORMAT=sorted-set cargo bench --bench script_cost   # the older log
 //!
 //! For each case it starts `redis-server` under `valgrind --tool=callgrind` with
 //! instrumentation off, loads the script (as a function, and as the script slidegate falls back
@@ -97,7 +98,22 @@ const fn second_call(name: &'static str, more_windows: &'static str) -> Case {
 /// helpers and caches made, Redis's buffers grown. Call numbers count on from them.
 const WARM_UP_CALLS: usize = 5;
 
-const CASES: [Case; 9] = [
+/// One hot descriptor (a limit every request shares), one request per call, its log holding
+/// `entries` entries and its oldest leaving on every call.
+const fn hot_log(name: &'static str, entries: usize) -> Case {
+    Case {
+        name,
+        per_call: 1,
+        descriptors: 1,
+        users: Users::Same,
+        calls: 100,
+        window_ms: entries as u64,
+        fill: entries,
+        more_windows: "",
+    }
+}
+
+const CASES: [Case; 12] = [
     Case {
         name: "new descriptors, one request per call",
         per_call: 1,
@@ -180,6 +196,12 @@ const CASES: [Case; 9] = [
         fill: 0,
         more_windows: "",
     },
+    hot_log("one hot log of 100 entries, one leaving per call", 100),
+    hot_log("one hot log of 1,000 entries, one leaving per call", 1_000),
+    hot_log(
+        "one hot log of 10,000 entries, one leaving per call",
+        10_000,
+    ),
 ];
 
 /// One command in RESP, as `redis-cli --pipe` takes it.
@@ -225,7 +247,7 @@ fn call_args(case: &Case, head: &[String], spread: bool, c: usize, tag: &str) ->
         }
     }
     // The number of requests and the call's time, then per request: shape (4 n + mode, final:
-    // 1); hits, rule (role:ban_ms:buckets:debit:limit:window_ms).
+    // 1); hits, rule (role:ban_ms:buckets:flags:limit:window_ms).
     let now = 1_767_225_600_000u64 + c as u64;
     args.extend([case.per_call.to_string(), now.to_string()]);
     for _ in 0..case.per_call {
@@ -233,7 +255,12 @@ fn call_args(case: &Case, head: &[String], spread: bool, c: usize, tag: &str) ->
         for _ in 0..case.descriptors {
             args.extend([
                 "1".into(),
-                format!("0:0:0:0:1000000:{}{}", case.window_ms, case.more_windows),
+                format!(
+                    "0:0:0:{}:1000000:{}{}",
+                    log_flags(),
+                    case.window_ms,
+                    case.more_windows
+                ),
             ]);
         }
     }
@@ -243,6 +270,16 @@ fn call_args(case: &Case, head: &[String], spread: bool, c: usize, tag: &str) ->
         args.splice(head.len()..head.len(), ["1".to_string(), first]);
     }
     args
+}
+
+/// The rule's flags: 2 (a sorted-set log) with `SLIDEGATE_COST_LOG_FORMAT=sorted-set`, else 0
+/// (a compact log).
+fn log_flags() -> u8 {
+    match std::env::var("SLIDEGATE_COST_LOG_FORMAT").as_deref() {
+        Ok("sorted-set") => 2,
+        Ok("compact") | Err(_) => 0,
+        Ok(other) => panic!("SLIDEGATE_COST_LOG_FORMAT={other}: compact or sorted-set"),
+    }
 }
 
 /// Feeds `commands` to Redis and checks that none was answered with an error.

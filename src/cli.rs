@@ -123,8 +123,9 @@ pub struct ServeArgs {
     /// loses no admitted hit; fewer in time: the failure policy answers.
     #[arg(long, env = "SLIDEGATE_REDIS_WAIT_REPLICAS", default_value_t = 0)]
     pub redis_wait_replicas: u32,
-    /// How a sliding_log is kept in Redis: compact (one string, about 4 bytes a hit) or
-    /// sorted-set (the format before it, for a rolling upgrade; docs/redis.md#the-compact-log).
+    /// How a sliding_log is kept in Redis: compact (one string, about 4 bytes a hit; rules whose
+    /// log can pass 1,000 entries keep a sorted set) or sorted-set (the format before it, for a
+    /// rolling upgrade; docs/redis.md#the-compact-log).
     #[arg(long, env = "SLIDEGATE_REDIS_LOG_FORMAT", value_enum, default_value_t = LogFormatArg::Compact)]
     pub redis_log_format: LogFormatArg,
     /// Put before every Redis key, so installations sharing one Redis keep apart.

@@ -68,7 +68,7 @@ descriptors:
     rate_limit: {requests_per_unit: 4, window: 2s}
   # Thousands of hits a request (tokens): running totals past 1,000, which the script formats
   # anew each time (it keeps only smaller ones formatted), and resets searched through weighted
-  # entries.
+  # entries. A limit past 1,000: its log is a sorted set beside the others' compact logs.
   - key: tokens
     rate_limit: {requests_per_unit: 5000, window: 2s}
 "#;

@@ -69,8 +69,8 @@ pub struct Loaded {
     pub warnings: Vec<String>,
 }
 
-/// Above this, a window's log (one entry per admitted hit) gets large: about 400 KB in Redis per
-/// descriptor value ([`Limit::redis_bytes`]), which a call that records rewrites whole.
+/// Above this, a window's log (one entry per admitted hit) gets large: about 14 MB in Redis per
+/// descriptor value ([`Limit::redis_bytes`], a sorted set at this size).
 pub const LARGE_LOG_LIMIT: u32 = 100_000;
 
 /// Buckets per window for `sliding_counter` when the config does not say.
@@ -95,7 +95,7 @@ pub fn warnings(limits: &Limits) -> Vec<String> {
                 .filter(|max| *max > LARGE_LOG_LIMIT)
                 .map(|max| {
                     format!(
-                        "{}: {}: a limit of {max} keeps up to {max} log entries per descriptor value (about {} in Redis, rewritten by every call that records); algorithm: sliding_counter keeps constant memory and work",
+                        "{}: {}: a limit of {max} keeps up to {max} log entries per descriptor value (about {} in Redis); algorithm: sliding_counter keeps constant memory",
                         rule.source,
                         rule.path,
                         human_bytes(rule.limit.redis_bytes().unwrap_or(0))
@@ -1141,7 +1141,7 @@ descriptors:
         let limits = compile(&[("big.yaml", yaml)]).expect("large limits stay valid");
         assert_eq!(
             warnings(&limits),
-            vec!["big.yaml:3: big.bytes: a limit of 10000000 keeps up to 10000000 log entries per descriptor value (about 40.0 MB in Redis, rewritten by every call that records); algorithm: sliding_counter keeps constant memory and work".to_string()]
+            vec!["big.yaml:3: big.bytes: a limit of 10000000 keeps up to 10000000 log entries per descriptor value (about 1.4 GB in Redis); algorithm: sliding_counter keeps constant memory".to_string()]
         );
     }
 

@@ -68,6 +68,9 @@ pub enum Limit {
 /// window passes 2^30 ms; a weighted entry takes two).
 const LOG_BYTES: u64 = 64;
 const LONG_WINDOW_MS: u64 = 1 << 30;
+/// A sorted-set log's entry past 128 entries (a skiplist), where a rule's log can pass
+/// [`store::COMPACT_LOG_MAX_ENTRIES`] and keeps a sorted set.
+const SKIPLIST_ENTRY_BYTES: u64 = 145;
 /// A `sliding_counter` bucket (328 bytes for a hash of 10 buckets).
 const BUCKET_BYTES: u64 = 33;
 /// A ban key.
@@ -93,8 +96,12 @@ impl Limit {
                     .iter()
                     .max_by_key(|w| (w.length_ms, w.limit))
                     .map_or((0, 0), |w| (u64::from(w.limit), w.length_ms));
-                let slot = if longest < LONG_WINDOW_MS { 4 } else { 6 };
-                LOG_BYTES + entries.saturating_sub(1).saturating_mul(slot)
+                if entries > u64::from(store::COMPACT_LOG_MAX_ENTRIES) {
+                    entries.saturating_mul(SKIPLIST_ENTRY_BYTES)
+                } else {
+                    let slot = if longest < LONG_WINDOW_MS { 4 } else { 6 };
+                    LOG_BYTES + entries.saturating_sub(1).saturating_mul(slot)
+                }
             }
             Algorithm::SlidingCounter { buckets } => {
                 let mut lengths: Vec<u64> = windows.iter().map(|w| w.length_ms).collect();
@@ -401,7 +408,8 @@ pub fn human_bytes(bytes: u64) -> String {
     match bytes {
         0..1_000 => format!("{bytes} B"),
         1_000..1_000_000 => format!("{:.1} KB", bytes as f64 / 1e3),
-        _ => format!("{:.1} MB", bytes as f64 / 1e6),
+        1_000_000..1_000_000_000 => format!("{:.1} MB", bytes as f64 / 1e6),
+        _ => format!("{:.1} GB", bytes as f64 / 1e9),
     }
 }
 
@@ -443,8 +451,8 @@ pub fn human_ms(ms: u64) -> String {
 mod tests {
     use super::*;
 
-    /// What one value of a rule can hold in Redis: a full compact log by its longest window
-    /// (4 bytes an entry, 6 past 2^30 ms), a counter's buckets per distinct window length, a
+    /// What one value of a rule can hold in Redis: a full log by its longest window (compact:
+    /// 4 bytes an entry, 6 past 2^30 ms; a sorted set past 1,000 entries), a counter's buckets per distinct window length, a
     /// ban key; nothing for an unlimited rule.
     #[test]
     fn a_rules_redis_memory_per_value() {
@@ -459,6 +467,9 @@ mod tests {
         assert_eq!(big.redis_bytes(), Some(64 + 999 * 4));
         let month = log(vec![w(1_000, Unit::Month)], None);
         assert_eq!(month.redis_bytes(), Some(64 + 999 * 6), "6-byte slots");
+        // Past 1,000 entries a log is a sorted set (a skiplist).
+        let busy = log(vec![w(1_001, Unit::Hour)], None);
+        assert_eq!(busy.redis_bytes(), Some(1_001 * 145));
         let counter = Limit::windows(
             vec![w(100_000, Unit::Minute), w(1_000_000, Unit::Hour)],
             None,

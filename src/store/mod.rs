@@ -139,14 +139,30 @@ impl Role {
     }
 }
 
-/// How the Redis store keeps a `sliding_log`: one compact string per log (the default), or the
-/// sorted set of the releases before it, kept for a rolling upgrade from them
-/// (`docs/redis.md#the-compact-log`). Either reads a log written in the other, rewriting it.
+/// How the Redis store keeps a `sliding_log`: one compact string per log (the default, for
+/// rules whose log holds at most [`COMPACT_LOG_MAX_ENTRIES`]), or the sorted set of the
+/// releases before it, kept for a rolling upgrade from them (`docs/redis.md#the-compact-log`).
+/// Either reads a log written in the other, rewriting it.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum LogFormat {
     #[default]
     Compact,
     SortedSet,
+}
+
+/// The most entries a rule's log may hold (its longest window's limit) for the log to be kept
+/// compact: a compact log is read and written whole by every call that changes it, a sorted
+/// set by the entry, so past this a sorted set costs Redis less per decision
+/// (`docs/performance.md#large-logs`), and a rule whose log can grow larger keeps one.
+pub const COMPACT_LOG_MAX_ENTRIES: u32 = 1_000;
+
+/// Whether a `sliding_log` rule of these windows keeps its log compact under `format`.
+fn compact_log(windows: &[Window], format: LogFormat) -> bool {
+    format == LogFormat::Compact
+        && windows
+            .iter()
+            .max_by_key(|w| (w.length_ms, w.limit))
+            .is_none_or(|w| w.limit <= COMPACT_LOG_MAX_ENTRIES)
 }
 
 /// A configured rule as the Redis script reads it, made once when the config compiles: one text
@@ -198,7 +214,8 @@ pub fn rule_text(
         Algorithm::SlidingLog => 0,
         Algorithm::SlidingCounter { buckets } => buckets,
     };
-    let flags = u64::from(debit) + 2 * u64::from(format == LogFormat::SortedSet);
+    let sorted = matches!(algorithm, Algorithm::SlidingLog) && !compact_log(windows, format);
+    let flags = u64::from(debit) + 2 * u64::from(sorted);
     let mut text = String::with_capacity(16 + windows.len() * 20);
     push_decimal(&mut text, role.code());
     for n in [ban_ms, u64::from(buckets), flags] {

@@ -342,6 +342,40 @@ mod tests {
             ),
             "0:0:0:3:5:1000"
         );
+        // A log that can pass 1,000 entries (its longest window's limit) is a sorted set
+        // whatever the format; a counter's text has no log format.
+        let busy = |limit, algorithm| {
+            let windows = [
+                crate::store::Window {
+                    limit: 5_000,
+                    length_ms: 1000,
+                },
+                crate::store::Window {
+                    limit,
+                    length_ms: 60_000,
+                },
+            ];
+            rule_text(
+                &windows,
+                algorithm,
+                0,
+                Role::Enforce,
+                false,
+                LogFormat::Compact,
+            )
+        };
+        assert_eq!(
+            busy(1_000, Algorithm::SlidingLog),
+            "0:0:0:0:5000:1000:1000:60000"
+        );
+        assert_eq!(
+            busy(1_001, Algorithm::SlidingLog),
+            "0:0:0:2:5000:1000:1001:60000"
+        );
+        assert_eq!(
+            busy(1_001, Algorithm::SlidingCounter { buckets: 4 }),
+            "0:0:4:0:5000:1000:1001:60000"
+        );
     }
 
     /// A configured rule's text, made when its config compiled, is what the store would build
