@@ -54,6 +54,15 @@ fn take_back_counts(
     unsettled
 }
 
+/// One recorded item of a rejected request, for its removal: its place in its call, the entry
+/// the script reported, the call's time and the request's prefix.
+struct Taken<'a> {
+    position: usize,
+    entry: &'a Entry,
+    now_ms: u64,
+    prefix: &'a str,
+}
+
 /// Takes back a rejected spread request's log entry (see [`RedisStore::undo`]).
 const UNDO: &str = include_str!("../../../lua/undo.lua");
 
@@ -337,53 +346,18 @@ impl RedisStore {
                     .into_iter()
                     .map(|i| (i, *now_ms)),
             );
-            for (position, (&i, &Entry { cum, at_ms })) in group.iter().zip(entries).enumerate() {
-                let item = &items[i];
-                if !outcomes[i].recorded || item.debit {
+            for (position, (&i, entry)) in group.iter().zip(entries).enumerate() {
+                if !outcomes[i].recorded || items[i].debit {
                     continue;
                 }
                 outcomes[i].recorded = false;
-                let client = self.undo_client(item, call.lane);
-                match item.algorithm {
-                    Algorithm::SlidingLog => {
-                        // The member as the script writes it in a sorted-set log for a
-                        // tentative request: "<cum>:<weight>:<time>:<prefix>:<i>", i 1-based
-                        // per call; a compact log's entry goes by its time and weight.
-                        let member =
-                            format!("{cum:020}:{}:{at_ms}:{prefix}:{}", item.hits, position + 1);
-                        let args = vec![member, at_ms.to_string(), item.hits.to_string()];
-                        let log = self.key(item.key.log());
-                        removals.push(Box::pin(async move {
-                            client
-                                .eval::<i64, _, _, _>(UNDO, log, args)
-                                .await
-                                .map(|_| ())
-                        }) as UndoFuture<'_>);
-                    }
-                    Algorithm::SlidingCounter { buckets } => {
-                        // The script added the hits once to the current bucket of every
-                        // distinct bucket length.
-                        let hits = i64::try_from(item.hits).unwrap_or(i64::MAX);
-                        let mut sizes: Vec<u64> = item
-                            .windows
-                            .iter()
-                            .map(|w| w.bucket_span(buckets, *now_ms).0)
-                            .collect();
-                        sizes.sort_unstable();
-                        sizes.dedup();
-                        for size in sizes {
-                            let field = format!("{size}:{}", now_ms / size);
-                            let (client, counters) =
-                                (client.clone(), self.key(item.key.counters()));
-                            removals.push(Box::pin(async move {
-                                client
-                                    .hincrby::<i64, _, _>(counters, field, -hits)
-                                    .await
-                                    .map(|_| ())
-                            }));
-                        }
-                    }
-                }
+                let taken = Taken {
+                    position,
+                    entry,
+                    now_ms: *now_ms,
+                    prefix: &prefix,
+                };
+                self.removals(&items[i], &taken, call.lane, &mut removals);
             }
         }
         for result in join_all(removals).await {
@@ -392,10 +366,72 @@ impl RedisStore {
                 tracing::warn!(error = %unavailable(&e), "could not remove hits of a rejected cross-slot request");
             }
         }
-        // The descriptors whose resets the counts do not settle, read again at their call's
-        // time: their windows as they are with the hits taken back.
+        self.read_again(items, &unsettled, call.lane, outcomes)
+            .await;
+    }
+
+    /// The calls that remove what `item` recorded (see [`RedisStore::undo`]).
+    fn removals<'a>(
+        &self,
+        item: &CheckItem<'_>,
+        taken: &Taken<'_>,
+        lane: usize,
+        removals: &mut Vec<UndoFuture<'a>>,
+    ) {
+        let client = self.undo_client(item, lane);
+        let Entry { cum, at_ms } = *taken.entry;
+        match item.algorithm {
+            Algorithm::SlidingLog => {
+                // The member as the script writes it in a sorted-set log for a tentative
+                // request: "<cum>:<weight>:<time>:<prefix>:<i>", i 1-based per call; a compact
+                // log's entry goes by its time and weight.
+                let (prefix, i) = (taken.prefix, taken.position + 1);
+                let member = format!("{cum:020}:{}:{at_ms}:{prefix}:{i}", item.hits);
+                let args = vec![member, at_ms.to_string(), item.hits.to_string()];
+                let log = self.key(item.key.log());
+                removals.push(Box::pin(async move {
+                    client
+                        .eval::<i64, _, _, _>(UNDO, log, args)
+                        .await
+                        .map(|_| ())
+                }));
+            }
+            Algorithm::SlidingCounter { buckets } => {
+                // The script added the hits once to the current bucket of every distinct
+                // bucket length.
+                let hits = i64::try_from(item.hits).unwrap_or(i64::MAX);
+                let mut sizes: Vec<u64> = item
+                    .windows
+                    .iter()
+                    .map(|w| w.bucket_span(buckets, taken.now_ms).0)
+                    .collect();
+                sizes.sort_unstable();
+                sizes.dedup();
+                for size in sizes {
+                    let field = format!("{size}:{}", taken.now_ms / size);
+                    let (client, counters) = (client.clone(), self.key(item.key.counters()));
+                    removals.push(Box::pin(async move {
+                        client
+                            .hincrby::<i64, _, _>(counters, field, -hits)
+                            .await
+                            .map(|_| ())
+                    }));
+                }
+            }
+        }
+    }
+
+    /// The descriptors whose resets the counts do not settle (`take_back_counts`), read again
+    /// at their call's time once the hits are removed: their windows as they are now.
+    async fn read_again(
+        &self,
+        items: &[CheckItem<'_>],
+        unsettled: &[(usize, u64)],
+        lane: usize,
+        outcomes: &mut [ItemOutcome],
+    ) {
         let reads = unsettled.iter().map(|&(i, now_ms)| {
-            let client = self.slot_client(&items[i].key, call.lane);
+            let client = self.slot_client(&items[i].key, lane);
             async move { (i, self.read(&items[i], now_ms, &client).await) }
         });
         for (i, read) in join_all(reads).await {
