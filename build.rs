@@ -6,9 +6,28 @@
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
+/// The parts of the Redis function library, in the order they are joined (`lua/contract.lua`
+/// says what each holds and why the order).
+const LUA_PARTS: [&str; 13] = [
+    "contract",
+    "arguments",
+    "sorted_log",
+    "compact_layout",
+    "compact_log",
+    "compact_in_place",
+    "convert",
+    "counter",
+    "request",
+    "decide",
+    "paths",
+    "call",
+    "register",
+];
+
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     commit();
     let out = PathBuf::from(std::env::var("OUT_DIR")?);
+    join_library(&out)?;
     // Reflection describes what slidegate serves: the rate-limit service and its types only.
     let served = protox::compile(["envoy/service/ratelimit/v3/rls.proto"], ["proto"])?;
     std::fs::write(
@@ -36,6 +55,27 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         .register_descriptors(&encoded)?
         .build(&[".envoy", ".google.rpc", ".ratelimit"])?;
     println!("cargo:rerun-if-changed=proto");
+    Ok(())
+}
+
+/// Joins `lua/`'s parts into the one library text Redis loads (`OUT_DIR/slidegate.lua`): each
+/// part as it is, after a line naming it, so that a line number in a Lua error leads to its
+/// part. The library's version is the SHA-1 of this joined text (`store::redis::Library`).
+fn join_library(out: &Path) -> Result<(), Box<dyn std::error::Error>> {
+    let mut library = String::new();
+    for part in LUA_PARTS {
+        let path = format!("lua/{part}.lua");
+        let text = std::fs::read_to_string(&path).map_err(|e| format!("{path}: {e}"))?;
+        if !library.is_empty() {
+            library.push_str(&format!("-- lua/{part}.lua\n"));
+        }
+        library.push_str(&text);
+        if !text.ends_with('\n') {
+            library.push('\n');
+        }
+    }
+    std::fs::write(out.join("slidegate.lua"), library)?;
+    println!("cargo:rerun-if-changed=lua");
     Ok(())
 }
 

@@ -1186,7 +1186,7 @@ fn main() {
                 per_call,
             );
         }
-        // SLIDEGATE_BENCH_SCRIPT: another version of the script (a library written like `lua/slidegate.lua`, taking the same arguments),
+        // SLIDEGATE_BENCH_SCRIPT: another version of the script (a library text written like the joined parts of `lua/`, taking the same arguments),
         // measured the same way.
         if let Some(path) = std::env::var_os("SLIDEGATE_BENCH_SCRIPT") {
             let other = std::fs::read_to_string(&path).expect("read SLIDEGATE_BENCH_SCRIPT");

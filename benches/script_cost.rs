@@ -78,6 +78,8 @@ struct Case {
     /// More windows of the rule, ":limit:window_ms" each (such a rule goes the script's
     /// general path), or "".
     more_windows: &'static str,
+    /// Each request's hits: more than one (tokens) goes the general path.
+    hits: u64,
 }
 
 /// Calls of 32 requests, each the second on a log of one entry written by the fill.
@@ -91,6 +93,7 @@ const fn second_call(name: &'static str, more_windows: &'static str) -> Case {
         window_ms: 60_000,
         fill: 100,
         more_windows,
+        hits: 1,
     }
 }
 
@@ -110,10 +113,11 @@ const fn hot_log(name: &'static str, entries: usize) -> Case {
         window_ms: entries as u64,
         fill: entries,
         more_windows: "",
+        hits: 1,
     }
 }
 
-const CASES: [Case; 12] = [
+const CASES: [Case; 13] = [
     Case {
         name: "new descriptors, one request per call",
         per_call: 1,
@@ -123,6 +127,7 @@ const CASES: [Case; 12] = [
         window_ms: 60_000,
         fill: 0,
         more_windows: "",
+        hits: 1,
     },
     Case {
         name: "new descriptors, 32 requests per call",
@@ -133,6 +138,7 @@ const CASES: [Case; 12] = [
         window_ms: 60_000,
         fill: 0,
         more_windows: "",
+        hits: 1,
     },
     second_call(
         "logs of one entry (a second call), 32 requests per call",
@@ -151,6 +157,7 @@ const CASES: [Case; 12] = [
         window_ms: 60_000,
         fill: 0,
         more_windows: "",
+        hits: 1,
     },
     Case {
         name: "logs of 50 entries, one leaving per call, 32 requests per call",
@@ -161,6 +168,7 @@ const CASES: [Case; 12] = [
         window_ms: 50,
         fill: 50,
         more_windows: "",
+        hits: 1,
     },
     // The load bench's steady state after a minute (`SLIDEGATE_BENCH_WARM_SECS=65`): each
     // user's log holds about ten entries and its oldest leaves the window on every call.
@@ -173,6 +181,7 @@ const CASES: [Case; 12] = [
         window_ms: 10,
         fill: 10,
         more_windows: "",
+        hits: 1,
     },
     // Three descriptors per request, each on a log of its own: a call carries at most 32
     // descriptors, so 10 such requests.
@@ -185,6 +194,7 @@ const CASES: [Case; 12] = [
         window_ms: 60_000,
         fill: 0,
         more_windows: "",
+        hits: 1,
     },
     Case {
         name: "three descriptors per request on logs of about 100 entries, 10 requests per call",
@@ -195,6 +205,19 @@ const CASES: [Case; 12] = [
         window_ms: 60_000,
         fill: 0,
         more_windows: "",
+        hits: 1,
+    },
+    // A token budget: five hits a request (a weighted log), on logs of about 100 entries.
+    Case {
+        name: "weighted requests (5 hits) on logs of about 100 entries, 32 requests per call",
+        per_call: 32,
+        descriptors: 1,
+        users: Users::Same,
+        calls: 100,
+        window_ms: 60_000,
+        fill: 0,
+        more_windows: "",
+        hits: 5,
     },
     hot_log("one hot log of 100 entries, one leaving per call", 100),
     hot_log("one hot log of 1,000 entries, one leaving per call", 1_000),
@@ -254,7 +277,7 @@ fn call_args(case: &Case, head: &[String], spread: bool, c: usize, tag: &str) ->
         args.push((4 * case.descriptors + 1).to_string());
         for _ in 0..case.descriptors {
             args.extend([
-                "1".into(),
+                case.hits.to_string(),
                 format!(
                     "0:0:0:{}:1000000:{}{}",
                     log_flags(),
@@ -441,7 +464,7 @@ fn main() {
     });
     std::fs::create_dir_all(&dir).expect("scratch dir");
     // SLIDEGATE_COST_SCRIPT=<file>: measure another version of the script (written like
-    // `lua/slidegate.lua`, taking the same arguments) instead of the built-in one, without a
+    // the joined parts of `lua/`, taking the same arguments) instead of the built-in one, without a
     // rebuild.
     let library = match std::env::var_os("SLIDEGATE_COST_SCRIPT") {
         Some(path) => {

@@ -11,7 +11,7 @@
 //! * [`wire`]: protobuf messages to and from the limiter's types, for both ports.
 //! * [`limiter`]: rules, matching, store keys and decisions; no transport, no Redis client.
 //! * [`store`]: the store contract, the embedded store, and the Redis store, which decides inside
-//!   one Lua script (`lua/slidegate.lua`).
+//!   one Lua function library (the parts in `lua/`, joined by `build.rs`).
 //! * [`traces`]: OpenTelemetry traces: the caller's context, sampling, the OTLP export.
 //! * [`tls`]: TLS files, and TLS as a client (Redis, xDS).
 //!

@@ -4,8 +4,9 @@
 //!
 //! Both stores take the same batch and decide it the same way, atomically: a request's
 //! descriptors are admitted all together or not at all. The embedded store ([`MemoryStore`])
-//! decides under in-process locks; the Redis store decides inside one Lua script per hash slot
-//! (`lua/slidegate.lua`, whose header documents `KEYS`, `ARGV` and the reply). The conformance
+//! decides under in-process locks; the Redis store decides inside one Lua function per hash slot
+//! or cluster master (the library in `lua/`, whose `contract.lua` documents `KEYS`, `ARGV` and
+//! the reply). The conformance
 //! suite in `tests/` runs the same scenarios against each.
 
 use std::borrow::Cow;

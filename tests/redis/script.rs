@@ -514,37 +514,60 @@ fn a_logs_expiry_is_set_once_a_period_and_outlasts_its_newest_entry() {
     }
 }
 
-/// The script decides the common requests by paths of their own (`decide_logs`: every
-/// descriptor on a one-window log without a ban, each on a log of its own; `decide_single`: the
-/// same for one descriptor), a fifth to a quarter fewer instructions than the general `decide`.
-/// Fed the same calls on twin logs, the library with those paths and one whose general path
-/// decides everything must answer alike, field by field: every role, mode and debit, checks
-/// (hits 0), weighted hits, rejections whose reset is searched in the log, logs emptied by the
-/// window, logs whose only entry is their first (which the common paths read as such), several
-/// requests on one log in one call, calls whose time is behind their logs' newest entries (a
-/// replica's clock behind another's), and requests that are not of those kinds (two
-/// descriptors on one log, a ban, two windows) left to the general path; in both log formats
-/// (for a compact log, `decide_one_compact` against the general path).
+/// A key as it stands: its type, whether it has an expiry, and its contents in order (a
+/// string's bytes, a sorted set's members and scores, a hash's fields and values sorted).
+const KEY_CONTENT: &str = r"
+local kind = redis.call('TYPE', KEYS[1]).ok
+local out = { kind, tostring(redis.call('PTTL', KEYS[1]) > 0) }
+if kind == 'string' then
+  out[3] = redis.call('GET', KEYS[1])
+elseif kind == 'zset' then
+  for _, v in ipairs(redis.call('ZRANGE', KEYS[1], 0, -1, 'WITHSCORES')) do out[#out + 1] = v end
+elseif kind == 'hash' then
+  local all = redis.call('HGETALL', KEYS[1])
+  local pairs_ = {}
+  for i = 1, #all, 2 do pairs_[#pairs_ + 1] = all[i] .. '=' .. all[i + 1] end
+  table.sort(pairs_)
+  for _, v in ipairs(pairs_) do out[#out + 1] = v end
+end
+return out
+";
+
+/// The library decides the request shapes most calls carry by straight-line paths of their own
+/// (`lua/paths.lua`: one descriptor or several, each on a one-window log without a ban and on
+/// a log of its own, compact or sorted set). Fed the same calls on twin logs, the library and
+/// one whose path table is empty (so `decide`, the general path, decides everything) must
+/// answer alike, field by field, and leave the same keys with the same contents, byte for
+/// byte: every role, mode and debit, checks (hits 0), weighted hits, rejections whose reset is
+/// searched in the log, logs emptied by the window, logs whose only entry is their first
+/// (which the sorted-set paths read as such), several requests on one log in one call, calls
+/// whose time is behind their logs' newest entries (a replica's clock behind another's), and
+/// requests that are not of those shapes (two descriptors on one log, a ban, two windows) left
+/// to the general path; in both log formats. (Only the keys' expiries differ: the paths set a
+/// log's once a period, the general path on every write; both outlast every entry.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_common_request_paths_answer_as_the_general_one() {
     use fred::prelude::{ClientLike as _, LuaInterface as _, Value};
-    use slidegate::store::redis::Library;
+    use slidegate::store::redis::{Library, SCRIPT};
 
-    const SOURCE: &str = include_str!("../../lua/slidegate.lua");
-    const TAKES_OWN_PATHS: &str = "local n = shape and (shape - shape % 4) / 4";
+    const PATH_TABLE: &str = "  PATHS = {
+    one = { compact = one_compact_log, sorted = one_sorted_log },
+    several = { compact = several_compact_logs, sorted = several_sorted_logs },
+  }";
     assert!(
-        SOURCE.contains(TAKES_OWN_PATHS),
-        "the script no longer chooses its own paths where this test turns them off"
+        SCRIPT.contains(PATH_TABLE),
+        "lua/paths.lua no longer chooses its paths by the table this test empties"
     );
     let own_paths = Library::new();
-    let general = Library::from_source(&SOURCE.replace(TAKES_OWN_PATHS, "local n = false"));
+    let general =
+        Library::from_source(&SCRIPT.replace(PATH_TABLE, "  PATHS = { one = {}, several = {} }"));
     let config = fred::types::config::Config::from_url(&shared_standalone().url()).unwrap();
     let client = fred::clients::Client::new(config, None, None, None);
     client.init().await.unwrap();
     for library in [&own_paths, &general] {
         library.load(&client, TEST_TIMEOUT).await.unwrap();
     }
-    // role:ban_ms:buckets:debit:limit:window_ms (layout in lua/slidegate.lua); the last two are
+    // role:ban_ms:buckets:debit:limit:window_ms (layout in lua/contract.lua); the last two are
     // for the general path only.
     const RULES: [&str; 9] = [
         "0:0:0:0:3:1000",
@@ -645,6 +668,28 @@ async fn the_common_request_paths_answer_as_the_general_one() {
                 answers.push(library.call(&client, keys, args.clone()).await.unwrap());
             }
             assert_eq!(answers[0], answers[1], "case {case}, step {step}: {args:?}");
+            for &(log, banned) in &descriptors {
+                let mut names = vec![format!("{log}")];
+                if banned {
+                    names.push(format!("{log}:ban"));
+                }
+                for name in names {
+                    let [own, general]: [Vec<Value>; 2] = [
+                        client
+                            .eval(KEY_CONTENT, format!("rl:{{{tag}}}:own:{name}"), ())
+                            .await
+                            .unwrap(),
+                        client
+                            .eval(KEY_CONTENT, format!("rl:{{{tag}}}:general:{name}"), ())
+                            .await
+                            .unwrap(),
+                    ];
+                    assert_eq!(
+                        own, general,
+                        "case {case}, step {step}, key {name}: {args:?}"
+                    );
+                }
+            }
             let flat = &unpacked(&answers[0]);
             // The call's time, then per request its length and its values.
             let mut rest = &flat[1..];
@@ -1018,19 +1063,20 @@ fn either_format_reads_a_log_the_other_wrote() {
     }
 }
 
-/// `lua/undo.lua` takes back one entry of the time and weight it is given from a compact log (the
-/// head's total with it), or the member it is given from a sorted set; an entry no longer there
-/// is left alone.
+/// The library's undo takes back one entry of the time and weight it is given from a compact
+/// log (the head's total with it), or the member it is given from a sorted set; an entry no
+/// longer there is left alone.
 #[test]
 fn undo_takes_back_one_entry_in_either_format() {
-    const UNDO: &str = include_str!("../../lua/undo.lua");
+    use slidegate::store::redis::Function;
     let (redis, library) = redis_with_library();
     let cli = |args: &[&str]| node_cli(redis.port, args);
     let decide = |key: &str, now: &str, hits: &str, rule: &str| {
         one_request(redis.port, &library, key, now, hits, rule)
     };
+    let undo_function = library.name(Function::Undo);
     let undo = |key: &str, member: &str, time: &str, weight: &str| -> String {
-        cli(&["EVAL", UNDO, "1", key, member, time, weight])[0].clone()
+        cli(&["FCALL", undo_function, "1", key, member, time, weight])[0].clone()
     };
     let rule = "0:0:0:0:100:10000";
     for (now, hits) in [("5000", "1"), ("5000", "2"), ("5001", "1"), ("5000", "2")] {
@@ -1061,100 +1107,143 @@ fn undo_takes_back_one_entry_in_either_format() {
     assert_eq!(cli(&["EXISTS", "s:log"]), ["0"]);
 }
 
-/// A rolling upgrade's first step, with the released script itself: replicas of the release
-/// before the compact log (`tests/fixtures/slidegate-sorted-set-release.lua`, that release's
-/// `lua/slidegate.lua`) and replicas of this one with `--redis-log-format sorted-set` take turns
-/// on the same logs, and answer as this one alone does on twin logs, field by field; then this
-/// one's compact log, alone, converts what they left and counts on.
+/// One reader of the compact log in Rust (`store::redis::compact`, what the admin API reads
+/// with) and one writer (the library): logs of random contents written by the library's
+/// decisions and undos, in both slot widths, weighted and not, trimmed, emptied and started
+/// again, from clocks behind the log's newest entry, read back by the Rust reader as exactly
+/// the entries a model of the rules expects.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_release_before_and_this_one_share_sorted_set_logs() {
+async fn compact_logs_read_in_rust_as_the_library_writes_them() {
+    use fred::interfaces::FunctionInterface as _;
     use fred::prelude::{ClientLike as _, Value};
-    use slidegate::store::redis::Library;
+    use fred::types::{ClusterHash, CustomCommand};
+    use slidegate::store::redis::{Function, Library, compact};
 
-    let old = Library::from_source(include_str!("../fixtures/slidegate-sorted-set-release.lua"));
-    let new = Library::new();
-    let config = fred::types::config::Config::from_url(&shared_standalone().url()).unwrap();
+    let redis = RedisProcess::start(&[]);
+    let library = Library::new();
+    let config = fred::types::config::Config::from_url(&redis.url()).unwrap();
     let client = fred::clients::Client::new(config, None, None, None);
     client.init().await.unwrap();
-    for library in [&old, &new] {
-        library.load(&client, TEST_TIMEOUT).await.unwrap();
-    }
-    let tag = unique_domain("upgrade");
-    // Enforced, weighted and debit rules; the new script's sorted-set flag is 2.
-    const RULES: [(&str, &str); 3] = [
-        ("0:0:0:0:3:1000", "0:0:0:2:3:1000"),
-        ("0:0:0:1:5:2000", "0:0:0:3:5:2000"),
-        ("0:0:0:0:4:500:6:3000", "0:0:0:2:4:500:6:3000"),
+    library.load(&client, TEST_TIMEOUT).await.unwrap();
+    // (rule, window in ms, slot width): a small limit (rejections), a large one, a debit, and
+    // a window past 2^30 ms (6-byte slots).
+    let rules: [(&str, u64, u64); 4] = [
+        ("0:0:0:0:12:800", 800, 4),
+        ("0:0:0:0:4000000000:3000", 3_000, 4),
+        ("0:0:0:1:20:2000", 2_000, 4),
+        ("0:0:0:0:4000000000:1100000000", 1_100_000_000, 6),
     ];
-    let mut seed: u64 = 0x0bad_cafe;
+    let mut seed: u64 = 0x00c0_ffee;
     let mut next = |below: u64| {
         seed = seed
             .wrapping_mul(6_364_136_223_846_793_005)
             .wrapping_add(1_442_695_040_888_963_407);
         (seed >> 33) % below
     };
-    let mut now = 2_000_000u64;
-    let call = |library: &Library, key: String, args: Vec<Value>| {
-        let client = client.clone();
-        let library = library.clone();
-        async move {
-            unpacked(
+    let (mut recorded, mut undone, mut emptied, mut wide) = (0, 0, 0, 0);
+    for case in 0..6 {
+        let key = format!("rl:{{reader}}:log{case}");
+        // The entries the log must hold: (time, weight), oldest first, and its slot width.
+        let mut model: Vec<(u64, u64)> = Vec::new();
+        let mut width = 4u64;
+        let mut now = 1_000_000u64;
+        for step in 0..160 {
+            // Every 20 steps a pause longer than the short windows, and a check (hits 0) on
+            // one of them: the log empties, and starts again.
+            let pause = step % 20 == 19;
+            now += if pause { 10_000 } else { next(300) };
+            let at = if next(8) == 0 && !pause {
+                now - next(600)
+            } else {
+                now
+            };
+            let (rule, window, rule_width) = match next(8) {
+                _ if pause => rules[0],
+                0 => rules[3],
+                pick => rules[usize::try_from(pick % 3).unwrap()],
+            };
+            let hits = match next(12) {
+                _ if pause => 0,
+                0 => 0,
+                1..=6 => 1,
+                7 if rule_width == 4 && rule.contains("4000000000") => 3_000_000_000,
+                _ => 2 + next(4),
+            };
+            let args: Vec<Value> = ["1", &at.to_string(), "5", &hits.to_string(), rule]
+                .iter()
+                .map(|a| Value::from(a.to_string()))
+                .collect();
+            let reply = unpacked(
                 &library
-                    .call(&client, vec![fred::types::Key::from(key)], args)
+                    .call(&client, vec![fred::types::Key::from(key.as_str())], args)
                     .await
                     .unwrap(),
-            )
+            );
+            let flags = reply[2].as_i64().unwrap_or_else(|| panic!("{reply:?}"));
+            let newest = model.last().map_or(0, |&(t, _)| t);
+            model.retain(|&(t, _)| t + window > at);
+            if flags & 4 != 0 {
+                width = if model.is_empty() {
+                    rule_width
+                } else {
+                    width.max(rule_width)
+                };
+                let stamp = at.max(newest);
+                let most = (1u64 << (8 * width - 1)) - 1;
+                let mut left = hits;
+                while left > 0 {
+                    model.push((stamp, left.min(most)));
+                    left -= left.min(most);
+                }
+                recorded += 1;
+            }
+            // Now and then, the undo of a random entry (as a rejected spread request's).
+            if next(6) == 0
+                && let Some(&(time, weight)) =
+                    model.get(usize::try_from(next(model.len().max(1) as u64)).unwrap())
+            {
+                let taken: i64 = client
+                    .fcall(
+                        library.name(Function::Undo),
+                        vec![fred::types::Key::from(key.as_str())],
+                        vec![String::new(), time.to_string(), weight.to_string()],
+                    )
+                    .await
+                    .unwrap();
+                assert_eq!(
+                    taken,
+                    i64::try_from(weight).unwrap(),
+                    "case {case}, step {step}"
+                );
+                let last = model.iter().rposition(|&e| e == (time, weight)).unwrap();
+                model.remove(last);
+                undone += 1;
+            }
+            let get = CustomCommand::new_static("GET", ClusterHash::FirstKey, false);
+            let stored: Value = client.custom(get, vec![key.as_str()]).await.unwrap();
+            match stored.as_bytes() {
+                None => {
+                    assert!(
+                        model.is_empty(),
+                        "case {case}, step {step}: gone, {model:?}"
+                    );
+                    emptied += 1;
+                }
+                Some(text) => {
+                    let read: Vec<(u64, u64)> = compact::entries(text)
+                        .unwrap_or_else(|| panic!("case {case}, step {step}: {text:?}"))
+                        .iter()
+                        .map(|e| (e.at_ms, e.weight))
+                        .collect();
+                    assert_eq!(read, model, "case {case}, step {step}");
+                    wide += u64::from(text[0] % 16 == 6);
+                }
+            }
         }
-    };
-    for step in 0..400 {
-        now += next(300);
-        let log = next(3);
-        let rule = usize::try_from(next(3)).unwrap();
-        let hits = next(3).to_string();
-        let args = |text: &str| {
-            vec![
-                Value::from("1"),
-                Value::from(now.to_string()),
-                Value::from("5"),
-                Value::from(hits.clone()),
-                Value::from(text.to_string()),
-            ]
-        };
-        let (old_rule, new_rule) = RULES[rule];
-        let mixed = format!("rl:{{{tag}}}:mixed:{log}:{rule}");
-        let answer = if step % 2 == 0 {
-            call(&old, mixed, args(old_rule)).await
-        } else {
-            call(&new, mixed, args(new_rule)).await
-        };
-        let alone = call(
-            &new,
-            format!("rl:{{{tag}}}:alone:{log}:{rule}"),
-            args(new_rule),
-        )
-        .await;
-        assert_eq!(answer, alone, "step {step}");
     }
-    // Then compact: the mixed logs are converted, and count as the twins do.
-    for log in 0..3 {
-        // The release's rule texts are this one's for compact logs (flags 0 and 1).
-        for (rule, &(compact, _)) in RULES.iter().enumerate() {
-            let args = vec![
-                Value::from("1"),
-                Value::from(now.to_string()),
-                Value::from("5"),
-                Value::from("0"),
-                Value::from(compact),
-            ];
-            let mixed = call(
-                &new,
-                format!("rl:{{{tag}}}:mixed:{log}:{rule}"),
-                args.clone(),
-            )
-            .await;
-            let alone = call(&new, format!("rl:{{{tag}}}:alone:{log}:{rule}"), args).await;
-            assert_eq!(mixed, alone, "log {log}, rule {rule}");
-        }
-    }
+    assert!(
+        recorded > 300 && undone > 50 && emptied > 5 && wide > 20,
+        "recorded {recorded}, undone {undone}, emptied {emptied}, 6-byte {wide}"
+    );
     client.quit().await.unwrap();
 }

@@ -1,7 +1,7 @@
 //! The batching of requests that reach the store at the same moment.
 //!
-//! Every decision is one request of the script (`lua/slidegate.lua` decides a call's requests one
-//! after the other, each as it would be alone). A request that arrives while [`Batcher`]'s calls
+//! Every decision is one request of a library call (the library decides a call's requests one
+//! after the other, each as it would be alone: `lua/call.lua`). A request that arrives while [`Batcher`]'s calls
 //! to its Redis are all out waits, and the next call to go carries every request that waited:
 //! under load one `FCALL` (one socket write here, one read and one reply in Redis) decides tens
 //! of requests, while a lone request is sent at once, never held back for company. On a cluster

@@ -28,7 +28,7 @@ const TRY_AGAIN_AFTER: Duration = Duration::from_millis(5);
 pub(super) const DESCRIPTORS_PER_CALL: usize = 32;
 
 /// One request's part of a script call: its time, its keys, and its arguments after the call's
-/// request count and time (layout in `lua/slidegate.lua`).
+/// request count and time (layout in `lua/contract.lua`).
 pub(super) struct Request {
     /// When it was asked, in ms since the epoch; `None` where Redis's clock decides.
     pub now_ms: Option<u64>,

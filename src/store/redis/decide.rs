@@ -63,9 +63,6 @@ struct Taken<'a> {
     prefix: &'a str,
 }
 
-/// Takes back a rejected spread request's log entry (see [`RedisStore::undo`]).
-const UNDO: &str = include_str!("../../../lua/undo.lua");
-
 impl RedisStore {
     /// One group's call: by its master's batcher (the store's on standalone Redis), or by the
     /// redirect client where its cluster master is not known yet. A group of one slot whose
@@ -276,7 +273,7 @@ impl RedisStore {
     /// The groups of several slots whose master refused one of their keys (it no longer serves
     /// that slot), sent again as a call per slot, each to the master of its slot (and on, where
     /// that one refuses it too: `call_group`): tentatively, as the request now spans several calls, unless it was already
-    /// rejected. Such a group recorded nothing (see the end of `lua/slidegate.lua`); the other
+    /// rejected. Such a group recorded nothing (see the spread function in `lua/register.lua`); the other
     /// groups' replies stand (they were tentative, as the request had several groups).
     pub(super) async fn per_slot(
         &self,
@@ -326,7 +323,7 @@ impl RedisStore {
     }
 
     /// Removes the entries a rejected request recorded in the slots that admitted it (debits
-    /// stay: that usage happened), by `lua/undo.lua`, in either log format. From a compact
+    /// stay: that usage happened), by the library's undo function, in either log format. From a compact
     /// log, exactly; from a sorted-set log, a removed entry leaves the running totals of later
     /// entries as they were, so windows that still hold an earlier entry count its hits until
     /// that entry ages out: stricter for a while, never looser.
@@ -387,11 +384,25 @@ impl RedisStore {
                 // log's entry goes by its time and weight.
                 let (prefix, i) = (taken.prefix, taken.position + 1);
                 let member = format!("{cum:020}:{}:{at_ms}:{prefix}:{i}", item.hits);
-                let args = vec![member, at_ms.to_string(), item.hits.to_string()];
+                let args = vec![
+                    member.into(),
+                    at_ms.to_string().into(),
+                    item.hits.to_string().into(),
+                ];
                 let log = self.key(item.key.log());
+                let library = self.sender.library.clone();
+                let slot = fred::util::redis_keyslot(item.key.tag().as_bytes());
+                let load_timeout = self.recipe.options.connect_timeout;
                 removals.push(Box::pin(async move {
-                    client
-                        .eval::<i64, _, _, _>(UNDO, log, args)
+                    library
+                        .run(
+                            &client,
+                            (&client, load_timeout),
+                            Function::Undo,
+                            slot,
+                            vec![log],
+                            args,
+                        )
                         .await
                         .map(|_| ())
                 }));

@@ -1,6 +1,6 @@
 //! What a script call carries and answers: a request's `KEYS` and `ARGV` (the rule as one text,
 //! made once per rule), the reply read back into outcomes, and which errors are the script's own.
-//! The layout of both is the table at the top of `lua/slidegate.lua`.
+//! The layout of both is the table at the top of `lua/contract.lua`.
 
 use super::*;
 
@@ -44,7 +44,7 @@ pub(super) fn request_failed(message: &str) -> StoreError {
 
 impl RedisStore {
     /// The script's `KEYS` and `ARGV` for the items of `group`, as one request of a call
-    /// (layout in `lua/slidegate.lua`).
+    /// (layout in `lua/contract.lua`).
     pub(super) fn script_input(
         &self,
         items: &[CheckItem<'_>],
@@ -163,13 +163,13 @@ pub(super) fn number(n: u64) -> Value {
     }
 }
 
-/// The flags of a descriptor in the script's reply (layout in `lua/slidegate.lua`).
+/// The flags of a descriptor in the script's reply (layout in `lua/contract.lua`).
 pub(super) const FITS: u64 = 1;
 pub(super) const BAN_SET: u64 = 2;
 pub(super) const RECORDED: u64 = 4;
 pub(super) const BANNED: u64 = 8;
 
-/// Reads the script's reply (layout in `lua/slidegate.lua`); anything else is a protocol error.
+/// Reads the script's reply (layout in `lua/contract.lua`); anything else is a protocol error.
 pub(super) fn parse_reply(
     reply: &[i64],
     items: &[CheckItem<'_>],

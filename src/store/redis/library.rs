@@ -1,10 +1,10 @@
-//! The script as Redis runs it: a function library (`FUNCTION LOAD`, called with `FCALL`), or,
+//! The library as Redis runs it: a function library (`FUNCTION LOAD`, called with `FCALL`), or,
 //! where `FUNCTION LOAD` is refused (an ACL without it, a proxy or a managed Redis that blocks
 //! it), the same code as a script (`SCRIPT LOAD`, called with `EVALSHA`).
 //!
 //! A function is made once, when its library loads; a script sent with `EVALSHA` makes every one
 //! of its functions again on every call, more than doubling a lone call's cost in Redis
-//! (`docs/performance.md`). Library and function are named after the script's version, the
+//! (`docs/performance.md`). Library and functions are named after the library's version, the
 //! first 16 hex digits of its SHA-1, so that two versions side by side (a rolling upgrade) each
 //! call their own and never replace the other's.
 
@@ -18,11 +18,55 @@ use fred::bytes_utils::Str;
 use fred::prelude::*;
 use fred::types::config::Options;
 use fred::types::scripts::Script;
+use fred::types::{ClusterHash, CustomCommand};
 
 use super::SCRIPT;
 
-/// How `lua/slidegate.lua` names its library and function; replaced with the version's name.
+/// How `lua/` names the library and its functions; replaced with the version's name.
 const NAME_IN_SOURCE: &str = "slidegate_VERSION";
+
+/// A function of the library besides the decision ([`Library::call`]): each registered on one
+/// line of `lua/register.lua`, with its contract at its definition in `lua/call.lua`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Function {
+    /// Takes back the entry of a rejected request spread over several masters.
+    Undo,
+    /// Reads one descriptor's keys and writes nothing (`no-writes`: `FCALL_RO`).
+    Inspect,
+    /// Deletes descriptors' keys (`allow-oom`).
+    Reset,
+}
+
+impl Function {
+    const ALL: [Function; 3] = [Function::Undo, Function::Inspect, Function::Reset];
+
+    /// The function's name after the library's, and its entry in the Lua text.
+    fn suffix_and_entry(self) -> (&'static str, &'static str) {
+        match self {
+            Function::Undo => ("_undo", "undo_call"),
+            Function::Inspect => ("_inspect", "inspect_call"),
+            Function::Reset => ("_reset", "reset_call"),
+        }
+    }
+
+    /// The script form's flags, as the function's registration declares them.
+    fn script_flags(self) -> &'static str {
+        match self {
+            Function::Undo => "",
+            Function::Inspect => " flags=no-writes",
+            Function::Reset => " flags=allow-oom",
+        }
+    }
+}
+
+/// One of [`Function`] as Redis is asked to run it.
+#[derive(Clone, Debug)]
+struct Named {
+    /// Its name, for `FCALL` (or `FCALL_RO`).
+    name: Str,
+    /// The same code as a script that runs it, for `EVAL` where functions are refused.
+    script_code: Str,
+}
 
 #[derive(Clone, Debug)]
 pub struct Library {
@@ -37,6 +81,8 @@ pub struct Library {
     pub script_code: Str,
     /// That script, for `EVALSHA`.
     script: Script,
+    /// The other functions, in the order of [`Function::ALL`].
+    others: [Named; 3],
     /// Set when `FUNCTION LOAD` was refused: calls go by `EVALSHA` from then on.
     by_script: Arc<AtomicBool>,
 }
@@ -47,21 +93,42 @@ impl Library {
         Library::from_source(SCRIPT)
     }
 
-    /// A library from a script written like `lua/slidegate.lua` (its library and function named
-    /// `slidegate_VERSION`, the function registered on its last line): for measuring another
+    /// A library from a text written like the joined `lua/` parts (library and functions named
+    /// `slidegate_VERSION...`, each registered on one line at the end): for measuring another
     /// version beside this one.
     pub fn from_source(source: &str) -> Library {
         let sha1 = fred::util::sha1_hash(source);
         let name = format!("slidegate_{}", &sha1[..16]);
-        let script_code = as_script(source);
+        let script_code = as_script(source, "decide_call", "");
+        let others = Function::ALL.map(|function| {
+            let (suffix, entry) = function.suffix_and_entry();
+            Named {
+                name: format!("{name}{suffix}").into(),
+                script_code: as_script(source, entry, function.script_flags()).into(),
+            }
+        });
         Library {
             code: source.replace(NAME_IN_SOURCE, &name).into(),
             spread: format!("{name}_spread").into(),
             function: name.into(),
             script: Script::from_lua(script_code.clone()),
             script_code: script_code.into(),
+            others,
             by_script: Arc::new(AtomicBool::new(false)),
         }
+    }
+
+    /// The name `function` has in Redis (for `FCALL`).
+    pub fn name(&self, function: Function) -> &str {
+        &self.named(function).name
+    }
+
+    fn named(&self, function: Function) -> &Named {
+        let i = Function::ALL
+            .iter()
+            .position(|f| *f == function)
+            .unwrap_or_default();
+        &self.others[i]
     }
 
     /// Whether calls go by `EVALSHA` (`FUNCTION LOAD` was refused).
@@ -163,6 +230,44 @@ impl Library {
     pub fn missing(e: &Error) -> bool {
         e.details().contains("Function not found") || e.details().starts_with("NOSCRIPT")
     }
+
+    /// Runs `function` on `key_slot`'s keys by `client` (whose options, such as a timeout,
+    /// apply): `FCALL`, `FCALL_RO` for the read-only inspection, or, where `FUNCTION LOAD` is
+    /// refused, `EVAL` of its script form (rare calls: Redis keeps the script it compiled). A
+    /// function Redis no longer has is loaded by `loader` (the client, and how long the load
+    /// may take) and run again, once.
+    pub async fn run<C: ClientLike>(
+        &self,
+        client: &C,
+        loader: (&Client, Duration),
+        function: Function,
+        key_slot: u16,
+        keys: Vec<Key>,
+        args: Vec<Value>,
+    ) -> Result<Value, Error> {
+        let named = self.named(function);
+        let mut loaded = false;
+        loop {
+            let (command, first) = match (self.by_script(), function) {
+                (true, _) => ("EVAL", named.script_code.clone()),
+                (false, Function::Inspect) => ("FCALL_RO", named.name.clone()),
+                (false, _) => ("FCALL", named.name.clone()),
+            };
+            let command = CustomCommand::new_static(command, ClusterHash::Custom(key_slot), false);
+            let mut argv: Vec<Value> = Vec::with_capacity(2 + keys.len() + args.len());
+            argv.push(first.into());
+            argv.push(i64::try_from(keys.len()).unwrap_or(i64::MAX).into());
+            argv.extend(keys.iter().cloned().map(Value::from));
+            argv.extend(args.iter().cloned());
+            match client.custom(command, argv).await {
+                Err(e) if Library::missing(&e) && !loaded => {
+                    loaded = true;
+                    self.load(loader.0, loader.1).await?;
+                }
+                result => return result,
+            }
+        }
+    }
 }
 
 impl Default for Library {
@@ -180,25 +285,29 @@ fn refused(e: &Error) -> bool {
         || details.contains("unknown subcommand")
 }
 
-/// The library's source as a script that decides when run: no library name on its first line,
-/// no spread function, and the function called at the end rather than registered. (In a script
-/// `KEYS` and `ARGV` are globals; the library declares locals of those names, hence `_G`.)
-fn as_script(source: &str) -> String {
-    let register = format!("redis.register_function('{NAME_IN_SOURCE}', decide_call)");
-    let spread = format!("redis.register_function{{function_name = '{NAME_IN_SOURCE}_spread'");
-    let script = source.replacen(&format!("#!lua name={NAME_IN_SOURCE}"), "#!lua", 1);
-    let script = script
+/// The library's text as a script that runs `entry` (a function of `lua/call.lua`) when run,
+/// with `flags` on its first line: no library name there, every registration (one line each,
+/// at the end) a comment, and the call of `entry` after them. (In a script `KEYS` and `ARGV`
+/// are globals; the library declares locals of those names, hence `_G`.)
+fn as_script(source: &str, entry: &str, flags: &str) -> String {
+    let source = source.replacen(
+        &format!("#!lua name={NAME_IN_SOURCE}"),
+        &format!("#!lua{flags}"),
+        1,
+    );
+    let mut script: Vec<&str> = source
         .lines()
         .map(|line| {
-            if line.starts_with(&spread) {
-                "-- (a script has no spread function)"
+            if line.starts_with("redis.register_function") {
+                "-- (a script registers no function)"
             } else {
                 line
             }
         })
-        .collect::<Vec<_>>()
-        .join("\n");
-    script.replacen(&register, "return decide_call(_G.KEYS, _G.ARGV)", 1)
+        .collect();
+    let call = format!("return {entry}(_G.KEYS, _G.ARGV)");
+    script.push(&call);
+    script.join("\n")
 }
 
 #[cfg(test)]
@@ -242,15 +351,64 @@ mod tests {
 
     #[test]
     fn the_script_form_runs_the_same_code() {
-        let script = as_script(SCRIPT);
+        let script = as_script(SCRIPT, "decide_call", "");
         assert!(script.starts_with("#!lua\n"));
-        assert!(!script.contains("register_function"));
-        assert!(!script.contains("_spread'"));
+        assert!(!script.contains("register_function("));
+        assert!(!script.contains("register_function{"));
         assert!(
             script
                 .trim_end()
                 .ends_with("return decide_call(_G.KEYS, _G.ARGV)")
         );
-        assert_eq!(script.lines().count(), SCRIPT.lines().count());
+        assert_eq!(script.lines().count(), SCRIPT.lines().count() + 1);
+        let inspect = as_script(SCRIPT, "inspect_call", Function::Inspect.script_flags());
+        assert!(inspect.starts_with("#!lua flags=no-writes\n"));
+        assert!(inspect.ends_with("return inspect_call(_G.KEYS, _G.ARGV)"));
+    }
+
+    /// Every function the library registers is one this type names, and the other way round.
+    #[test]
+    fn each_function_is_registered_on_a_line_of_its_own() {
+        let registered: Vec<&str> = SCRIPT
+            .lines()
+            .filter(|line| line.starts_with("redis.register_function"))
+            .collect();
+        assert_eq!(registered.len(), 2 + Function::ALL.len(), "{registered:#?}");
+        for function in Function::ALL {
+            let (suffix, entry) = function.suffix_and_entry();
+            let line = registered
+                .iter()
+                .find(|line| line.contains(&format!("'{NAME_IN_SOURCE}{suffix}'")))
+                .unwrap_or_else(|| panic!("{function:?} is not registered"));
+            assert!(line.contains(entry), "{line}");
+            let flag = function
+                .script_flags()
+                .strip_prefix(" flags=")
+                .unwrap_or_default();
+            assert_eq!(line.contains("flags"), !flag.is_empty(), "{line}");
+            assert!(line.contains(flag), "{line}");
+        }
+    }
+
+    /// The header says how many locals the library's main chunk declares (Lua 5.1 allows 200
+    /// active in one function): every top-level `local` line of the joined text counted.
+    #[test]
+    fn the_header_counts_the_main_chunk_locals() {
+        let declared: usize = SCRIPT
+            .lines()
+            .filter_map(|line| line.strip_prefix("local "))
+            .map(|names| names.split(',').filter(|n| !n.trim().is_empty()).count())
+            .sum();
+        let header = SCRIPT.replace("\n-- ", " ");
+        assert!(
+            header.contains(&format!(
+                "the main chunk holds the {declared} declared here"
+            )),
+            "the header of lua/contract.lua should say the main chunk holds the {declared} declared here"
+        );
+        assert!(
+            declared < 120,
+            "{declared} locals: keep the main chunk well under 200"
+        );
     }
 }

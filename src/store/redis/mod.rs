@@ -1,5 +1,5 @@
-//! The Redis store: one Lua script (`lua/slidegate.lua`) per hash slot decides a request's
-//! descriptors atomically. Works on standalone Redis and on Redis Cluster.
+//! The Redis store: one Lua function library (the parts in `lua/`, joined by `build.rs`) decides
+//! a request's descriptors atomically, one call per hash slot or cluster master. Works on standalone Redis and on Redis Cluster.
 //!
 //! Where each part lives:
 //! * `connection.rs`: the client configuration from the URL and TLS files, the first probe, the
@@ -21,7 +21,9 @@
 //!   masters is sent as tentative calls, concurrently, and if the combined answer is a rejection
 //!   the entries recorded are removed again. That can briefly make other requests see a fuller
 //!   log (never an emptier one): it can under-admit for a moment, never over-admit.
-//! * `admin.rs`: the admin API's inspect and reset (`lua/inspect.lua`, `lua/reset.lua`).
+//! * `inspect_reset.rs`: the admin API's inspect and reset (the library's inspect and reset
+//!   functions), and the read of a descriptor after an undo; `compact.rs` reads a compact log's
+//!   bytes in Rust for them.
 //! * Every call is bounded by a deadline: a slow or dead Redis becomes a fast error.
 
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -35,12 +37,13 @@ use fred::bytes_utils::Str;
 use fred::prelude::*;
 use futures_util::future::join_all;
 
-mod admin;
 mod batch;
 mod call;
+pub mod compact;
 mod connection;
 mod decide;
 mod encode;
+mod inspect_reset;
 mod library;
 mod marker;
 mod master;
@@ -56,7 +59,7 @@ use connection::{
 pub use connection::{normalize_url, redact};
 use decide::{Call, Entry, Group, GroupReply};
 use encode::{call_failed, request_failed};
-pub use library::Library;
+pub use library::{Function, Library};
 use nodes::Nodes;
 
 pub use crate::tls::TlsFiles;
@@ -69,8 +72,8 @@ use super::{
 type UndoFuture<'a> =
     std::pin::Pin<Box<dyn std::future::Future<Output = Result<(), Error>> + Send + 'a>>;
 
-/// The script, embedded in the binary.
-pub const SCRIPT: &str = include_str!("../../../lua/slidegate.lua");
+/// The function library, embedded in the binary: `lua/`'s parts, joined by `build.rs`.
+pub const SCRIPT: &str = include_str!(concat!(env!("OUT_DIR"), "/slidegate.lua"));
 
 /// Where "now" comes from.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -132,7 +135,7 @@ pub struct RedisStore {
     nodes: Option<Nodes>,
 }
 
-/// How a script call decides (a request's third argument in `lua/slidegate.lua`).
+/// How a script call decides (a request's shape in `lua/contract.lua`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Mode {
     /// One slot of a request spread over several: record if this slot fits; the caller
@@ -146,7 +149,7 @@ enum Mode {
 }
 
 impl Mode {
-    /// The script's code for the mode (`lua/slidegate.lua`).
+    /// The library's code for the mode (`lua/contract.lua`).
     fn code(self) -> u64 {
         match self {
             Mode::Tentative => 0,

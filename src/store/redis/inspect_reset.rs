@@ -1,19 +1,18 @@
-//! The admin API's two calls on Redis: inspect (`lua/inspect.lua`, read-only: the keys are read
-//! here and counted as the decision script counts them) and reset (`lua/reset.lua`: every key
-//! of one slot deleted in one call). Both go to the master serving each key's slot, by that
-//! master's own clients on Redis Cluster, and follow no redirection: an admin call during a
-//! slot's migration fails and says so, and is sent again by the operator.
+//! The admin API's two calls on Redis: inspect (the library's inspect function, read-only: the
+//! keys are read here and counted as the decision counts them) and reset (the reset function:
+//! every key of one slot deleted in one call). Both go to the master serving each key's slot,
+//! by that master's own clients on Redis Cluster, and follow no redirection: an admin call
+//! during a slot's migration fails and says so, and is sent again by the operator. The undo of
+//! a rejected spread request reads its descriptors again here too.
 
 use std::collections::BTreeMap;
 
-use fred::types::{ClusterHash, CustomCommand, Value};
+use fred::types::Value;
 
+use super::compact::CompactEntry;
 use super::*;
 use crate::store::memory::Slot;
 use crate::store::{InspectFuture, ItemState, ResetFuture, StoreKey, WindowOutcome, longest_ms};
-
-const INSPECT: &str = include_str!("../../../lua/inspect.lua");
-const RESET: &str = include_str!("../../../lua/reset.lua");
 
 impl RedisStore {
     pub(super) fn inspect_items<'a>(
@@ -37,11 +36,13 @@ impl RedisStore {
             ClockSource::Redis => None,
         };
         let (keys, args) = self.inspect_args(item, now);
-        let reply = self.admin_eval(&item.key, INSPECT, keys, args).await?;
+        let reply = self
+            .admin_run(&item.key, Function::Inspect, keys, args)
+            .await?;
         Ok(Read::from_reply(reply, longest_ms(&item.windows))?.state(item))
     }
 
-    /// `item`'s keys as they are now, read by `lua/inspect.lua` through `client` (a
+    /// `item`'s keys as they are now, read by the inspect function through `client` (a
     /// decision's), at `now_ms`.
     pub(super) async fn read(
         &self,
@@ -50,43 +51,52 @@ impl RedisStore {
         client: &Client,
     ) -> Result<Read, StoreError> {
         let (keys, args) = self.inspect_args(item, Some(now_ms));
-        let reply: Value = client
-            .eval(INSPECT, keys, args)
+        let slot = fred::util::redis_keyslot(item.key.tag().as_bytes());
+        let reply = self
+            .sender
+            .library
+            .run(
+                client,
+                (client, self.recipe.options.connect_timeout),
+                Function::Inspect,
+                slot,
+                keys,
+                args,
+            )
             .await
             .map_err(|e| encode::call_failed(&e))?;
         Read::from_reply(reply, longest_ms(&item.windows))
     }
 
-    /// The inspect script's keys and arguments for `item` at `now_ms` (None: Redis's clock).
-    fn inspect_args(&self, item: &CheckItem<'_>, now_ms: Option<u64>) -> (Vec<Key>, Vec<String>) {
+    /// The inspect function's keys and arguments for `item` at `now_ms` (None: Redis's clock).
+    fn inspect_args(&self, item: &CheckItem<'_>, now_ms: Option<u64>) -> (Vec<Key>, Vec<Value>) {
         let keys = vec![
             self.key(item.key.log()),
             self.key(item.key.counters()),
             self.key(item.key.ban()),
         ];
         let now = now_ms.map_or_else(String::new, |now| now.to_string());
-        (keys, vec![now, longest_ms(&item.windows).to_string()])
+        let longest = longest_ms(&item.windows).to_string();
+        (keys, vec![now.into(), longest.into()])
     }
 
-    /// `EVAL` of an admin script on `key`'s slot, waiting as an admin call may. Sent as a
-    /// custom command: fred's client with options has no Lua calls, and `eval` on it reaches
-    /// the client inside, which waits only a decision's `--redis-timeout`.
-    async fn admin_eval(
+    /// An admin call of `function` on `key`'s slot, waiting as an admin call may: fred's
+    /// client with options has no Lua calls of its own, and `fcall` on it reaches the client
+    /// inside, which waits only a decision's `--redis-timeout`, so the library sends it as a
+    /// custom command.
+    async fn admin_run(
         &self,
         key: &StoreKey,
-        script: &str,
+        function: Function,
         keys: Vec<Key>,
-        args: Vec<String>,
+        args: Vec<Value>,
     ) -> Result<Value, StoreError> {
         let slot = fred::util::redis_keyslot(key.tag().as_bytes());
-        let eval = CustomCommand::new_static("EVAL", ClusterHash::Custom(slot), false);
-        let mut argv: Vec<Value> = Vec::with_capacity(2 + keys.len() + args.len());
-        argv.push(script.into());
-        argv.push(keys.len().try_into().unwrap_or(i64::MAX).into());
-        argv.extend(keys.into_iter().map(Value::from));
-        argv.extend(args.into_iter().map(Value::from));
-        self.admin_client(key)
-            .custom(eval, argv)
+        let timeout = self.recipe.options.connect_timeout;
+        let client = self.admin_client(key);
+        self.sender
+            .library
+            .run(&client, (&client, timeout), function, slot, keys, args)
             .await
             .map_err(|e| encode::call_failed(&e))
     }
@@ -140,11 +150,13 @@ impl RedisStore {
             .flat_map(|key| [key.log(), key.counters(), key.ban()])
             .map(|name| self.key(name))
             .collect();
-        let reply = self.admin_eval(first, RESET, names, Vec::new()).await?;
+        let reply = self
+            .admin_run(first, Function::Reset, names, Vec::new())
+            .await?;
         let reply: Vec<i64> = reply.convert().map_err(|e| encode::call_failed(&e))?;
         if reply.len() != group.len() {
             return Err(StoreError::Protocol(format!(
-                "the reset script answered {} counts for {} descriptors",
+                "the reset function answered {} counts for {} descriptors",
                 reply.len(),
                 group.len()
             )));
@@ -156,7 +168,7 @@ impl RedisStore {
     }
 }
 
-/// What the inspect script read of one descriptor's keys.
+/// What the inspect function read of one descriptor's keys.
 #[derive(Debug, Default, PartialEq)]
 pub(super) struct Read {
     now_ms: u64,
@@ -169,7 +181,8 @@ pub(super) struct Read {
 
 impl Read {
     fn from_reply(reply: Value, longest_ms: u64) -> Result<Read, StoreError> {
-        let bad = |what: &str| StoreError::Protocol(format!("the inspect script answered {what}"));
+        let bad =
+            |what: &str| StoreError::Protocol(format!("the inspect function answered {what}"));
         let Value::Array(parts) = reply else {
             return Err(bad("no array"));
         };
@@ -223,7 +236,7 @@ impl Read {
     }
 
     /// The state read, counted as a decision counts it (the embedded store's rules, which
-    /// `lua/slidegate.lua` follows: `tests/differential.rs`).
+    /// the library follows: `tests/differential.rs`).
     fn slot(&self) -> Slot {
         Slot::held(&self.log, &self.buckets, self.ban_end_ms)
     }
@@ -243,37 +256,20 @@ impl Read {
     }
 }
 
-/// A compact log's entries after `edge` (layout in `lua/slidegate.lua`), as (time, cum, weight)
-/// with cum counted from the first of them; None for a text slidegate did not write.
+/// A compact log's entries after `edge`, as (time, cum, weight) with cum counted from the first
+/// of them; None for a text slidegate did not write.
 fn compact_entries(text: &[u8], edge: u64) -> Option<Vec<(u64, u64, u64)>> {
-    let number = |bytes: &[u8]| bytes.iter().fold(0u64, |v, &b| v << 8 | u64::from(b));
-    let tag = *text.first()?;
-    let width = usize::from(tag % 16);
-    // The head: the tag and the base, then in a weighted log its total.
-    let head = if tag >= 16 { 13 } else { 7 };
-    if text.len() < head
-        || tag >= 32
-        || !matches!(width, 4 | 6)
-        || !(text.len() - head).is_multiple_of(width)
-    {
-        return None;
-    }
-    let top = 1u64 << (width * 8 - 1);
-    let base = number(text.get(1..7)?);
-    let mut slots = text[head..].chunks_exact(width).map(number);
-    let (mut entries, mut cum) = (Vec::new(), 0);
-    while let Some(v) = slots.next() {
-        let (at, weight) = if v >= top {
-            (base + (v - top), slots.next()?)
-        } else {
-            (base + v, 1)
-        };
-        if at > edge {
-            cum += weight;
-            entries.push((at, cum, weight));
-        }
-    }
-    Some(entries)
+    let mut cum = 0;
+    Some(
+        compact::entries(text)?
+            .into_iter()
+            .filter(|e| e.at_ms > edge)
+            .map(|CompactEntry { at_ms, weight }| {
+                cum += weight;
+                (at_ms, cum, weight)
+            })
+            .collect(),
+    )
 }
 
 /// A log member, `<cum>:<weight>:<time>[:<prefix>:<i>]`, as (time, cum, weight).

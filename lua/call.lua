@@ -1,0 +1,209 @@
+-- === call: the entry functions (register.lua names them to Redis) ===
+do
+  -- A call whose reply grew past OUT_KEPT values leaves a fresh table to the next.
+  local OUT_KEPT = 4096
+
+  -- Fails requests `from` to `to` of the call: once request `r` before them has `why` (bad
+  -- arguments, or an error before its arguments were read), where each of them starts in KEYS
+  -- and ARGV can no longer be told.
+  local function not_decided(from, to, r, why)
+    for later = from, to do
+      out[o + 1], out[o + 2] = -1, 'SLIDEGATE request ' .. later .. ': not decided, as request ' .. r .. ' before it ' .. why
+      o = o + 2
+    end
+  end
+
+  -- Decides requests `first` to `last` of the call, from next_a and next_k on, each on its
+  -- own, and writes their replies: by the path PATHS names for its shape, else (or when the
+  -- path declines it) by `decide`. Answers false when a request's arguments were bad (it and
+  -- those after it answered so).
+  local function decide_from(first, last)
+    for r = first, last do
+      local a, k = next_a, next_k
+      current, current_a = r, a
+      local shape, e, problem = read[ARGV[a]], nil, nil
+      local n = shape and (shape - shape % 4) / 4
+      if n and n >= 1 then
+        local text = ARGV[a + 2]
+        local rule = rules[text] or read_rule(text)
+        local path = rule and rule.one_window and PATHS[n == 1 and 'one' or 'several'][rule.one_window]
+        if path then
+          e = path(a, k, n)
+        end
+      end
+      if e == nil then
+        e, problem = decide(a, k)
+      end
+      if e == nil then
+        out[o + 1], out[o + 2] = -1, 'SLIDEGATE ' .. problem
+        o = o + 2
+        not_decided(r + 1, last, r, 'has bad arguments')
+        return false
+      end
+      out[o + 1] = e - o - 1
+      o = e
+    end
+    return true
+  end
+
+  -- The call's time from ARGV[i], and its text for the scores of the entries recorded at it:
+  -- the caller's digits as they came (an entry's score is the call's time unless the log's
+  -- newest entry is later), so that no call pays a printf for it, nor keeps a number it will
+  -- not see again. "" reads Redis TIME. False when the text is neither.
+  local function set_now(text)
+    if text == '' then
+      now = redis_now()
+      now_text = format('%d', now)
+    elseif text ~= nil and find(text, '^%d+$') then
+      now, now_text = tonumber(text), text
+    else
+      return false
+    end
+    return true
+  end
+
+  -- One call: decides each request on its own, in order. With `spread` (the `_spread`
+  -- function) the keys come first in ARGV, after their number, and the requests' arguments
+  -- follow them.
+  decide_call = function(keys, args, spread)
+    begin_call(keys, args)
+    if o > OUT_KEPT then
+      out = {}
+    end
+    local base = 0
+    if spread then
+      local m = whole(ARGV[1])
+      if m == nil or m < 1 then
+        return fail('ARGV[1] (key count) must be at least 1')
+      end
+      KEYS = {}
+      for i = 1, m do
+        KEYS[i] = ARGV[i + 1]
+      end
+      base = m + 1
+    end
+    local count = whole(ARGV[base + 1])
+    if count == nil or count < 1 then
+      return fail('ARGV[' .. (base + 1) .. '] (request count) must be at least 1')
+    end
+    if not set_now(ARGV[base + 2]) then
+      return fail('ARGV[' .. (base + 2) .. '] (now) must be a whole number of ms or empty')
+    end
+    -- The reply starts with the call's time.
+    out[1], o = now, 1
+    -- Each request on its own: a Redis error in one (a key of another type) fails that one
+    -- only. One protected call for all of them (a protected call per request costs the
+    -- interpreter more than a tenth of a request's work); after an error, the next protected
+    -- call goes on from the request after the one that failed.
+    next_a, next_k = base + 3, 0
+    local first, checked = 1, true
+    while true do
+      local ok, result = pcall(decide_from, first, count)
+      if ok then
+        checked = result
+        break
+      end
+      -- What Redis said (a command's error reply), or a Lua error's text, in place of what the
+      -- request wrote into the reply.
+      out[o + 1], out[o + 2] = -1, type(result) == 'table' and tostring(result.err) or tostring(result)
+      o = o + 2
+      if next_a == current_a then
+        -- It failed before its arguments were read: where the next one starts is unknown.
+        not_decided(current + 1, count, current, 'failed')
+        checked = false
+        break
+      end
+      if current == count then
+        break
+      end
+      first = current + 1
+    end
+    if checked and (ARGV[next_a] ~= nil or #KEYS ~= next_k) then
+      return fail('the call\'s ' .. #KEYS .. ' keys and ' .. #ARGV .. ' arguments are not what its requests take (' .. next_k .. ' and ' .. (next_a - 1) .. ')')
+    end
+    local j = o + 1
+    while out[j] ~= nil do
+      out[j] = nil
+      j = j + 1
+    end
+    return cmsgpack.pack(out)
+  end
+
+  -- Takes back the entry of a request that was admitted in one hash slot and rejected in
+  -- another (src/store/redis/decide.rs, `undo`), in either log format.
+  -- KEYS: 1 the log. ARGV: 1 the entry's member as a sorted-set log names it
+  -- ("<cum>:<weight>:<time>:<prefix>:<i>"); 2 its time, ms since the epoch; 3 its weight (the
+  -- request's hits). Reply: the hits taken back (0: the entry is gone already, aged out or
+  -- taken back). A compact log keeps its expiry.
+  undo_call = function(keys, args)
+    begin_call(keys, args)
+    local key, member, time, weight = KEYS[1], ARGV[1], whole(ARGV[2]), whole(ARGV[3])
+    if key == nil or member == nil or time == nil or weight == nil then
+      return fail('undo: a log key, a member, and a time and a weight (whole numbers) are required')
+    end
+    local kind = call('TYPE', key).ok
+    if kind == 'zset' then
+      return call('ZREM', key, member) * weight
+    elseif kind ~= 'string' then
+      return 0
+    end
+    -- (No rule: a string is there, so none is read for a new log or a conversion.)
+    local lg = {}
+    open_log(lg, key, nil)
+    local taken = remove_entry(lg, time, weight)
+    write_log(lg, key, nil)
+    return taken
+  end
+
+  -- A key of another type than slidegate writes there is an error, not an empty window.
+  local function of_type(key, wanted)
+    local found = call('TYPE', key).ok
+    if found ~= 'none' and found ~= wanted then
+      error({ err = 'SLIDEGATE ' .. key .. ' is a ' .. found .. ', not a ' .. wanted })
+    end
+    return found == wanted
+  end
+
+  -- Reads one descriptor's keys for the admin API and writes nothing (no trim, no TTL), so an
+  -- inspection never changes a decision; registered no-writes, so Redis runs it on a replica
+  -- too and while over `maxmemory`.
+  -- KEYS: 1 the log (a compact string or a sorted set), 2 the counters (hash), 3 the ban
+  -- (string); any may be absent. ARGV: 1 now, ms since the epoch ("" reads Redis TIME); 2 the
+  -- longest window, ms. Reply: now; the log: a sorted set's members inside the longest window,
+  -- oldest first, or a compact log's text whole (read by src/store/redis/compact.rs); the
+  -- counters as field, hits, field, hits...; the ban's end (ms since the epoch) or nil.
+  inspect_call = function(keys, args)
+    begin_call(keys, args)
+    local at, longest = whole(ARGV[1]) or redis_now(), whole(ARGV[2])
+    if longest == nil then
+      return fail('the longest window is not a whole number: ' .. tostring(ARGV[2]))
+    end
+    local log, counters, ban = {}, {}, false
+    if call('TYPE', KEYS[1]).ok == 'string' then
+      log = call('GET', KEYS[1])
+    elseif of_type(KEYS[1], 'zset') then
+      log = call('ZRANGE', KEYS[1], format('(%d', at - longest), '+inf', 'BYSCORE')
+    end
+    if of_type(KEYS[2], 'hash') then
+      counters = call('HGETALL', KEYS[2])
+    end
+    if of_type(KEYS[3], 'string') then
+      ban = call('GET', KEYS[3])
+    end
+    return { at, log, counters, ban }
+  end
+
+  -- Deletes descriptors' logs, counters and bans, all keys of one hash slot in one call, so a
+  -- decision running beside it sees each descriptor either whole or cleared, never half;
+  -- registered allow-oom, as deleting frees memory.
+  -- KEYS: per descriptor, its log, counters and ban. Reply: per descriptor, how many of its
+  -- three keys existed.
+  reset_call = function(keys, args)
+    begin_call(keys, args)
+    local cleared = {}
+    for i = 1, #KEYS, 3 do
+      cleared[#cleared + 1] = call('DEL', KEYS[i], KEYS[i + 1], KEYS[i + 2])
+    end
+    return cleared
+  end
+end
