@@ -5,7 +5,8 @@
 
 use std::sync::Arc;
 
-use super::engine::{Limiter, Plan, plan};
+use super::engine::Limiter;
+use super::plan::{Plan, plan};
 use super::rules::{Rule, Window};
 use super::{LimiterError, Request};
 use crate::store::{ItemState, StoreKey};

@@ -3,8 +3,6 @@
 //! [`Limiter::should_rate_limit`] is the one request path: gRPC and `POST /json` both call it, and
 //! it reports every call to the [`Observer`] (metrics), so no transport times or counts calls.
 
-use std::borrow::Cow;
-use std::collections::HashSet;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
@@ -15,16 +13,13 @@ use super::bounds::RequestBounds;
 use super::cache::OverLimitCache;
 use super::clock::Stopwatch;
 use super::headers::{self, LimitHeaderNames};
-use super::key::{self, Variant};
 use super::observe::{CallResult, DescriptorReport, NoObserver, Observer};
+use super::plan::{Plan, Planned, plan};
 pub use super::rules::FailurePolicy;
-use super::rules::{Algorithm, Limit, Limits, Match, Node, Rule, Segment, Window};
+use super::rules::{Limits, Rule, Segment, Window};
 use super::why;
-use super::{
-    Clock, Code, Decision, Descriptor, LimiterError, ReportedLimit, Request, RuleMetadata, Status,
-    Unit,
-};
-use crate::store::{CheckItem, CheckOutcome, ItemOutcome, Role, Store, StoreError};
+use super::{Clock, Code, Decision, LimiterError, ReportedLimit, Request, RuleMetadata, Status};
+use crate::store::{CheckItem, CheckOutcome, ItemOutcome, Store, StoreError};
 
 /// Switches that change answers for every domain.
 #[derive(Clone, Debug, PartialEq)]
@@ -107,37 +102,6 @@ pub struct Limiter {
 
 /// Store errors are logged at most this often.
 const ERROR_LOG_EVERY_MS: u64 = 10_000;
-
-/// The rule a request descriptor found.
-enum Found<'a> {
-    Nothing,
-    /// The caller's `limit` override, which wins over the config.
-    Override(Window),
-    Rule(Match<'a>),
-}
-
-/// What one request descriptor turned into. `replaces`: a matched rule that names another
-/// matched rule takes it out of the decision (OK without a limit, its log untouched).
-pub(super) enum Plan<'a> {
-    /// No rule (or replaced): OK without a limit.
-    NoLimit,
-    /// A rule that says `unlimited`.
-    Unlimited(&'a Arc<Rule>),
-    /// Sent to the store as item `item`.
-    Check {
-        item: usize,
-        rule: Option<&'a Arc<Rule>>,
-        /// The windows as configured (names and units for the status), in the store's order.
-        windows: Cow<'a, [Window]>,
-        segments: Vec<Segment<'a>>,
-    },
-}
-
-/// A request matched against the rules: one plan per descriptor, and the store's batch.
-pub(super) struct Planned<'a> {
-    pub(super) plans: Vec<Plan<'a>>,
-    pub(super) items: Vec<CheckItem<'a>>,
-}
 
 impl Limiter {
     pub fn new(
@@ -320,20 +284,6 @@ impl Limiter {
             self.describe_span(span, request, &planned, &outcome, &cached);
         }
         Ok(self.respond(request, &planned, &outcome, &cached, domain.log_decisions))
-    }
-
-    /// The switches that apply to every rule of `domain` (named `name`).
-    pub(super) fn modes(&self, domain: &super::rules::Domain, name: &str) -> Modes {
-        let debit = domain.debit
-            || self
-                .options
-                .debit_domains
-                .iter()
-                .any(|d| d == "*" || d == name);
-        Modes {
-            quota_all: self.options.global_quota_mode,
-            debit,
-        }
     }
 
     /// Asks the store, unless a descriptor is known to be over (the over-limit cache): then the
@@ -714,32 +664,6 @@ impl Limiter {
     }
 }
 
-impl<'a> Planned<'a> {
-    /// The configured windows of request descriptor `n`, if it was checked.
-    fn windows_of(&self, n: usize) -> Option<&[Window]> {
-        match self.plans.get(n) {
-            Some(Plan::Check { windows, .. }) => Some(windows),
-            _ => None,
-        }
-    }
-
-    /// The matched rules that were checked, in request order.
-    /// The rules of the checked descriptors whose status is OK, in request order (the
-    /// reference's "passed descriptors": an unlimited one is not among them).
-    fn passed_rules(&self, statuses: &[Status]) -> Vec<&'a Arc<Rule>> {
-        self.plans
-            .iter()
-            .zip(statuses)
-            .filter_map(|(p, status)| match p {
-                Plan::Check {
-                    rule: Some(rule), ..
-                } if status.code == Code::Ok => Some(*rule),
-                _ => None,
-            })
-            .collect()
-    }
-}
-
 fn status_of_plan(plan: &Plan<'_>, outcome: &CheckOutcome) -> Status {
     match plan {
         Plan::NoLimit => Status::unlimited_by_config(),
@@ -764,142 +688,6 @@ fn status_of_plan(plan: &Plan<'_>, outcome: &CheckOutcome) -> Status {
     }
 }
 
-/// Matches every descriptor and turns the ones that need the store into check items.
-/// Switches that apply to every rule a request matches.
-#[derive(Clone, Copy)]
-pub(super) struct Modes {
-    /// Every rule is a quota rule.
-    pub(super) quota_all: bool,
-    /// Every rule takes debits.
-    pub(super) debit: bool,
-}
-
-pub(super) fn plan<'a>(request: &'a Request, root: &'a Node, modes: Modes) -> Planned<'a> {
-    // First every descriptor's rule, so that `replaces` can see all of them.
-    let found: Vec<Found<'_>> = request
-        .descriptors
-        .iter()
-        .map(|descriptor| find(descriptor, root))
-        .collect();
-    let replaced = replaced_names(&found);
-    let request_hits = u64::from(request.hits_addend.max(1));
-    let mut planned = Planned {
-        plans: Vec::with_capacity(request.descriptors.len()),
-        items: Vec::with_capacity(request.descriptors.len()),
-    };
-    for (descriptor, found) in request.descriptors.iter().zip(found) {
-        let hits = descriptor.hits_addend.unwrap_or(request_hits);
-        let plan = match found {
-            Found::Nothing => Plan::NoLimit,
-            Found::Override(window) => {
-                planned.push_override(&request.domain, descriptor, window, hits, modes)
-            }
-            Found::Rule(m) if replaced.iter().any(|name| m.rule.is_named(name)) => Plan::NoLimit,
-            Found::Rule(m) => planned.push_rule(&request.domain, m, hits, modes),
-        };
-        planned.plans.push(plan);
-    }
-    planned
-}
-
-fn find<'a>(descriptor: &'a Descriptor, root: &'a Node) -> Found<'a> {
-    match descriptor.limit {
-        Some(over) => match Unit::from_proto(over.unit) {
-            Some(unit) => Found::Override(Window::per_unit(over.requests_per_unit, unit, None)),
-            // `validate` rejected unknown units already.
-            None => Found::Nothing,
-        },
-        None => root
-            .find(&descriptor.entries)
-            .map_or(Found::Nothing, Found::Rule),
-    }
-}
-
-/// The names every matched rule `replaces`.
-fn replaced_names<'a>(found: &[Found<'a>]) -> HashSet<&'a str> {
-    found
-        .iter()
-        .filter_map(|f| match f {
-            Found::Rule(m) => Some(m.rule.replaces.iter().map(|n| &**n)),
-            _ => None,
-        })
-        .flatten()
-        .collect()
-}
-
-impl<'a> Planned<'a> {
-    fn push_override(
-        &mut self,
-        domain: &str,
-        descriptor: &'a Descriptor,
-        window: Window,
-        hits: u64,
-        modes: Modes,
-    ) -> Plan<'a> {
-        let segments = value_segments(descriptor);
-        let variant = Variant::Override {
-            window_ms: window.length_ms,
-        };
-        self.items.push(CheckItem {
-            key: key::build(domain, &segments, variant, None),
-            windows: Cow::Owned(vec![window.counted()]),
-            algorithm: Algorithm::SlidingLog,
-            ban_ms: None,
-            hits,
-            role: Role::Enforce,
-            debit: modes.debit,
-            text: None,
-        });
-        Plan::Check {
-            item: self.items.len() - 1,
-            rule: None,
-            windows: Cow::Owned(vec![window]),
-            segments,
-        }
-    }
-
-    fn push_rule(&mut self, domain: &str, m: Match<'a>, hits: u64, modes: Modes) -> Plan<'a> {
-        let rule = m.rule;
-        let Limit::Windows {
-            windows,
-            counted,
-            ban_ms,
-            algorithm,
-            text,
-        } = &rule.limit
-        else {
-            return Plan::Unlimited(rule);
-        };
-        self.items.push(CheckItem {
-            key: key::build(
-                domain,
-                &m.segments,
-                Variant::Configured,
-                rule.tag_by.as_deref(),
-            ),
-            windows: Cow::Borrowed(counted),
-            algorithm: *algorithm,
-            ban_ms: *ban_ms,
-            hits,
-            role: if rule.shadow_mode {
-                Role::Shadow
-            } else if rule.quota_mode || modes.quota_all {
-                Role::Quota
-            } else {
-                Role::Enforce
-            },
-            debit: rule.debit || modes.debit,
-            text: Some(text),
-        });
-        Plan::Check {
-            item: self.items.len() - 1,
-            rule: Some(rule),
-            windows: Cow::Borrowed(windows),
-            segments: m.segments,
-        }
-    }
-}
-
 /// Fills every rule's observer slot with what `observer` keeps there.
 fn prepare(limits: &Limits, observer: &dyn Observer) {
     for (_, rule) in limits.rules() {
@@ -907,14 +695,6 @@ fn prepare(limits: &Limits, observer: &dyn Observer) {
             rule.observer_slot.fill(counts);
         }
     }
-}
-
-fn value_segments(descriptor: &Descriptor) -> Vec<Segment<'_>> {
-    descriptor
-        .entries
-        .iter()
-        .map(|(key, value)| Segment::Value { key, value })
-        .collect()
 }
 
 /// How one checked descriptor's hits count in metrics (see [`DescriptorReport`]).
@@ -1074,59 +854,10 @@ fn merge_metadata(
 
 #[cfg(test)]
 mod tests {
+    use super::super::testing::{CONFIG, T0, decide, limiter, req};
     use super::*;
-    use crate::limiter::{Descriptor, ManualClock, Override};
-    use crate::store::{MemoryStore, StoreError, StoreFuture};
-
-    const T0: u64 = 1_767_225_600_000;
-
-    fn limiter(yaml: &str, options: LimiterOptions) -> (Limiter, ManualClock) {
-        let limits = crate::config::compile_sources(&[("t.yaml".into(), yaml.into())])
-            .expect("valid config");
-        let clock = ManualClock::new(T0);
-        let limiter = Limiter::new(
-            limits,
-            Arc::new(MemoryStore::new()),
-            Arc::new(clock.clone()),
-            options,
-        );
-        (limiter, clock)
-    }
-
-    fn req(descriptors: &[&[(&str, &str)]]) -> Request {
-        Request {
-            domain: "d".into(),
-            descriptors: descriptors
-                .iter()
-                .map(|entries| Descriptor {
-                    entries: entries
-                        .iter()
-                        .map(|(k, v)| (k.to_string(), v.to_string()))
-                        .collect(),
-                    ..Descriptor::default()
-                })
-                .collect(),
-            hits_addend: 0,
-        }
-    }
-
-    fn decide(l: &Limiter, r: &Request) -> Decision {
-        futures_util::FutureExt::now_or_never(l.should_rate_limit(r))
-            .expect("the memory store never waits")
-            .expect("decided")
-    }
-
-    const CONFIG: &str = "domain: d\ndescriptors:\n  - key: user\n    rate_limits:\n      - {requests_per_unit: 2, unit: second, name: per_second}\n      - {requests_per_unit: 5, unit: minute, name: per_minute}\n  - key: ip\n    rate_limit: {requests_per_unit: 3, window: 90s}\n    metadata: {team: edge}\n";
-
-    #[test]
-    fn key_only_rules_count_per_concrete_value() {
-        let (l, _) = limiter(CONFIG, LimiterOptions::default());
-        for _ in 0..3 {
-            decide(&l, &req(&[&[("ip", "a")]]));
-        }
-        assert_eq!(decide(&l, &req(&[&[("ip", "a")]])).overall, Code::OverLimit);
-        assert_eq!(decide(&l, &req(&[&[("ip", "b")]])).overall, Code::Ok);
-    }
+    use crate::limiter::{ManualClock, Unit};
+    use crate::store::{StoreError, StoreFuture};
 
     #[test]
     fn status_reports_the_binding_window() {
@@ -1179,39 +910,6 @@ mod tests {
             (3, Unit::Minute, 90_000)
         );
         assert_eq!(s.duration_until_reset_ms, Some(90_000));
-    }
-
-    #[test]
-    fn request_hits_zero_counts_as_one_and_descriptor_hits_win() {
-        let (l, _) = limiter(CONFIG, LimiterOptions::default());
-        let mut r = req(&[&[("ip", "h")]]);
-        assert_eq!(decide(&l, &r).statuses[0].limit_remaining, 2);
-        r.hits_addend = 2;
-        assert_eq!(decide(&l, &r).statuses[0].limit_remaining, 0);
-        r.descriptors[0].hits_addend = Some(0);
-        let d = decide(&l, &r);
-        assert_eq!((d.overall, d.statuses[0].limit_remaining), (Code::Ok, 0));
-    }
-
-    #[test]
-    fn overrides_with_unknown_units_are_invalid() {
-        let (l, _) = limiter(CONFIG, LimiterOptions::default());
-        let mut r = req(&[&[("ip", "o")]]);
-        r.descriptors[0].limit = Some(Override {
-            requests_per_unit: 1,
-            unit: 0,
-        });
-        let err = futures_util::FutureExt::now_or_never(l.should_rate_limit(&r)).expect("ready");
-        assert!(matches!(err, Err(LimiterError::InvalidRequest(m)) if m.contains("limit.unit")));
-        r.descriptors[0].limit = Some(Override {
-            requests_per_unit: 1,
-            unit: 99,
-        });
-        assert!(
-            futures_util::FutureExt::now_or_never(l.should_rate_limit(&r))
-                .expect("ready")
-                .is_err()
-        );
     }
 
     #[test]
@@ -1371,42 +1069,6 @@ mod tests {
             Status::unlimited_by_config(),
             "unlimited descriptors never reach the store"
         );
-    }
-
-    /// Debits come from the rule, the domain's file, or `--debit-domains`: each makes a call
-    /// that crosses the budget count, so the next check fails.
-    #[test]
-    fn debits_by_rule_domain_or_option() {
-        let budget = "domain: d\ndescriptors:\n  - key: ip\n    rate_limit: {requests_per_unit: 3, window: 90s}\n";
-        let crossing = |yaml: &str, options: LimiterOptions| {
-            let (l, _) = limiter(yaml, options);
-            let mut r = req(&[&[("ip", "x")]]);
-            r.descriptors[0].hits_addend = Some(5);
-            decide(&l, &r);
-            r.descriptors[0].hits_addend = Some(0);
-            decide(&l, &r).overall
-        };
-        assert_eq!(
-            crossing(budget, LimiterOptions::default()),
-            Code::Ok,
-            "no debit: not charged"
-        );
-        let rule = budget.replace("    rate_limit:", "    debit: true\n    rate_limit:");
-        assert_eq!(crossing(&rule, LimiterOptions::default()), Code::OverLimit);
-        let file = budget.replace("domain: d\n", "domain: d\ndebit: true\n");
-        assert_eq!(crossing(&file, LimiterOptions::default()), Code::OverLimit);
-        for domains in [vec!["d".to_string()], vec!["*".to_string()]] {
-            let options = LimiterOptions {
-                debit_domains: domains,
-                ..LimiterOptions::default()
-            };
-            assert_eq!(crossing(budget, options), Code::OverLimit);
-        }
-        let other = LimiterOptions {
-            debit_domains: vec!["e".to_string()],
-            ..LimiterOptions::default()
-        };
-        assert_eq!(crossing(budget, other), Code::Ok);
     }
 
     #[test]

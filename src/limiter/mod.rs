@@ -11,7 +11,10 @@ pub mod engine;
 pub mod headers;
 pub mod key;
 pub mod observe;
+mod plan;
 pub mod rules;
+#[cfg(test)]
+mod testing;
 pub mod unit;
 pub mod why;
 
