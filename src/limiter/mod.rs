@@ -4,6 +4,7 @@
 //! contract below it) to decide its batch.
 
 pub mod admin;
+mod ask_store;
 pub mod bounds;
 pub mod cache;
 pub mod clock;
