@@ -4,6 +4,7 @@
 //! contract below it) to decide its batch.
 
 pub mod admin;
+mod answer;
 mod ask_store;
 pub mod bounds;
 pub mod cache;
@@ -13,6 +14,7 @@ pub mod headers;
 pub mod key;
 pub mod observe;
 mod plan;
+mod report;
 pub mod rules;
 #[cfg(test)]
 mod testing;
@@ -21,9 +23,10 @@ pub mod why;
 
 pub use bounds::RequestBounds;
 pub use clock::{Clock, ManualClock, SystemClock};
-pub use engine::{DEFAULT_OVER_LIMIT_CACHE, FailurePolicy, Limiter, LimiterOptions};
+pub use engine::{DEFAULT_OVER_LIMIT_CACHE, Limiter, LimiterOptions};
 pub use headers::LimitHeaderNames;
 pub use observe::{CallResult, DescriptorReport, NoObserver, Observer};
+pub use rules::FailurePolicy;
 pub use unit::Unit;
 
 /// A `ShouldRateLimit` request in domain terms.
