@@ -207,7 +207,7 @@ async fn serve_async(args: ServeArgs) -> Result<(), String> {
     let source = config_source(&args, load_options, initial.fingerprint, &limiter, &metrics)?;
     let mut listeners = bind(&args).await?;
     listeners.grpc_tls = grpc_tls;
-    tracing::info!(grpc = %args.grpc_addr, http = %args.http_addr, store = limiter.store_name(), tls = listeners.grpc_tls.is_some(), "serving");
+    tracing::info!(grpc = %args.grpc_addr, http = %args.http_addr, store = limiter.store().name(), tls = listeners.grpc_tls.is_some(), "serving");
     let app = App {
         limiter,
         metrics,

@@ -147,46 +147,15 @@ impl Limiter {
         self.limits.load_full()
     }
 
-    pub fn store_name(&self) -> &'static str {
-        self.store.name()
+    /// The store this limiter asks, for its name, its health and its figures. Decisions, inspect
+    /// and reset go through the limiter, which keeps the over-limit cache and the failure policy
+    /// in step with what the store says.
+    pub fn store(&self) -> &dyn Store {
+        &*self.store
     }
 
-    /// Descriptors holding state in the store, where it counts them (the embedded store).
-    pub fn store_keys(&self) -> Option<u64> {
-        self.store.live_keys()
-    }
-
-    /// How many times the store lost its data (see `Store::data_losses`).
-    pub fn store_data_losses(&self) -> Option<u64> {
-        self.store.data_losses()
-    }
-
-    /// The store's evicting memory policy, if it has one (see `Store::evicting`).
-    pub fn store_evicting(&self) -> Option<String> {
-        self.store.evicting()
-    }
-
-    /// Parts of the store that did not answer (see `Store::silent`).
-    pub fn store_silent(&self) -> Vec<String> {
-        self.store.silent()
-    }
-
-    /// Requests a Redis Cluster master refused and the store sent again (see `Store::resent`).
-    pub fn store_resent(&self) -> Option<u64> {
-        self.store.resent()
-    }
-
-    /// Whether the store can still recover by itself (see `Store::alive`).
-    pub fn store_alive(&self) -> bool {
-        self.store.alive()
-    }
-
-    /// Whether the store answers now.
-    pub async fn store_ready(&self) -> bool {
-        self.store.ready().await
-    }
-
-    /// Store failures since start, whatever the failure policy answered.
+    /// Store failures this limiter met since start, whatever the failure policy answered: its own
+    /// count, not the store's.
     pub fn store_errors(&self) -> u64 {
         self.store_errors.load(Ordering::Relaxed)
     }

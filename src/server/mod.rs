@@ -511,7 +511,7 @@ async fn follow_store_health(
 ) {
     let mut last = Some(ServingStatus::NotServing);
     loop {
-        let status = if configured() && limiter.store_ready().await {
+        let status = if configured() && limiter.store().ready().await {
             ServingStatus::Serving
         } else {
             ServingStatus::NotServing
