@@ -487,7 +487,7 @@ async fn admin_listener(
         ));
     }
     let tokens = match &args.admin_token_file {
-        Some(path) => Some(Arc::new(slidegate::server::admin::Tokens::load(path)?)),
+        Some(path) => Some(Arc::new(slidegate::server::admin_api::Tokens::load(path)?)),
         None => None,
     };
     let tls = match (&args.admin_tls_cert, &args.admin_tls_key) {
