@@ -250,7 +250,7 @@ const LAYERS: [(&str, &str); 6] = [
         "  ShouldRateLimit (message, limiter, store)",
     ),
     (
-        "slidegate::limiter::engine::Limiter::ask_store::{{closure}}",
+        "slidegate::limiter::ask_store::<impl slidegate::limiter::engine::Limiter>::ask_store::{{closure}}",
         "    the store's part",
     ),
     (

@@ -207,7 +207,7 @@ async fn serve_async(args: ServeArgs) -> Result<(), String> {
     let source = config_source(&args, load_options, initial.fingerprint, &limiter, &metrics)?;
     let mut listeners = bind(&args).await?;
     listeners.grpc_tls = grpc_tls;
-    tracing::info!(grpc = %args.grpc_addr, http = %args.http_addr, store = limiter.store_name(), tls = listeners.grpc_tls.is_some(), "serving");
+    tracing::info!(grpc = %args.grpc_addr, http = %args.http_addr, store = limiter.store().name(), tls = listeners.grpc_tls.is_some(), "serving");
     let app = App {
         limiter,
         metrics,
@@ -487,7 +487,7 @@ async fn admin_listener(
         ));
     }
     let tokens = match &args.admin_token_file {
-        Some(path) => Some(Arc::new(slidegate::server::admin::Tokens::load(path)?)),
+        Some(path) => Some(Arc::new(slidegate::server::admin_api::Tokens::load(path)?)),
         None => None,
     };
     let tls = match (&args.admin_tls_cert, &args.admin_tls_key) {

@@ -2,24 +2,46 @@
 //! Nothing here knows about gRPC, HTTP or Redis: the transports turn their requests into
 //! [`Request`] and [`Decision`] back, and the limiter asks a [`crate::store::Store`] (the
 //! contract below it) to decide its batch.
+//!
+//! Where each part lives:
+//! * `engine.rs`: [`Limiter`] and its options; [`Limiter::should_rate_limit`], the one request
+//!   path, step by step.
+//! * `bounds.rs`: what one request may ask for, checked before anything is read.
+//! * `plan.rs`: a request's descriptors matched to rules (`rules.rs`, the compiled rule tree),
+//!   and the store's items built, keyed by `key.rs`.
+//! * `ask_store.rs`: the over-limit cache (`cache.rs`) first, then the store, or the failure
+//!   policy when the store fails or lost its data; store errors counted.
+//! * `answer.rs`: the statuses, the response headers (`headers.rs`) and the rules' metadata.
+//! * `report.rs`: what the observer (`observe.rs`, the metrics' side), the decision log
+//!   (`why.rs`) and a trace's span are told of a decision.
+//! * `inspect_reset.rs`: the admin API's inspect and reset, a request planned as a decision
+//!   plans it.
+//! * `clock.rs`: time as an input; `unit.rs`: the config's and the proto's time units.
 
-pub mod admin;
+mod answer;
+mod ask_store;
 pub mod bounds;
 pub mod cache;
 pub mod clock;
 pub mod engine;
 pub mod headers;
+pub mod inspect_reset;
 pub mod key;
 pub mod observe;
+mod plan;
+mod report;
 pub mod rules;
+#[cfg(test)]
+mod testing;
 pub mod unit;
 pub mod why;
 
 pub use bounds::RequestBounds;
 pub use clock::{Clock, ManualClock, SystemClock};
-pub use engine::{DEFAULT_OVER_LIMIT_CACHE, FailurePolicy, Limiter, LimiterOptions};
+pub use engine::{DEFAULT_OVER_LIMIT_CACHE, Limiter, LimiterOptions};
 pub use headers::LimitHeaderNames;
 pub use observe::{CallResult, DescriptorReport, NoObserver, Observer};
+pub use rules::FailurePolicy;
 pub use unit::Unit;
 
 /// A `ShouldRateLimit` request in domain terms.

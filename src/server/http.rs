@@ -57,7 +57,7 @@ pub fn metrics_router(limiter: Arc<Limiter>, metrics: Arc<Metrics>, path: &str) 
             let (limiter, metrics) = (limiter.clone(), metrics.clone());
             async move {
                 // This listener knows no drain or config state: readiness is the store's.
-                metrics.set_ready(limiter.store_ready().await);
+                metrics.set_ready(limiter.store().ready().await);
                 exposition(&limiter, &metrics)
             }
         }),
@@ -66,7 +66,7 @@ pub fn metrics_router(limiter: Arc<Limiter>, metrics: Arc<Metrics>, path: &str) 
 
 /// Alive: 200, unless the store has given up recovering by itself (then a restart helps).
 async fn healthz(State(state): State<HttpState>) -> Response {
-    if state.limiter.store_alive() {
+    if state.limiter.store().alive() {
         (StatusCode::OK, "OK\n").into_response()
     } else {
         (
@@ -90,7 +90,7 @@ async fn is_ready(state: &HttpState) -> bool {
     }
     // A drain that begins while a slow store is being pinged is reported at once, not when the
     // ping returns: load balancers must stop sending without waiting on the store.
-    let ping = state.limiter.store_ready();
+    let ping = state.limiter.store().ready();
     tokio::pin!(ping);
     loop {
         tokio::select! {
@@ -110,12 +110,12 @@ const DRAIN_CHECK: std::time::Duration = std::time::Duration::from_millis(20);
 async fn readyz(State(state): State<HttpState>) -> Response {
     if is_ready(&state).await {
         let mut body = String::from("ready\n");
-        if let Some(policy) = state.limiter.store_evicting() {
+        if let Some(policy) = state.limiter.store().evicting() {
             body.push_str(&format!(
                 "warning: Redis evicts keys (maxmemory-policy {policy}): an evicted window is forgotten and its requests admitted again; set maxmemory-policy noeviction\n"
             ));
         }
-        for silent in state.limiter.store_silent() {
+        for silent in state.limiter.store().silent() {
             body.push_str(&format!(
                 "warning: {silent} does not answer: the requests of its slots are answered by the store-failure policy until it (or its replica) serves\n"
             ));
@@ -142,16 +142,16 @@ async fn metrics(State(state): State<HttpState>) -> Response {
 }
 
 fn exposition(limiter: &Limiter, metrics: &Metrics) -> Response {
-    if let Some(keys) = limiter.store_keys() {
+    if let Some(keys) = limiter.store().live_keys() {
         metrics.set_store_keys(keys);
     }
-    if let Some(losses) = limiter.store_data_losses() {
+    if let Some(losses) = limiter.store().data_losses() {
         metrics.set_data_losses(losses);
     }
-    if let Some(policy) = limiter.store_evicting() {
+    if let Some(policy) = limiter.store().evicting() {
         metrics.set_evicting(&policy);
     }
-    if let Some(resent) = limiter.store_resent() {
+    if let Some(resent) = limiter.store().resent() {
         metrics.set_store_resent(resent);
     }
     metrics.set_spans_dropped(crate::traces::dropped());

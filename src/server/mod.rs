@@ -18,7 +18,7 @@ use tonic_health::ServingStatus;
 use tonic_health::pb::health_server::HealthServer;
 use tonic_health::server::HealthReporter;
 
-pub mod admin;
+pub mod admin_api;
 pub mod budget;
 pub mod grpc;
 pub mod http;
@@ -124,7 +124,7 @@ impl Listeners {
 /// one; TLS without a client CA only encrypts).
 pub struct AdminListener {
     pub listener: TcpListener,
-    pub tokens: Option<Arc<admin::Tokens>>,
+    pub tokens: Option<Arc<admin_api::Tokens>>,
     pub tls: Option<Arc<ServerTls>>,
 }
 
@@ -267,14 +267,14 @@ fn spawn_admin_listener(
     stop: impl Future<Output = ()> + Send + 'static,
 ) {
     let limits = app.options.connections;
-    let state = admin::AdminState {
+    let state = admin_api::AdminState {
         limiter: app.limiter.clone(),
         metrics: app.metrics.clone(),
         tokens: admin.tokens,
         bytes: bytes.clone(),
         body_timeout: limits.body_timeout,
     };
-    let router = admin::router(state);
+    let router = admin_api::router(state);
     let listener = GuardedListener::new(admin.listener, limits);
     match admin.tls {
         None => {
@@ -286,7 +286,7 @@ fn spawn_admin_listener(
             let router_for = move |conn: &GrpcConn| {
                 router
                     .clone()
-                    .layer(axum::Extension(admin::Peer(tls::peer_name(conn))))
+                    .layer(axum::Extension(admin_api::Peer(tls::peer_name(conn))))
             };
             tokio::spawn(async move {
                 net::serve_http_on(connections, limits, router_for, stop).await;
@@ -511,7 +511,7 @@ async fn follow_store_health(
 ) {
     let mut last = Some(ServingStatus::NotServing);
     loop {
-        let status = if configured() && limiter.store_ready().await {
+        let status = if configured() && limiter.store().ready().await {
             ServingStatus::Serving
         } else {
             ServingStatus::NotServing

@@ -377,7 +377,7 @@ async fn a_full_redis_refuses_the_script_and_the_policy_answers() {
     assert_eq!(redis.cmd("DBSIZE"), keys_before, "no new log was written");
     // A store refusing most writes is not ready, though Redis answers PING.
     assert!(
-        !errors.limiter.store_ready().await,
+        !errors.limiter.store().ready().await,
         "ready while refusing writes"
     );
 
@@ -399,11 +399,11 @@ async fn a_full_redis_refuses_the_script_and_the_policy_answers() {
         over(),
         "by the policy"
     );
-    assert!(!late.limiter.store_ready().await, "not ready while full");
+    assert!(!late.limiter.store().ready().await, "not ready while full");
     // Room again: decided, and ready.
     assert!(redis.cmd("CONFIG SET maxmemory 0").starts_with("+OK"));
     assert_eq!(late.call(call(100)).await.overall_code, ok());
-    assert!(late.limiter.store_ready().await, "ready once writes pass");
+    assert!(late.limiter.store().ready().await, "ready once writes pass");
     late.stop().await;
     errors.stop().await;
     denies.stop().await;
@@ -425,7 +425,7 @@ async fn healthz_fails_when_fresh_clients_do_not_help() {
     let limiter = server.limiter.clone();
     let started = Instant::now();
     let gave_up = call_until(&server, &domain, Duration::from_secs(20), || {
-        !limiter.store_alive()
+        !limiter.store().alive()
     })
     .await;
     assert!(gave_up, "the store never reported that it cannot recover");
@@ -457,7 +457,7 @@ async fn healthz_holds_while_redis_is_down() {
     redis.stop();
     let limiter = server.limiter.clone();
     let gave_up = call_until(&server, &domain, Duration::from_secs(5), || {
-        !limiter.store_alive()
+        !limiter.store().alive()
     })
     .await;
     assert!(!gave_up, "a Redis that is down made the store give up");
@@ -679,7 +679,7 @@ async fn a_redis_that_lost_its_data_is_found_and_closed_domains_wait_a_window() 
             Arc::new(slidegate::limiter::SystemClock),
             LimiterOptions::default(),
         );
-        assert!(limiter.store_ready().await, "the marker written");
+        assert!(limiter.store().ready().await, "the marker written");
         replicas.push(limiter);
     }
     let call = |d: &str| slidegate::wire::from_proto(request(d, vec![descriptor(&[("k", "v")])]));
@@ -701,7 +701,7 @@ async fn a_redis_that_lost_its_data_is_found_and_closed_domains_wait_a_window() 
     redis.restart();
     let end = Instant::now() + Duration::from_secs(20);
     for replica in &replicas {
-        while !(replica.store_ready().await && replica.store_data_losses() == Some(1)) {
+        while !(replica.store().ready().await && replica.store().data_losses() == Some(1)) {
             assert!(Instant::now() < end, "the loss was not found");
             tokio::time::sleep(Duration::from_millis(50)).await;
         }

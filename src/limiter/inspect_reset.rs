@@ -1,11 +1,12 @@
 //! The admin API's domain half: how a request's descriptors stand now (inspect), and forgetting
 //! their windows and bans (reset). A request is matched against the rules exactly as a decision
 //! matches it, so an operator sees the rule, the keys and the windows a caller's request would
-//! meet. Nothing here knows the transport: `server/admin.rs` serves it over HTTP.
+//! meet. Nothing here knows the transport: `server/admin_api.rs` serves it over HTTP.
 
 use std::sync::Arc;
 
-use super::engine::{Limiter, Plan, plan};
+use super::engine::Limiter;
+use super::plan::{Plan, plan};
 use super::rules::{Rule, Window};
 use super::{LimiterError, Request};
 use crate::store::{ItemState, StoreKey};

@@ -16,7 +16,7 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::post;
 use serde_json::{Value, json};
 
-use crate::limiter::admin::{Cleared, Standing};
+use crate::limiter::inspect_reset::{Cleared, Standing};
 use crate::limiter::{Limiter, LimiterError};
 use crate::metrics::Metrics;
 use crate::proto::RateLimitRequest;
