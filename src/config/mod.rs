@@ -1,8 +1,8 @@
 //! Configuration: the YAML model ([`model`]), the files a path names ([`files`]), their text
 //! parsed into the model ([`parse`]) and compiled into the rule tree ([`compile`]), every
 //! problem as a [`ConfigError`] ([`errors`]), hot reload ([`watch`]), `RateLimitConfig`
-//! resources received over xDS into the same compiler ([`xds`]), and config durations
-//! ([`duration`]).
+//! resources received over xDS into the same compiler ([`xds_resources`]), and config
+//! durations ([`duration`]).
 
 pub mod compile;
 pub mod duration;
@@ -11,7 +11,7 @@ pub mod files;
 pub mod model;
 mod parse;
 pub mod watch;
-pub mod xds;
+pub mod xds_resources;
 
 pub use compile::{LoadOptions, compile_sources, compile_sources_with};
 pub use errors::{ConfigError, ConfigErrors};
