@@ -122,7 +122,7 @@ fn plain(message: &str, found: Option<&str>) -> String {
         "invalid u32" => "a whole number from 0 to 4294967295",
         "invalid u64" => "a whole number from 0 to 18446744073709551615",
         "invalid u16" => "a whole number from 0 to 65535",
-        "invalid f64" | "invalid f32" => "a number",
+        "invalid floating point" => "a number",
         _ => return message.to_string(),
     };
     match found {
