@@ -9,6 +9,36 @@ use super::model::RawFile;
 /// How many field errors of one file are collected before giving up on the rest.
 const MAX_FIELD_ERRORS: usize = 50;
 
+/// The words of serde's and serde-saphyr's errors that parsing reads.
+/// `tests::serde_messages_are_as_read` provokes each from the libraries themselves, so an
+/// upgrade that rewords one fails there instead of silently changing which errors are
+/// recovered from or how a config error reads.
+mod serde_messages {
+    /// serde, for a key the model does not have (`deny_unknown_fields`).
+    pub(super) const UNKNOWN_FIELD: &str = "unknown field";
+    /// serde's derive, for a field given twice. serde-saphyr reports a repeated key itself, as
+    /// `duplicate mapping key`, which is not read as a field error.
+    pub(super) const DUPLICATE_FIELD: &str = "duplicate field";
+    /// serde-saphyr, for a scalar that does not read as its field's type (`invalid u32`,
+    /// `invalid boolean`), and serde, for a value of the wrong kind (`invalid type: `,
+    /// `invalid value: `, `invalid length `).
+    pub(super) const INVALID: &str = "invalid ";
+    /// serde-saphyr, for a number that does not read as one of these types; reworded by
+    /// [`super::plain`] with the range the type accepts.
+    pub(super) const INVALID_U32: &str = "invalid u32";
+    pub(super) const INVALID_U64: &str = "invalid u64";
+    pub(super) const INVALID_U16: &str = "invalid u16";
+    pub(super) const INVALID_FLOAT: &str = "invalid floating point";
+    /// How serde-saphyr renders an error: `error: line 3 column 5: <message>`, then the source
+    /// snippet on lines of its own; [`super::first_line`] keeps the message alone.
+    pub(super) const RENDERED_ERROR: &str = "error: ";
+    pub(super) const RENDERED_LINE: &str = "line ";
+    pub(super) const RENDERED_LOCATION_END: &str = ": ";
+    /// The field that serde-saphyr's `Spanned` wrapper adds to an error's path, left out of the
+    /// path a config error names.
+    pub(super) const SPANNED_VALUE: &str = "value";
+}
+
 /// Parses a file and, on a field error (a wrong type, an unknown key), reports it and parses
 /// again without that field, so one run names every such error of the file, not only the
 /// first. The field's lines are blanked, not removed, so later errors keep their line numbers.
@@ -20,12 +50,11 @@ pub(super) fn parse_reporting_all(file: &str, text: &str) -> Result<RawFile, Vec
     let mut errors: Vec<ConfigError> = Vec::new();
     let mut current = std::borrow::Cow::Borrowed(text);
     loop {
-        let error = match parse(file, &current) {
+        let Failed { error, field_error } = match parse(file, &current) {
             Ok(raw) if errors.is_empty() => return Ok(raw),
             Ok(_) => return Err(errors),
-            Err(error) => error,
+            Err(failed) => failed,
         };
-        let field_error = is_field_error(&error.message);
         if !errors.is_empty() && !field_error {
             return Err(errors);
         }
@@ -38,16 +67,13 @@ pub(super) fn parse_reporting_all(file: &str, text: &str) -> Result<RawFile, Vec
     }
 }
 
-/// A serde error about one field's value or name, as opposed to the YAML's structure.
+/// Whether the libraries' `message` is about one field's value or name, as opposed to the
+/// YAML's structure.
 fn is_field_error(message: &str) -> bool {
-    // serde's own messages, and the YAML parser's for scalars that do not read as the type
-    // (`invalid u32`, `invalid boolean`, ...).
     [
-        "unknown field",
-        "duplicate field",
-        "invalid ",
-        "expected a whole number",
-        "expected a number",
+        serde_messages::UNKNOWN_FIELD,
+        serde_messages::DUPLICATE_FIELD,
+        serde_messages::INVALID,
     ]
     .iter()
     .any(|start| message.starts_with(start))
@@ -94,7 +120,14 @@ fn parse_options(bytes: usize) -> serde_saphyr::Options {
     }
 }
 
-fn parse(file: &str, text: &str) -> Result<RawFile, ConfigError> {
+/// A parse that failed: its error as reported, and whether the libraries call it a field error
+/// (judged on their own words, before [`plain`] rewords them).
+struct Failed {
+    error: ConfigError,
+    field_error: bool,
+}
+
+fn parse(file: &str, text: &str) -> Result<RawFile, Failed> {
     let mut path = String::new();
     let options = parse_options(text.len());
     let parsed = serde_saphyr::with_deserializer_from_str_with_options(text, options, |de| {
@@ -106,11 +139,15 @@ fn parse(file: &str, text: &str) -> Result<RawFile, ConfigError> {
     parsed.map_err(|e| {
         let location = e.location();
         let found = location.and_then(|l| scalar_at(text, l.line(), l.column()));
-        ConfigError {
-            file: file.to_string(),
-            line: location.map_or(0, |l| l.line()),
-            path,
-            message: plain(&first_line(&e.to_string()), found),
+        let message = first_line(&e.to_string());
+        Failed {
+            field_error: is_field_error(&message),
+            error: ConfigError {
+                file: file.to_string(),
+                line: location.map_or(0, |l| l.line()),
+                path,
+                message: plain(&message, found),
+            },
         }
     })
 }
@@ -119,10 +156,10 @@ fn parse(file: &str, text: &str) -> Result<RawFile, ConfigError> {
 /// what was found.
 fn plain(message: &str, found: Option<&str>) -> String {
     let range = match message {
-        "invalid u32" => "a whole number from 0 to 4294967295",
-        "invalid u64" => "a whole number from 0 to 18446744073709551615",
-        "invalid u16" => "a whole number from 0 to 65535",
-        "invalid floating point" => "a number",
+        serde_messages::INVALID_U32 => "a whole number from 0 to 4294967295",
+        serde_messages::INVALID_U64 => "a whole number from 0 to 18446744073709551615",
+        serde_messages::INVALID_U16 => "a whole number from 0 to 65535",
+        serde_messages::INVALID_FLOAT => "a number",
         _ => return message.to_string(),
     };
     match found {
@@ -152,7 +189,9 @@ fn yaml_path(path: &serde_path_to_error::Path) -> String {
     let mut parent = "";
     for segment in path.iter() {
         match segment {
-            Segment::Map { key } if key == "value" && spanned_before => spanned_before = false,
+            Segment::Map { key } if key == serde_messages::SPANNED_VALUE && spanned_before => {
+                spanned_before = false;
+            }
             Segment::Map { key } => {
                 if !out.is_empty() {
                     out.push('.');
@@ -174,16 +213,95 @@ fn yaml_path(path: &serde_path_to_error::Path) -> String {
 /// The parser's message without its source snippet (file and line are printed separately).
 fn first_line(message: &str) -> String {
     let mut line = message.lines().next().unwrap_or(message).trim();
-    line = line.strip_prefix("error: ").unwrap_or(line);
-    if let (true, Some(at)) = (line.starts_with("line "), line.find(": ")) {
-        line = &line[at + 2..];
+    line = line
+        .strip_prefix(serde_messages::RENDERED_ERROR)
+        .unwrap_or(line);
+    if let (true, Some(at)) = (
+        line.starts_with(serde_messages::RENDERED_LINE),
+        line.find(serde_messages::RENDERED_LOCATION_END),
+    ) {
+        line = &line[at + serde_messages::RENDERED_LOCATION_END.len()..];
     }
     line.to_string()
 }
 
 #[cfg(test)]
 mod tests {
+    use super::serde_messages::*;
+    use super::*;
     use crate::config::compile_sources;
+
+    /// serde-saphyr's error for `yaml` deserialized as `T`, rendered whole.
+    fn rendered<T: serde::de::DeserializeOwned>(yaml: &str) -> String {
+        match serde_saphyr::from_str::<T>(yaml) {
+            Ok(_) => panic!("{yaml:?} should not deserialize"),
+            Err(e) => e.to_string(),
+        }
+    }
+
+    #[test]
+    fn serde_messages_are_as_read() {
+        // What config files provoke, deserialized into the model.
+        let unknown = rendered::<RawFile>("descriptors:\n  - key: a\n    ratelimit: 1\n");
+        let location = format!("{RENDERED_ERROR}{RENDERED_LINE}3 column 5{RENDERED_LOCATION_END}");
+        assert!(
+            unknown.starts_with(&format!("{location}{UNKNOWN_FIELD} `ratelimit`")),
+            "{unknown}"
+        );
+        let bad_count = "descriptors:\n  - key: a\n    rate_limit: {requests_per_unit: x}\n";
+        let count = rendered::<RawFile>(bad_count);
+        assert_eq!(first_line(&count), INVALID_U32, "{count}");
+        let flag = rendered::<RawFile>("descriptors:\n  - key: a\n    shadow_mode: maybe\n");
+        assert!(first_line(&flag).starts_with(INVALID), "{flag}");
+        let mut path = String::new();
+        let options = parse_options(bad_count.len());
+        let _ = serde_saphyr::with_deserializer_from_str_with_options(bad_count, options, |de| {
+            serde_path_to_error::deserialize::<_, RawFile>(de).map_err(|e| {
+                path = e.path().to_string();
+                e.into_inner()
+            })
+        });
+        let spanned = SPANNED_VALUE;
+        assert_eq!(
+            path,
+            format!("descriptors[0].{spanned}.rate_limit.{spanned}.requests_per_unit")
+        );
+        // Numbers of types the model has no field of, which `plain` rewords all the same.
+        #[derive(Debug, serde::Deserialize)]
+        #[allow(dead_code)]
+        struct Numbers {
+            #[serde(default)]
+            u64: u64,
+            #[serde(default)]
+            u16: u16,
+            #[serde(default)]
+            f64: f64,
+            #[serde(default)]
+            f32: f32,
+        }
+        let numbers = [
+            ("u64", INVALID_U64),
+            ("u16", INVALID_U16),
+            ("f64", INVALID_FLOAT),
+            ("f32", INVALID_FLOAT),
+        ];
+        for (field, said) in numbers {
+            let wrong = rendered::<Numbers>(&format!("{field}: x"));
+            assert_eq!(first_line(&wrong), said, "{wrong}");
+        }
+        // serde's words, through serde-saphyr's error type.
+        use serde::de::{Error as _, Unexpected};
+        let duplicate = serde_saphyr::Error::duplicate_field("key").to_string();
+        assert!(duplicate.starts_with(DUPLICATE_FIELD), "{duplicate}");
+        for wrong in [
+            serde_saphyr::Error::invalid_type(Unexpected::Bool(true), &"a string"),
+            serde_saphyr::Error::invalid_value(Unexpected::Unsigned(3), &"one or two"),
+            serde_saphyr::Error::invalid_length(3, &"two"),
+        ] {
+            let wrong = first_line(&wrong.to_string());
+            assert!(wrong.starts_with(INVALID), "{wrong}");
+        }
+    }
 
     #[test]
     fn every_field_error_of_a_file_is_reported() {
