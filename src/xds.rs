@@ -3,8 +3,8 @@
 //! of the world), the way Envoy Gateway configures its rate-limit service.
 //!
 //! Each response carries every resource; it is compiled by the file compiler
-//! ([`crate::config::xds`]) and swapped in atomically, then ACKed (its version and nonce). A
-//! resource that does not compile is left out (keeping the rules it had) while the others take
+//! ([`crate::config::xds_resources`]) and swapped in atomically, then ACKed (its version and
+//! nonce). A resource that does not compile is left out (keeping the rules it had) while the others take
 //! effect, and the response is NACKed with the errors in `error_detail`; errors between
 //! resources (one domain twice) refuse the whole response, and the rules already serving stay. When the stream ends or cannot be opened, slidegate reconnects after a delay that
 //! starts at `retry_initial`, doubles up to `retry_max` and is randomised by `jitter`, and
@@ -21,7 +21,7 @@ use tonic::transport::{Channel, Endpoint, Uri};
 
 use crate::config::ConfigErrors;
 use crate::config::LoadOptions;
-use crate::config::xds::{RATE_LIMIT_CONFIG_TYPE, compile_update};
+use crate::config::xds_resources::{RATE_LIMIT_CONFIG_TYPE, compile_update};
 use crate::limiter::Limiter;
 use crate::metrics::Metrics;
 use crate::proto::envoy::config::core::v3::{Node, node};

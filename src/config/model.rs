@@ -1,5 +1,5 @@
 //! The YAML as written: the reference format plus slidegate's additive extensions. Unknown keys
-//! are errors. Validation and compilation into rules happen in `load`.
+//! are errors. Validation and compilation into rules happen in [`super::compile`].
 
 use serde::Deserialize;
 use serde_saphyr::Spanned;

@@ -14,7 +14,8 @@ use std::time::Duration;
 use notify::{RecursiveMode, Watcher};
 use tokio::sync::mpsc;
 
-use super::load::{LoadOptions, load_path_with};
+use super::compile::LoadOptions;
+use super::files::load_path_with;
 use crate::limiter::Limiter;
 use crate::metrics::Metrics;
 

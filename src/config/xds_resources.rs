@@ -7,7 +7,8 @@
 use prost::Message;
 use serde_json::{Map, Value, json};
 
-use super::load::{ConfigError, ConfigErrors, LoadOptions, compile_sources_with};
+use super::compile::{LoadOptions, compile_sources_with};
+use super::errors::{ConfigError, ConfigErrors};
 use crate::limiter::rules::Limits;
 use crate::proto::ratelimit::config::ratelimit::v3::{
     RateLimitConfig, RateLimitDescriptor, RateLimitPolicy, RateLimitUnit,
