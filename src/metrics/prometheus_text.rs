@@ -6,7 +6,7 @@ use std::collections::HashSet;
 /// Rewrites OpenMetrics text (as `prometheus_client` writes it) into the Prometheus text format:
 /// a counter family `x` exposes its sample as `x`, not `x_total`; `# UNIT`, `_created` and
 /// `# EOF` lines go. Gauges and histograms read the same in both formats.
-pub fn prometheus_text(open_metrics: &str) -> String {
+pub fn from_open_metrics(open_metrics: &str) -> String {
     let mut counters: HashSet<&str> = HashSet::new();
     let mut out = String::with_capacity(open_metrics.len());
     for line in open_metrics.lines() {
@@ -47,7 +47,7 @@ mod tests {
     fn counters_lose_total_and_eof_goes() {
         let open_metrics = "# HELP a_hits Hits.\n# TYPE a_hits counter\na_hits_total{domain=\"d\"} 3\na_hits_created 1.0\n# TYPE lat histogram\nlat_bucket{le=\"0.1\"} 1\nlat_sum 0.5\nlat_count 1\n# TYPE other_total gauge\nother_total 2\n# EOF\n";
         assert_eq!(
-            prometheus_text(open_metrics),
+            from_open_metrics(open_metrics),
             "# HELP a_hits Hits.\n# TYPE a_hits counter\na_hits{domain=\"d\"} 3\n# TYPE lat histogram\nlat_bucket{le=\"0.1\"} 1\nlat_sum 0.5\nlat_count 1\n# TYPE other_total gauge\nother_total 2\n"
         );
     }
