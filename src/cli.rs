@@ -17,7 +17,7 @@ use slidegate::config;
 use slidegate::limiter::RequestBounds;
 use slidegate::server::net::ConnectionLimits;
 
-mod admin;
+mod admin_client;
 mod reference;
 mod serve;
 
@@ -39,7 +39,7 @@ pub enum Command {
     /// Inspect or reset descriptors through a running server's admin API (--admin-addr).
     Admin {
         #[command(subcommand)]
-        action: admin::AdminAction,
+        action: admin_client::AdminAction,
     },
     /// Validate a config file or directory; print every error and exit non-zero if any.
     Check {
@@ -522,7 +522,7 @@ pub fn main() -> ExitCode {
         }
     };
     match cli.command {
-        Some(Command::Admin { action }) => admin::run(&action),
+        Some(Command::Admin { action }) => admin_client::run(&action),
         Some(Command::Check { path, config }) => match path.or(config) {
             Some(path) => check(&path, &cli.serve),
             None => {
