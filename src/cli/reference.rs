@@ -7,7 +7,8 @@
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::path::PathBuf;
 
-use super::{LogFormat, MetricNamesArg, ServeArgs, TracingProtocolArg, parse_bool};
+use super::value_parsers::parse_bool;
+use super::{LogFormat, MetricNamesArg, ServeArgs, TracingProtocolArg};
 
 /// Reads one environment variable (empty counts as unset, as in the reference).
 pub type Var<'a> = &'a dyn Fn(&str) -> Option<String>;
@@ -764,7 +765,7 @@ fn connection_age(
         let Some(text) = var(name).or_else(|| as_the_reference.then(|| default.to_string())) else {
             return Ok(None);
         };
-        super::duration_arg(&text)
+        super::value_parsers::duration_arg(&text)
             .map(Some)
             .map_err(|e| format!("{name}={text:?}: {e}"))
     };
