@@ -1,6 +1,6 @@
 //! The binary's command line and environment. Every flag has a `SLIDEGATE_*` twin, and the
 //! reference server's own variables (`REDIS_URL`, `RUNTIME_ROOT`, `USE_PROMETHEUS`, ...) work too
-//! ([`reference`]); flags and `SLIDEGATE_*` win over them. [`serve`] assembles the library's
+//! ([`reference_env`]); flags and `SLIDEGATE_*` win over them. [`serve`] assembles the library's
 //! parts and hands them to `slidegate::server::run`.
 
 use std::ffi::OsString;
@@ -18,7 +18,7 @@ use slidegate::limiter::RequestBounds;
 use slidegate::server::net::ConnectionLimits;
 
 mod admin_client;
-mod reference;
+mod reference_env;
 mod serve;
 mod value_parsers;
 
@@ -438,7 +438,7 @@ pub fn main() -> ExitCode {
         .first()
         .and_then(|p| std::path::Path::new(p).file_name())
         .is_some_and(|n| n == "ratelimit");
-    if argv.len() == 1 && !as_reference && !reference::configured(&var) {
+    if argv.len() == 1 && !as_reference && !reference_env::configured(&var) {
         let _ = Cli::command().write_long_help(&mut std::io::stderr());
         return ExitCode::from(2);
     }
@@ -477,7 +477,7 @@ pub fn main() -> ExitCode {
                 )
             };
             let mut args = cli.serve;
-            match reference::apply(&mut args, &given, &var, as_reference) {
+            match reference_env::apply(&mut args, &given, &var, as_reference) {
                 Ok(notes) => serve::serve(args, notes),
                 Err(message) => {
                     eprintln!("error: {message}");
