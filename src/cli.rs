@@ -1,6 +1,6 @@
 //! The binary's command line and environment. Every flag has a `SLIDEGATE_*` twin, and the
 //! reference server's own variables (`REDIS_URL`, `RUNTIME_ROOT`, `USE_PROMETHEUS`, ...) work too
-//! ([`reference`]); flags and `SLIDEGATE_*` win over them. [`serve`] assembles the library's
+//! ([`reference_env`]); flags and `SLIDEGATE_*` win over them. [`serve`] assembles the library's
 //! parts and hands them to `slidegate::server::run`.
 
 use std::ffi::OsString;
@@ -17,9 +17,14 @@ use slidegate::config;
 use slidegate::limiter::RequestBounds;
 use slidegate::server::net::ConnectionLimits;
 
-mod admin;
-mod reference;
+mod admin_client;
+mod reference_env;
 mod serve;
+mod value_parsers;
+
+use value_parsers::{
+    bytes_arg, duration_arg, duration_or_zero_arg, pair_arg, parse_bool, ratio_arg, threads_arg,
+};
 
 #[derive(Debug, Parser)]
 #[command(
@@ -39,7 +44,7 @@ pub enum Command {
     /// Inspect or reset descriptors through a running server's admin API (--admin-addr).
     Admin {
         #[command(subcommand)]
-        action: admin::AdminAction,
+        action: admin_client::AdminAction,
     },
     /// Validate a config file or directory; print every error and exit non-zero if any.
     Check {
@@ -399,21 +404,6 @@ pub enum LogFormat {
     Json,
 }
 
-fn duration_arg(text: &str) -> Result<Duration, String> {
-    config::duration::parse_ms(text).map(Duration::from_millis)
-}
-
-/// A thread count: 1 or more.
-fn threads_arg(text: &str) -> Result<std::num::NonZeroUsize, String> {
-    text.trim()
-        .parse::<usize>()
-        .ok()
-        .and_then(std::num::NonZeroUsize::new)
-        .ok_or_else(|| {
-            format!("'{text}' is not a thread count: give 1 or more, or leave the flag out for one per CPU")
-        })
-}
-
 /// A log level as the reference and most tools write one, or a tracing filter.
 pub fn log_filter(text: &str, source: &str) -> Result<String, String> {
     let level = text.trim().to_ascii_lowercase();
@@ -438,57 +428,6 @@ pub fn log_filter(text: &str, source: &str) -> Result<String, String> {
     }
 }
 
-/// A size in bytes: digits, with an optional `KiB`, `MiB` or `GiB` (powers of 1,024).
-fn bytes_arg(text: &str) -> Result<usize, String> {
-    let text = text.trim();
-    let digits = text.trim_end_matches(|c: char| c.is_ascii_alphabetic());
-    let shift = match &text[digits.len()..] {
-        "" | "B" => 0,
-        "KiB" => 10,
-        "MiB" => 20,
-        "GiB" => 30,
-        _ => u32::MAX,
-    };
-    let amount: Option<usize> = digits.trim().parse().ok();
-    amount
-        .filter(|_| shift != u32::MAX)
-        .and_then(|n| n.checked_mul(1usize.checked_shl(shift)?))
-        .filter(|&n| n > 0)
-        .ok_or_else(|| {
-            format!("'{text}' is not a size: write a positive whole number of bytes, or one with KiB, MiB or GiB (8MiB)")
-        })
-}
-
-fn duration_or_zero_arg(text: &str) -> Result<Duration, String> {
-    config::duration::parse_ms_or_zero(text).map(Duration::from_millis)
-}
-
-/// `name<SEP>value`.
-fn pair_arg<const SEP: char>(text: &str) -> Result<(String, String), String> {
-    match text.split_once(SEP) {
-        Some((name, value)) if !name.trim().is_empty() => {
-            Ok((name.trim().to_string(), value.trim().to_string()))
-        }
-        _ => Err(format!("'{text}' is not name{SEP}value")),
-    }
-}
-
-fn ratio_arg(text: &str) -> Result<f64, String> {
-    match text.parse::<f64>() {
-        Ok(r) if (0.0..=1.0).contains(&r) => Ok(r),
-        _ => Err(format!("'{text}' is not a ratio between 0 and 1")),
-    }
-}
-
-/// Reads a boolean as the reference server and most tools write one.
-pub fn parse_bool(text: &str) -> Option<bool> {
-    match text.trim().to_ascii_lowercase().as_str() {
-        "1" | "t" | "true" | "y" | "yes" | "on" => Some(true),
-        "0" | "f" | "false" | "n" | "no" | "off" => Some(false),
-        _ => None,
-    }
-}
-
 /// The binary's entry point. Exit codes: 0 done, 1 failed, 2 usage.
 pub fn main() -> ExitCode {
     let argv: Vec<OsString> = std::env::args_os().collect();
@@ -499,7 +438,7 @@ pub fn main() -> ExitCode {
         .first()
         .and_then(|p| std::path::Path::new(p).file_name())
         .is_some_and(|n| n == "ratelimit");
-    if argv.len() == 1 && !as_reference && !reference::configured(&var) {
+    if argv.len() == 1 && !as_reference && !reference_env::configured(&var) {
         let _ = Cli::command().write_long_help(&mut std::io::stderr());
         return ExitCode::from(2);
     }
@@ -522,7 +461,7 @@ pub fn main() -> ExitCode {
         }
     };
     match cli.command {
-        Some(Command::Admin { action }) => admin::run(&action),
+        Some(Command::Admin { action }) => admin_client::run(&action),
         Some(Command::Check { path, config }) => match path.or(config) {
             Some(path) => check(&path, &cli.serve),
             None => {
@@ -538,7 +477,7 @@ pub fn main() -> ExitCode {
                 )
             };
             let mut args = cli.serve;
-            match reference::apply(&mut args, &given, &var, as_reference) {
+            match reference_env::apply(&mut args, &given, &var, as_reference) {
                 Ok(notes) => serve::serve(args, notes),
                 Err(message) => {
                     eprintln!("error: {message}");
@@ -641,32 +580,6 @@ mod tests {
             )
         );
         assert_eq!(threads_arg("3").map(std::num::NonZeroUsize::get), Ok(3));
-    }
-
-    #[test]
-    fn sizes_take_binary_units_and_refuse_the_rest() {
-        assert_eq!(bytes_arg("8MiB"), Ok(8 << 20));
-        assert_eq!(bytes_arg("512KiB"), Ok(512 << 10));
-        assert_eq!(bytes_arg("2GiB"), Ok(2 << 30));
-        assert_eq!(bytes_arg("4096"), Ok(4096));
-        for wrong in ["", "0", "8MB", "8 mb", "-1", "MiB", "1.5MiB"] {
-            let message = bytes_arg(wrong).expect_err(wrong);
-            assert!(message.contains("KiB, MiB or GiB"), "{wrong}: {message}");
-        }
-    }
-
-    #[test]
-    fn a_zero_delay_takes_only_known_units() {
-        for zero in ["0", "0s", "0ms", " 0m ", "0.0s"] {
-            assert_eq!(duration_or_zero_arg(zero), Ok(Duration::ZERO), "{zero:?}");
-        }
-        assert_eq!(
-            duration_or_zero_arg("1500ms"),
-            Ok(Duration::from_millis(1500))
-        );
-        for bad in ["0parsec", "0x", "parsec", ""] {
-            assert!(duration_or_zero_arg(bad).is_err(), "{bad:?} was accepted");
-        }
     }
 
     #[test]
