@@ -124,6 +124,8 @@ do
     end
     local one = buckets == 0 and rule.ban_ms == 0 and rule.m == 1
     rule.one_window = one and (rule.sorted and 'sorted' or 'compact')
+    -- The straight-line paths for requests whose first descriptor has this rule (paths.lua).
+    rule.paths = one and PATHS[rule.one_window]
     -- A compact log's slots: 4 bytes hold offsets up to 2^31 ms, room for twice a window up
     -- to 2^30 ms (12.4 days); longer windows take 6. Its expiry is set on every write.
     rule.width = rule.longest < 1073741824 and 4 or 6

@@ -14,8 +14,8 @@ do
   end
 
   -- Decides requests `first` to `last` of the call, from next_a and next_k on, each on its
-  -- own, and writes their replies: by the path PATHS names for its shape, else (or when the
-  -- path declines it) by `decide`. Answers false when a request's arguments were bad (it and
+  -- own, and writes their replies: by the path PATHS names for its shape (its first rule's
+  -- `paths`), else (or when the path declines it) by `decide`. Answers false when a request's arguments were bad (it and
   -- those after it answered so).
   local function decide_from(first, last)
     for r = first, last do
@@ -26,9 +26,9 @@ do
       if n and n >= 1 then
         local text = ARGV[a + 2]
         local rule = rules[text] or read_rule(text)
-        local path = rule and rule.one_window and PATHS[n == 1 and 'one' or 'several'][rule.one_window]
-        if path then
-          e = path(a, k, n)
+        local paths = rule and rule.paths
+        if paths then
+          e = paths[n == 1 and 1 or 2](a, k, n)
         end
       end
       if e == nil then

@@ -19,10 +19,13 @@ do
     if type(s) ~= 'string' then
       return nil
     end
-    local W, _, weighted, base, n = head_of(s)
-    if W == nil or weighted or n == 0 then
+    local W, len = byte(s, 1), #s
+    if (W ~= 4 and W ~= 6) or len <= PLAIN or (len - PLAIN) % W ~= 0 then
       return nil
     end
+    local n = (len - PLAIN) / W
+    local b1, b2, b3, b4, b5, b6 = byte(s, 2, PLAIN)
+    local base = ((((b1 * 256 + b2) * 256 + b3) * 256 + b4) * 256 + b5) * 256 + b6
     local newest = base + slot_at(s, PLAIN + 1 + (n - 1) * W, W)
     local bound = now - length
     if newest <= bound then

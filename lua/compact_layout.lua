@@ -10,7 +10,9 @@
 --
 -- This part and the two after it are the only code that reads or writes these bytes: the
 -- decision, the undo and (for the admin API, whose reader in Rust is
--- src/store/redis/compact.rs) the inspection all go through them.
+-- src/store/redis/compact.rs) the inspection all go through them. The head is read where the
+-- log is opened (`open_log`, `plain_log`), not by a function of its own: that call cost a
+-- decision more than 1,000 of Redis's instructions (docs/performance.md).
 do
   -- A log of unweighted entries has a head of PLAIN bytes, a weighted one of HEAD.
   HEAD, PLAIN = 13, 7
@@ -43,25 +45,5 @@ do
     v = (v - a) / 256
     local z = v % 256
     return char((v - z) / 256, z, a, b, c, d)
-  end
-
-  -- The head of the log text s: its slot width W, the head's length, whether it is weighted,
-  -- its base, its number of slots, and its total; nil for a text slidegate did not write.
-  head_of = function(s)
-    local len, tag = #s, byte(s, 1)
-    local W = tag and tag % 16
-    local weighted = tag and tag >= 16
-    local head = weighted and HEAD or PLAIN
-    if len < head or (W ~= 4 and W ~= 6) or tag >= 32 or (len - head) % W ~= 0 then
-      return nil
-    end
-    local n = (len - head) / W
-    local b1, b2, b3, b4, b5, b6 = byte(s, 2, PLAIN)
-    local base = ((((b1 * 256 + b2) * 256 + b3) * 256 + b4) * 256 + b5) * 256 + b6
-    if not weighted then
-      return W, head, false, base, n, n
-    end
-    local t1, t2, t3, t4, t5, t6 = byte(s, PLAIN + 1, HEAD)
-    return W, head, true, base, n, ((((t1 * 256 + t2) * 256 + t3) * 256 + t4) * 256 + t5) * 256 + t6
   end
 end

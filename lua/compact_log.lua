@@ -30,11 +30,22 @@ do
       lg.s, lg.W, lg.base, lg.total, lg.weighted, lg.n = false, rule.width, 0, 0, false, 0
       return
     end
-    local W, o, weighted, base, n, total = head_of(s)
-    if W == nil then
+    local len, tag = #s, byte(s, 1)
+    local W = tag and tag % 16
+    local weighted = tag and tag >= 16
+    local head = weighted and HEAD or PLAIN
+    if len < head or (W ~= 4 and W ~= 6) or tag >= 32 or (len - head) % W ~= 0 then
       foreign(key)
     end
-    lg.s, lg.o, lg.W, lg.weighted, lg.n, lg.base, lg.total = s, o, W, weighted, n, base, total
+    local n = (len - head) / W
+    lg.s, lg.o, lg.W, lg.weighted, lg.n, lg.total = s, head, W, weighted, n, n
+    local b1, b2, b3, b4, b5, b6 = byte(s, 2, PLAIN)
+    local base = ((((b1 * 256 + b2) * 256 + b3) * 256 + b4) * 256 + b5) * 256 + b6
+    lg.base = base
+    if weighted then
+      local t1, t2, t3, t4, t5, t6 = byte(s, PLAIN + 1, HEAD)
+      lg.total = ((((t1 * 256 + t2) * 256 + t3) * 256 + t4) * 256 + t5) * 256 + t6
+    end
     if n > 0 then
       local last = n - 1
       if n > 1 and slot(lg, n - 2) >= TOP[W] then

@@ -88,7 +88,7 @@
 -- compact_in_place, convert, counter, request, decide, paths, call, register. Each part is a do ... end block
 -- that assigns the locals declared below which other parts use, and keeps its own helpers
 -- local to its block. Lua 5.1 allows 200 active locals in one function, and the library is
--- one: the main chunk holds the 76 declared here (a test counts them), every other local
+-- one: the main chunk holds the 75 declared here (a test counts them), every other local
 -- ends with its part's block. (In every function these are upvalues, as any local of an
 -- enclosing chunk is.)
 
@@ -111,7 +111,7 @@ local read_rule, check_request, begin_request, begin_call, hits_to_leave
 local member_of, score, log_entry, last_entry, trim_and_count, window_reset, expiry_due
 
 -- compact_layout.lua, compact_log.lua and compact_in_place.lua: the compact log.
-local HEAD, PLAIN, TOP, slot_at, bytes, head_of
+local HEAD, PLAIN, TOP, slot_at, bytes
 local open_log, entry_at, trim_log, count_after, append_entry, remove_entry, log_text
 local write_log, compact_reset, plain_log, plain_write, plain_reset
 

@@ -241,12 +241,14 @@ do
     return log_answer(o + 1, flags, cum, newest, count, reset)
   end
 
-  -- The paths, by the number of descriptors (one, or several) and the one-window log kind of
-  -- the first descriptor's rule (`rule.one_window`: 'compact' or 'sorted'; a rule of several
-  -- windows, a ban or a sliding_counter has none). Each path checks the rest of the request;
-  -- a request none takes goes to `decide`.
+  -- The paths, by the log format of the first descriptor's rule when it is a one-window log
+  -- without a ban (`rule.one_window`: 'compact' or 'sorted'; a rule of several windows, a ban
+  -- or a sliding_counter has none), then by the number of descriptors: [1] one, [2] several.
+  -- Each path checks the rest of the request; a request none takes goes to `decide`. (A rule
+  -- keeps its entry of this table, `rule.paths`, made with the rule: `decide_from` looks up no
+  -- name per request.)
   PATHS = {
-    one = { compact = one_compact_log, sorted = one_sorted_log },
-    several = { compact = several_compact_logs, sorted = several_sorted_logs },
+    compact = { one_compact_log, several_compact_logs },
+    sorted = { one_sorted_log, several_sorted_logs },
   }
 end

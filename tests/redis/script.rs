@@ -551,16 +551,15 @@ async fn the_common_request_paths_answer_as_the_general_one() {
     use slidegate::store::redis::{Library, SCRIPT};
 
     const PATH_TABLE: &str = "  PATHS = {
-    one = { compact = one_compact_log, sorted = one_sorted_log },
-    several = { compact = several_compact_logs, sorted = several_sorted_logs },
+    compact = { one_compact_log, several_compact_logs },
+    sorted = { one_sorted_log, several_sorted_logs },
   }";
     assert!(
         SCRIPT.contains(PATH_TABLE),
         "lua/paths.lua no longer chooses its paths by the table this test empties"
     );
     let own_paths = Library::new();
-    let general =
-        Library::from_source(&SCRIPT.replace(PATH_TABLE, "  PATHS = { one = {}, several = {} }"));
+    let general = Library::from_source(&SCRIPT.replace(PATH_TABLE, "  PATHS = {}"));
     let config = fred::types::config::Config::from_url(&shared_standalone().url()).unwrap();
     let client = fred::clients::Client::new(config, None, None, None);
     client.init().await.unwrap();
