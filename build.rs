@@ -8,7 +8,7 @@ use std::process::Command;
 
 /// The parts of the Redis function library, in the order they are joined (`lua/contract.lua`
 /// says what each holds and why the order).
-const LUA_PARTS: [&str; 13] = [
+const LUA_PARTS: [&str; 14] = [
     "contract",
     "arguments",
     "sorted_log",
@@ -21,6 +21,7 @@ const LUA_PARTS: [&str; 13] = [
     "decide",
     "paths",
     "call",
+    "quota",
     "register",
 ];
 
@@ -28,8 +29,14 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     commit();
     let out = PathBuf::from(std::env::var("OUT_DIR")?);
     join_library(&out)?;
-    // Reflection describes what slidegate serves: the rate-limit service and its types only.
-    let served = protox::compile(["envoy/service/ratelimit/v3/rls.proto"], ["proto"])?;
+    // Reflection describes what slidegate serves: the two rate-limit services and their types.
+    let served = protox::compile(
+        [
+            "envoy/service/ratelimit/v3/rls.proto",
+            "envoy/service/rate_limit_quota/v3/rlqs.proto",
+        ],
+        ["proto"],
+    )?;
     std::fs::write(
         out.join("rls_descriptor.bin"),
         prost::Message::encode_to_vec(&served),
@@ -38,6 +45,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let files = protox::compile(
         [
             "envoy/service/ratelimit/v3/rls.proto",
+            "envoy/service/rate_limit_quota/v3/rlqs.proto",
             "envoy/service/discovery/v3/ads.proto",
             "ratelimit/config/ratelimit/v3/rls_conf.proto",
         ],

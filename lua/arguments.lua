@@ -185,8 +185,8 @@ do
     local n = shape and (shape - mode) / 4
     if not shape then
       problem = 'shape (4 x descriptor count + mode) must be a whole number'
-    elseif mode > 2 then
-      problem = 'mode must be 0, 1 or 2'
+    elseif mode > most_mode then
+      problem = most_mode == 2 and 'mode must be 0, 1 or 2' or 'mode must be 0, 1, 2 or 3'
     elseif n < 1 then
       problem = 'descriptor count must be at least 1'
     elseif mode == 0 and (ARGV[a + 1 + 2 * n] or '') == '' then
@@ -258,10 +258,26 @@ do
     return need
   end
 
+  -- The call's time from `text`, and its text for the scores of the entries recorded at it:
+  -- the caller's digits as they came (an entry's score is the call's time unless the log's
+  -- newest entry is later), so that no call pays a printf for it, nor keeps a number it will
+  -- not see again. "" reads Redis TIME. False when the text is neither.
+  read_now = function(text)
+    if text == '' then
+      now = redis_now()
+      now_text = format('%d', now)
+    elseif text ~= nil and find(text, '^%d+$') then
+      now, now_text = tonumber(text), text
+    else
+      return false
+    end
+    return true
+  end
+
   -- Starts a call of any entry function: its KEYS and ARGV, Redis TIME not read yet, the
   -- kept numbers dropped when there are too many, and the library functions' locals set.
   begin_call = function(keys, args)
-    KEYS, ARGV, time_now = keys, args, nil
+    KEYS, ARGV, time_now, most_mode = keys, args, nil, 2
     if numbers_kept > NUMBERS_KEPT then
       read, texts, numbers_kept = {}, {}, 0
     end

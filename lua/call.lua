@@ -28,7 +28,7 @@ do
         local rule = rules[text] or read_rule(text)
         local paths = rule and rule.paths
         if paths then
-          e = paths[n == 1 and 1 or 2](a, k, n)
+          e = paths[n == 1 and 1 or 2](a, k, n, rule)
         end
       end
       if e == nil then
@@ -42,22 +42,6 @@ do
       end
       out[o + 1] = e - o - 1
       o = e
-    end
-    return true
-  end
-
-  -- The call's time from ARGV[i], and its text for the scores of the entries recorded at it:
-  -- the caller's digits as they came (an entry's score is the call's time unless the log's
-  -- newest entry is later), so that no call pays a printf for it, nor keeps a number it will
-  -- not see again. "" reads Redis TIME. False when the text is neither.
-  local function set_now(text)
-    if text == '' then
-      now = redis_now()
-      now_text = format('%d', now)
-    elseif text ~= nil and find(text, '^%d+$') then
-      now, now_text = tonumber(text), text
-    else
-      return false
     end
     return true
   end
@@ -86,7 +70,7 @@ do
     if count == nil or count < 1 then
       return fail('ARGV[' .. (base + 1) .. '] (request count) must be at least 1')
     end
-    if not set_now(ARGV[base + 2]) then
+    if not read_now(ARGV[base + 2]) then
       return fail('ARGV[' .. (base + 2) .. '] (now) must be a whole number of ms or empty')
     end
     -- The reply starts with the call's time.

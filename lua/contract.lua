@@ -41,6 +41,8 @@
 --                                    the caller may remove the entries again
 --                                  2 rejected (already known to be over): record nothing but
 --                                    debits, set bans, report
+--                                  3 usage (only in a quota call, quota.lua): record the hits
+--                                    whatever the counts, set no ban, report
 --   per descriptor: hits         0 checks without recording
 --   per descriptor: rule         "role:ban_ms:buckets:flags:limit:window_ms[:limit:window_ms...]"
 --                                  role 0 enforce, 1 shadow, 2 quota; ban_ms 0: no ban;
@@ -80,15 +82,16 @@
 -- call whose request count is bad, or whose keys or arguments outlast its requests, gets one
 -- error reply of code SLIDEGATE.
 --
--- The other entries (call.lua): undo (takes back a rejected spread request's entry), inspect
--- (reads a descriptor's keys for the admin API, no write) and reset (deletes descriptors'
--- keys); their contracts are at their functions.
+-- The other entries: undo (takes back a rejected spread request's entry), inspect (reads a
+-- descriptor's keys for the admin API, no write) and reset (deletes descriptors' keys), in
+-- call.lua; quota (an Envoy's usage reports, and its share of each bucket's limit), in
+-- quota.lua. Their contracts are at their functions.
 --
 -- The parts, in order: contract (this), arguments, sorted_log, compact_layout, compact_log,
--- compact_in_place, convert, counter, request, decide, paths, call, register. Each part is a do ... end block
+-- compact_in_place, convert, counter, request, decide, paths, call, quota, register. Each part is a do ... end block
 -- that assigns the locals declared below which other parts use, and keeps its own helpers
 -- local to its block. Lua 5.1 allows 200 active locals in one function, and the library is
--- one: the main chunk holds the 75 declared here (a test counts them), every other local
+-- one: the main chunk holds the 78 declared here (a test counts them), every other local
 -- ends with its part's block. (In every function these are upvalues, as any local of an
 -- enclosing chunk is.)
 
@@ -100,12 +103,12 @@ local tonumber, format, find, max, call, byte, char
 -- This call's KEYS and ARGV (the entry function's arguments), and its time (and as text).
 local KEYS, ARGV, now, now_text
 -- The request being decided: its member prefix (tentative requests), its mode and number of
--- descriptors.
-local prefix, mode, n
+-- descriptors; and the highest mode this call's entry takes (3, usage, only from a quota).
+local prefix, mode, n, most_mode
 
 -- arguments.lua: numbers, rules and the call's start.
 local CLOCK_SLACK_MS, read, rules, fail, foreign, whole, ms, padded_cum, redis_now
-local read_rule, check_request, begin_request, begin_call, hits_to_leave
+local read_rule, check_request, begin_request, begin_call, read_now, hits_to_leave
 
 -- sorted_log.lua: the sorted-set log.
 local member_of, score, log_entry, last_entry, trim_and_count, window_reset, expiry_due
@@ -130,6 +133,9 @@ local decide
 
 -- paths.lua: the straight-line paths, and the table that chooses one.
 local PATHS
+
+-- quota.lua: the Rate Limit Quota Service's shares.
+local quota_call
 
 -- call.lua: the entry functions.
 local decide_call, undo_call, inspect_call, reset_call

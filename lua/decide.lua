@@ -86,8 +86,8 @@ do
       end
     end
     d.fits = ok
-    d.records = d.hits > 0 and (ok or (rule.debit and has_room))
-    if not ok and rule.ban_ms > 0 then
+    d.records = d.hits > 0 and (ok or (rule.debit and has_room) or mode == 3)
+    if not ok and rule.ban_ms > 0 and mode ~= 3 then
       -- The key holds the ban's end, which decides; it lives the clock slack longer, so that a
       -- replica whose clock is behind still finds the ban until its own clock reaches the end.
       call('SET', d.ban, ms(now + rule.ban_ms), 'PX', ms(rule.ban_ms + CLOCK_SLACK_MS))
@@ -129,32 +129,6 @@ do
     end
   end
 
-  -- The count after the request and the reset of window w of descriptor d, whose key took
-  -- `added` hits of this request.
-  local function window_answer(d, w, added)
-    local rule, st = d.rule, d.st
-    if rule.buckets > 0 then
-      local c = counted_hits(d, w)
-      return c, counter_reset(d, w, c)
-    end
-    local c = d[3 * w - 2] + added
-    local first, time = d[3 * w - 1], d[3 * w]
-    if not rule.sorted then
-      if time == nil and st.new_before then
-        -- The window held nothing before this request: its first entry is the first this
-        -- request recorded in the log.
-        first, time = st.new_first, st.new_time
-      end
-      return c, compact_reset(st.lg, rule[3 * w - 2], rule[3 * w - 1], d.fits, c, d.size,
-        first, time)
-    end
-    if not first then
-      first, time = st.new_before, st.new_time
-    end
-    return c, window_reset(d.key, rule[3 * w - 2], rule[3 * w - 1], d.fits, c, d.size, first,
-      time)
-  end
-
   -- 5. Adds descriptor d's part of the reply from out[r + 1] on (layout in contract.lua): its
   --    flags, its ban or the entry it recorded, and each window's count after the request
   --    (with every hit it recorded on the same key) and its reset. Returns the new end.
@@ -181,8 +155,32 @@ do
     if rule.buckets > 0 and added > 0 then
       d.buckets = read_buckets(d.key)
     end
+    local st = d.st
     for w = 1, rule.m do
-      out[r + 1], out[r + 2] = window_answer(d, w, added)
+      local c, reset
+      if rule.buckets > 0 then
+        c = counted_hits(d, w)
+        reset = counter_reset(d, w, c)
+      else
+        c = d[3 * w - 2] + added
+        local first, time = d[3 * w - 1], d[3 * w]
+        if not rule.sorted then
+          if time == nil and st.new_before then
+            -- The window held nothing before this request: its first entry is the first this
+            -- request recorded in the log.
+            first, time = st.new_first, st.new_time
+          end
+          reset = compact_reset(st.lg, rule[3 * w - 2], rule[3 * w - 1], d.fits, c, d.size,
+            first, time)
+        else
+          if not first then
+            first, time = st.new_before, st.new_time
+          end
+          reset = window_reset(d.key, rule[3 * w - 2], rule[3 * w - 1], d.fits, c, d.size, first,
+            time)
+        end
+      end
+      out[r + 1], out[r + 2] = c, reset
       r = r + 2
     end
     return r

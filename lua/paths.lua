@@ -157,41 +157,54 @@ do
     return r
   end
 
-  -- The one descriptor of a request on a one-window log without a ban: its rule, key and hits,
-  -- having set next_a and next_k; nil for another shape or bad arguments.
-  local function read_one(a, k, kind)
-    local text = ARGV[a + 2]
-    local rule = rules[text] or read_rule(text)
-    local key = KEYS[k + 1]
-    if not (rule and rule.one_window == kind and key) then
-      return nil
+  -- One descriptor on a compact log that holds weighted entries, or of more than one hit: the
+  -- log read into a table (compact_log.lua), in straight-line code.
+  local single = {}
+  local function one_weighted_log(key, rule, hits)
+    local limit, length, debit = rule[1], rule[2], rule.debit
+    local size = (debit and hits == 0) and 1 or hits
+    -- 1. The log trimmed to the window: what is left is the count.
+    local lg = single
+    open_log(lg, key, rule)
+    trim_log(lg, now - length)
+    local count = lg.total
+    -- 2. Decide, 3. record, 4. write the log with its expiry if it trimmed or recorded.
+    local fits = count + size <= limit
+    local flags, cum, newest = fits and 1 or 0, 0, now
+    if hits > 0 and (fits or (debit and count < limit)) and (mode ~= 2 or debit) then
+      newest = max(now, lg.newest)
+      append_entry(lg, rule, hits, newest)
+      cum, count, flags = lg.total, count + hits, flags + 4
     end
-    text = ARGV[a + 1]
+    write_log(lg, key, rule.compact_ttl)
+    -- 5. The reset (the log was trimmed to the window: its first entry kept is the window's).
+    local first = lg.f < lg.n and entry_at(lg, lg.f) or nil
+    local reset = compact_reset(lg, limit, length, fits, count, size, lg.f, first)
+    return log_answer(o + 1, flags, cum, newest, count, reset)
+  end
+
+  -- One descriptor on a compact log (`rule`, its first's), the most common request. Alone, a
+  -- descriptor that records either fits (then every role admits the request) or is a debit
+  -- (which records whatever the decision), so the role changes nothing here: only a request
+  -- the caller already rejected (mode 2) records no fitting hits. One hit or none on a log of
+  -- unweighted entries is read in place; any other by `one_weighted_log`.
+  local function one_compact_log(a, k, _, rule)
+    local key, text = KEYS[k + 1], ARGV[a + 1]
     local hits = read[text]
     if hits == nil then
       hits = whole(text)
     end
-    local after = hits and begin_request(a)
+    local after = key and hits and begin_request(a)
     if not after then
       return nil
     end
     next_a, next_k = after, k + 1
-    return rule, key, hits
-  end
-
-  -- One descriptor on a compact log with one hit or none, the most common request, on a log
-  -- of unweighted entries read in place; a weighted log goes to `decide`. Alone, a descriptor
-  -- that records either fits (then every role admits the request) or is a debit (which records
-  -- whatever the decision), so the role changes nothing here: only a request the caller
-  -- already rejected (mode 2) records no fitting hits.
-  local function one_compact_log(a, k)
-    local rule, key, hits = read_one(a, k, 'compact')
-    if rule == nil or hits > 1 then
-      return nil
+    local s, W, base, n, f, first, newest
+    if hits <= 1 then
+      s, W, base, n, f, first, newest = plain_log(key, rule, rule[2])
     end
-    local s, W, base, n, f, first, newest = plain_log(key, rule, rule[2])
     if s == nil then
-      return nil
+      return one_weighted_log(key, rule, hits)
     end
     local limit, length, debit = rule[1], rule[2], rule.debit
     local size = (debit and hits == 0) and 1 or hits
@@ -209,11 +222,17 @@ do
   end
 
   -- One descriptor on a sorted-set log (the role changes nothing: see `one_compact_log`).
-  local function one_sorted_log(a, k)
-    local rule, key, hits = read_one(a, k, 'sorted')
-    if rule == nil then
+  local function one_sorted_log(a, k, _, rule)
+    local key, text = KEYS[k + 1], ARGV[a + 1]
+    local hits = read[text]
+    if hits == nil then
+      hits = whole(text)
+    end
+    local after = key and hits and begin_request(a)
+    if not after then
       return nil
     end
+    next_a, next_k = after, k + 1
     local limit, length, debit = rule[1], rule[2], rule.debit
     local size = (debit and hits == 0) and 1 or hits
     -- 1. The newest entry, the trim, the window's first entry and the count.

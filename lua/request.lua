@@ -76,12 +76,13 @@ do
 
   -- Whether the request being decided is admitted, in its mode: final, every enforcing
   -- descriptor fits and, if there are quota descriptors, at least one of them; tentative,
-  -- every enforcing descriptor fits (the caller combines the slots' quotas); rejected, never.
+  -- every enforcing descriptor fits (the caller combines the slots' quotas); rejected, never;
+  -- usage, always (the hits were spent already).
   admits = function(enforced_fit, quota_seen, quota_fit)
     if mode == 1 then
       return enforced_fit and (quota_fit or not quota_seen)
     end
-    return mode == 0 and enforced_fit
+    return (mode == 0 and enforced_fit) or mode == 3
   end
 
   -- The call's reply, flat (layout in contract.lua), kept from call to call rather than made

@@ -178,6 +178,10 @@ pub struct ServeArgs {
     /// Connections open at once, per port; more wait in the kernel's backlog.
     #[arg(long, env = "SLIDEGATE_MAX_CONNECTIONS", default_value_t = ConnectionLimits::default().max_connections)]
     pub max_connections: usize,
+    /// Rate Limit Quota Service streams open at once (one per Envoy and domain); past it a new
+    /// stream is refused with RESOURCE_EXHAUSTED.
+    #[arg(long, env = "SLIDEGATE_RLQS_MAX_STREAMS", default_value_t = slidegate::server::grpc::quota::DEFAULT_MAX_STREAMS, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..))]
+    pub rlqs_max_streams: usize,
     /// A connection nothing is read from for this long is closed (HTTP/2 peers are pinged at
     /// a third of it, so live ones stay); also the time a client has to send request headers.
     #[arg(long, env = "SLIDEGATE_IDLE_TIMEOUT", default_value = "25s", value_parser = duration_arg)]

@@ -43,6 +43,11 @@ pub mod envoy {
                 package!("envoy.service.discovery.v3");
             }
         }
+        pub mod rate_limit_quota {
+            pub mod v3 {
+                package!("envoy.service.rate_limit_quota.v3");
+            }
+        }
     }
 }
 

@@ -247,6 +247,28 @@ impl Store for Turns {
     }
 }
 
+/// `request` decided by both limiters (the embedded store's, then the Redis one's): their
+/// answers, alike, or why not.
+fn decided_alike(
+    runtime: &tokio::runtime::Runtime,
+    [embedded, scripted]: [&Limiter; 2],
+    request: &Request,
+) -> Result<(), String> {
+    let (a, b) = runtime.block_on(async {
+        (
+            embedded.should_rate_limit(request).await,
+            scripted.should_rate_limit(request).await,
+        )
+    });
+    let a = a.map_err(|e| format!("embedded: {e}"))?;
+    let b = b.map_err(|e| format!("redis: {e}"))?;
+    if a == b {
+        Ok(())
+    } else {
+        Err(format!("the embedded store answered {a:?}, Redis {b:?}"))
+    }
+}
+
 /// The random request sequences, each given to the embedded store and to the script on the
 /// Redis at `url`, answer for answer; with several log formats, each step goes to a server
 /// asked for one of them.
@@ -300,19 +322,146 @@ fn answer_alike(url: &str, formats: &[LogFormat]) {
             now += step.advance_ms;
             clock.set(now - step.behind_ms);
             let request = step.request(&domain);
-            let (a, b) = runtime.block_on(async {
-                (
-                    embedded.should_rate_limit(&request).await,
-                    scripted.should_rate_limit(&request).await,
-                )
-            });
-            let a = a.map_err(|e| TestCaseError::fail(format!("embedded: {e}")))?;
-            let b = b.map_err(|e| TestCaseError::fail(format!("redis: {e}")))?;
-            prop_assert_eq!(a, b, "step {} of {:?}", n, steps);
+            decided_alike(&runtime, [&embedded, &scripted], &request)
+                .map_err(|e| TestCaseError::fail(format!("step {n} of {steps:?}: {e}")))?;
         }
         Ok(())
     });
     if let Err(e) = result {
         panic!("{e}");
     }
+}
+
+/// One generated quota report: which holder, which bucket, its usage.
+#[derive(Clone, Debug)]
+struct Report {
+    advance_ms: u64,
+    holder: usize,
+    key: usize,
+    allowed: u64,
+    denied: u64,
+    elapsed_ms: u64,
+    /// A check of the same descriptor (no hits) after the report: what the window holds.
+    check: bool,
+}
+
+fn report() -> impl Strategy<Value = Report> {
+    (
+        prop_oneof![Just(0u64), 0u64..1500, 4000u64..6000],
+        0usize..4,
+        0..KEYS.len(),
+        prop_oneof![2 => Just(0u64), 3 => 0u64..8, 1 => 0u64..3000],
+        0u64..60,
+        prop_oneof![Just(0u64), 1000u64..6000, Just(u64::MAX)],
+        any::<bool>(),
+    )
+        .prop_map(
+            |(advance_ms, holder, key, allowed, denied, elapsed_ms, check)| Report {
+                advance_ms,
+                holder,
+                key,
+                allowed,
+                denied,
+                elapsed_ms,
+                check,
+            },
+        )
+}
+
+/// The Rate Limit Quota Service's shares (`store::quota::share`, mirrored in `lua/quota.lua`):
+/// random reports of four holders over the config's rules (several windows, a counter, a sorted
+/// set past 1,000, unlimited and unmatched buckets), each given to the embedded store and to
+/// the library on a real Redis, and every assignment and every check after one alike.
+#[test]
+fn quota_shares_answer_alike() {
+    use slidegate::limiter::BucketUsage;
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .expect("runtime");
+    let redis: Arc<dyn Store> = runtime.block_on(async {
+        Arc::new(
+            RedisStore::connect(RedisOptions {
+                url: shared_standalone().url(),
+                pool_size: 2,
+                timeout: Duration::from_secs(5),
+                connect_timeout: Duration::from_secs(5),
+                clock: ClockSource::Server,
+                tls: Default::default(),
+                key_prefix: String::new(),
+                wait_replicas: 0,
+                log_format: LogFormat::Compact,
+            })
+            .await
+            .expect("connect to the test Redis"),
+        )
+    });
+    let mut runner = TestRunner::new(Config {
+        cases: 48,
+        failure_persistence: None,
+        ..Config::default()
+    });
+    let (tokens, denied) = (AtomicUsize::new(0), AtomicUsize::new(0));
+    let reports = prop::collection::vec(report(), 1..60);
+    let result = runner.run(&reports, |reports| {
+        let domain = unique_domain("quota-diff");
+        let clock = ManualClock::new(T0);
+        let embedded = limiter(&domain, Arc::new(MemoryStore::new()), &clock);
+        let scripted = limiter(&domain, redis.clone(), &clock);
+        let holders: Vec<String> = (0..4).map(|_| embedded.quota_holder()).collect();
+        for (n, r) in reports.iter().enumerate() {
+            clock.advance(r.advance_ms);
+            let usage = BucketUsage {
+                id: vec![(KEYS[r.key].to_string(), "a".to_string())],
+                allowed: r.allowed,
+                denied: r.denied,
+                elapsed_ms: r.elapsed_ms,
+            };
+            let usage = std::slice::from_ref(&usage);
+            let (a, b) = runtime.block_on(async {
+                (
+                    embedded
+                        .quota_report(&domain, &holders[r.holder], usage)
+                        .await,
+                    scripted
+                        .quota_report(&domain, &holders[r.holder], usage)
+                        .await,
+                )
+            });
+            prop_assert_eq!(&a, &b, "report {} of {:?}", n, reports);
+            match a[0] {
+                Some(slidegate::limiter::Assignment::TokenBucket { .. }) => {
+                    tokens.fetch_add(1, Ordering::Relaxed);
+                }
+                Some(slidegate::limiter::Assignment::DenyAll) => {
+                    denied.fetch_add(1, Ordering::Relaxed);
+                }
+                _ => {}
+            }
+            if r.check {
+                let request = Request {
+                    domain: domain.clone(),
+                    hits_addend: 0,
+                    descriptors: vec![Descriptor {
+                        entries: usage[0].id.clone(),
+                        limit: None,
+                        hits_addend: Some(0),
+                    }],
+                };
+                decided_alike(&runtime, [&embedded, &scripted], &request).map_err(|e| {
+                    TestCaseError::fail(format!("check after report {n} of {reports:?}: {e}"))
+                })?;
+            }
+        }
+        Ok(())
+    });
+    if let Err(e) = result {
+        panic!("{e}");
+    }
+    let (tokens, denied) = (tokens.into_inner(), denied.into_inner());
+    assert!(
+        tokens > 100 && denied > 20,
+        "{tokens} token buckets, {denied} denials"
+    );
 }

@@ -118,7 +118,8 @@ async fn reflection_lists_the_service() {
     s.stop().await;
 }
 
-const README_SERVICES: [&str; 4] = [
+const README_SERVICES: [&str; 5] = [
+    "envoy.service.rate_limit_quota.v3.RateLimitQuotaService",
     "envoy.service.ratelimit.v3.RateLimitService",
     "grpc.health.v1.Health",
     "grpc.reflection.v1.ServerReflection",

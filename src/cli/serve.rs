@@ -227,6 +227,7 @@ async fn serve_async(args: ServeArgs) -> Result<(), String> {
                 max_connection_age_grace: args.grpc_max_connection_age_grace,
             },
             tls_reload_interval: args.tls_reload_interval,
+            quota_streams: args.rlqs_max_streams,
             // From xDS without FORCE_START_WITHOUT_INITIAL_CONFIG: not ready before the
             // first config, as the reference does not serve before it.
             config_arrived: match &source {
@@ -444,6 +445,7 @@ fn limiter_options(args: &ServeArgs) -> LimiterOptions {
                 reset: name(2, defaults.reset),
             }
         }),
+        quota_ttl: slidegate::limiter::quota::QUOTA_TTL,
     }
 }
 

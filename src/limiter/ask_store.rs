@@ -175,7 +175,7 @@ impl Limiter {
     /// Why a domain with `store_reset: closed` is not decided by the store now: the store lost
     /// its data less than one longest window of the domain's rules before (from when this
     /// limiter first saw the loss).
-    fn closed_after_reset(&self, domain: &Domain, now_ms: u64) -> Option<StoreError> {
+    pub(super) fn closed_after_reset(&self, domain: &Domain, now_ms: u64) -> Option<StoreError> {
         if !domain.store_reset_closed {
             return None;
         }
@@ -227,7 +227,7 @@ impl Limiter {
 
     /// Counts a store error, and logs it unless one was logged less than
     /// [`ERROR_LOG_EVERY_MS`] before.
-    fn note_store_error(&self, error: &StoreError, now_ms: u64, policy: FailurePolicy) {
+    pub(super) fn note_store_error(&self, error: &StoreError, now_ms: u64, policy: FailurePolicy) {
         let total = self.store_errors.fetch_add(1, Ordering::Relaxed) + 1;
         let last = self.last_error_log_ms.load(Ordering::Relaxed);
         let due = last == 0 || now_ms.saturating_sub(last) >= ERROR_LOG_EVERY_MS;

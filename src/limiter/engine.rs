@@ -58,6 +58,8 @@ pub struct LimiterOptions {
     /// again (`None`: until its reset). Set while the admin API is on, so that a reset taken
     /// by one replica reaches every replica's cache within it.
     pub over_limit_cache_hold_ms: Option<u64>,
+    /// How long a Rate Limit Quota Service assignment lives ([`super::quota::QUOTA_TTL`]).
+    pub quota_ttl: std::time::Duration,
 }
 
 /// The over-limit cache's default bound (about 200 bytes each).
@@ -80,6 +82,7 @@ impl Default for LimiterOptions {
             log_descriptor_values: false,
             span_descriptor_values: false,
             over_limit_cache_hold_ms: None,
+            quota_ttl: super::quota::QUOTA_TTL,
         }
     }
 }
@@ -100,6 +103,10 @@ pub struct Limiter {
     pub(super) lost_at_ms: AtomicU64,
     /// Descriptors known to be over, answered without the store.
     pub(super) cache: OverLimitCache,
+    /// This process among the replicas sharing a store, and its quota streams so far: the
+    /// names of the streams that hold quotas ([`Limiter::quota_holder`]).
+    pub(super) instance: String,
+    pub(super) quota_streams: AtomicU64,
 }
 
 impl Limiter {
@@ -120,7 +127,20 @@ impl Limiter {
             last_error_log_ms: AtomicU64::new(0),
             losses_seen: AtomicU64::new(0),
             lost_at_ms: AtomicU64::new(0),
+            instance: random_instance(),
+            quota_streams: AtomicU64::new(0),
         }
+    }
+
+    /// What the limiter reports to (the metrics), for the transports' own events (a quota
+    /// stream opened or ended).
+    pub fn observer(&self) -> &dyn Observer {
+        &*self.observer
+    }
+
+    /// What one request may ask for.
+    pub fn bounds(&self) -> &RequestBounds {
+        &self.options.bounds
     }
 
     /// Reports every call and decision to `observer` (metrics).
@@ -240,6 +260,16 @@ impl Limiter {
         }
         Ok(self.respond(request, &planned, &outcome, &cached, domain.log_decisions))
     }
+}
+
+/// 64 random bits in hex, from the standard library's per-map random keys: a process's name
+/// among the replicas.
+fn random_instance() -> String {
+    use std::hash::BuildHasher as _;
+    format!(
+        "{:016x}",
+        std::collections::hash_map::RandomState::new().hash_one(0u8)
+    )
 }
 
 /// Fills every rule's observer slot with what `observer` keeps there.

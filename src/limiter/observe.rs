@@ -111,6 +111,23 @@ pub trait Observer: Send + Sync + 'static {
     /// Global shadow mode turned an OVER_LIMIT answer into OK.
     fn global_shadow(&self);
     fn store_call(&self, store: &'static str, elapsed: Duration, ok: bool);
+    /// A Rate Limit Quota Service stream opened (`true`) or ended.
+    fn quota_stream(&self, opened: bool) {
+        let _ = opened;
+    }
+    /// The buckets the open quota streams report, changed by `delta`.
+    fn quota_buckets(&self, delta: i64) {
+        let _ = delta;
+    }
+    /// A bucket's reported usage.
+    fn quota_usage(&self, domain: &str, allowed: u64, denied: u64) {
+        let _ = (domain, allowed, denied);
+    }
+    /// A bucket's assignment, by kind (`token_bucket`, `deny_all`, `allow_all`, or `none`
+    /// when the store failed under the `error` policy).
+    fn quota_assignment(&self, domain: &str, kind: &'static str) {
+        let _ = (domain, kind);
+    }
     /// What to keep in `rule` to count its decisions there, made when its config is handed to
     /// the limiter; `None` to keep nothing.
     fn rule_counts(&self, rule: &Rule) -> Option<Arc<dyn RuleCounts>> {

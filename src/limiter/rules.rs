@@ -322,26 +322,90 @@ impl Node {
         let mut node = self;
         let mut segments = Vec::with_capacity(entries.len());
         for (key, value) in entries {
-            let children = node.children.get(key.as_str())?;
-            if let Some(next) = children.exact.get(value.as_str()) {
-                segments.push(Segment::Value { key, value });
-                node = next;
-            } else if let Some(w) = children.wildcards.iter().find(|w| w.pattern.matches(value)) {
-                segments.push(if w.shared {
-                    Segment::Shared {
-                        key,
-                        pattern: w.pattern.as_str(),
-                    }
-                } else {
-                    Segment::Value { key, value }
-                });
-                node = &w.node;
-            } else {
-                node = children.any_value.as_deref()?;
-                segments.push(Segment::Value { key, value });
-            }
+            let (next, segment) = node.children.get(key.as_str())?.step(key, value)?;
+            segments.push(segment);
+            node = next;
         }
         node.rule.as_ref().map(|rule| Match { rule, segments })
+    }
+}
+
+/// The most tree nodes one bucket id's match may visit: entries that fit several levels could
+/// otherwise be tried in every order.
+const BUCKET_MATCH_VISITS: usize = 4_096;
+
+impl Node {
+    /// Finds the rule for a bucket id of the Rate Limit Quota Service: a descriptor of its
+    /// entries in whichever order the tree has them (a bucket id is a map). At each level the
+    /// entries whose key the level has are tried in the order of their keys, each matched as
+    /// [`Node::find`] matches an entry (exact value, wildcard, key-only), and the first order
+    /// that ends at a rule with every entry used wins.
+    pub fn find_bucket<'a>(&'a self, entries: &'a [(String, String)]) -> Option<Match<'a>> {
+        let mut order: Vec<usize> = (0..entries.len()).collect();
+        order.sort_by(|&a, &b| entries[a].0.cmp(&entries[b].0));
+        let mut used = vec![false; entries.len()];
+        let mut segments = Vec::with_capacity(entries.len());
+        let mut visits = 0;
+        let rule = self.find_unordered(entries, &order, &mut used, &mut segments, &mut visits)?;
+        Some(Match { rule, segments })
+    }
+
+    fn find_unordered<'a>(
+        &'a self,
+        entries: &'a [(String, String)],
+        order: &[usize],
+        used: &mut [bool],
+        segments: &mut Vec<Segment<'a>>,
+        visits: &mut usize,
+    ) -> Option<&'a Arc<Rule>> {
+        *visits += 1;
+        if segments.len() == entries.len() {
+            return self.rule.as_ref();
+        }
+        for &i in order {
+            if used[i] || *visits > BUCKET_MATCH_VISITS {
+                continue;
+            }
+            let (key, value) = &entries[i];
+            let Some(children) = self.children.get(key.as_str()) else {
+                continue;
+            };
+            let Some((next, segment)) = children.step(key, value) else {
+                continue;
+            };
+            used[i] = true;
+            segments.push(segment);
+            if let Some(rule) = next.find_unordered(entries, order, used, segments, visits) {
+                return Some(rule);
+            }
+            segments.pop();
+            used[i] = false;
+        }
+        None
+    }
+}
+
+impl KeyChildren {
+    /// The node an entry of this key leads to, and how it enters the log's identity: its exact
+    /// value, else the first wildcard that matches it (file order), else the key-only child.
+    fn step<'a>(&'a self, key: &'a str, value: &'a str) -> Option<(&'a Node, Segment<'a>)> {
+        if let Some(next) = self.exact.get(value) {
+            return Some((next, Segment::Value { key, value }));
+        }
+        if let Some(w) = self.wildcards.iter().find(|w| w.pattern.matches(value)) {
+            let segment = if w.shared {
+                Segment::Shared {
+                    key,
+                    pattern: w.pattern.as_str(),
+                }
+            } else {
+                Segment::Value { key, value }
+            };
+            return Some((&w.node, segment));
+        }
+        self.any_value
+            .as_deref()
+            .map(|next| (next, Segment::Value { key, value }))
     }
 }
 

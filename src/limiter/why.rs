@@ -7,9 +7,10 @@
 use std::fmt::Write as _;
 use std::hash::{DefaultHasher, Hash, Hasher};
 
+use super::quota::{Assignment, BucketUsage};
 use super::rules::{Rule, human_ms};
 use super::{Code, Descriptor};
-use crate::store::{CheckItem, ItemOutcome};
+use crate::store::{CheckItem, ItemOutcome, QuotaOutcome};
 
 /// The decision log's target: `RUST_LOG=slidegate::decision=debug` turns it on alone.
 pub const TARGET: &str = "slidegate::decision";
@@ -44,7 +45,7 @@ pub(super) fn wanted(loud: bool) -> bool {
 impl Why<'_> {
     /// Writes the line; `values`: the entries' values as they came, not hashed.
     pub fn log(&self, loud: bool, values: bool) {
-        let entries = entries(self.descriptor, values);
+        let entries = entries(&self.descriptor.entries, values);
         let windows = windows(self.item, self.outcome);
         let rule = self
             .rule
@@ -87,10 +88,66 @@ impl Why<'_> {
     }
 }
 
+/// One bucket of a Rate Limit Quota Service report, as the log tells it.
+pub(super) struct Assigned<'a> {
+    pub domain: &'a str,
+    /// The rule its id matched, if any.
+    pub rule: Option<&'a Rule>,
+    pub usage: &'a BucketUsage,
+    /// The store's outcome, where the store was asked and answered.
+    pub outcome: Option<&'a QuotaOutcome>,
+    /// `None`: the store failed under the `error` policy, and nothing was answered.
+    pub assignment: Option<Assignment>,
+    /// The id's values as they came, not hashed.
+    pub values: bool,
+    /// Logged at info level (`log_decisions: true`), else at debug.
+    pub loud: bool,
+}
+
+/// Writes one bucket's line: its id, the rule, the usage reported, each window's count after
+/// it, and what was assigned (a token bucket as `max_tokens+tokens_per_fill/fill_interval`).
+pub(super) fn log_assignment(a: Assigned<'_>) {
+    let bucket = entries(&a.usage.id, a.values);
+    let rule = a.rule.map_or("(none)", |r| r.path.as_str());
+    let counts = a.outcome.map_or_else(String::new, |o| {
+        let counts: Vec<String> = o.counts.iter().map(u64::to_string).collect();
+        counts.join(",")
+    });
+    let assigned = match a.assignment {
+        None => "none (store failed)".to_string(),
+        Some(Assignment::TokenBucket {
+            max_tokens,
+            tokens_per_fill,
+            fill_interval_s,
+        }) => format!("token_bucket {max_tokens}+{tokens_per_fill}/{fill_interval_s}s"),
+        Some(other) => other.kind().to_string(),
+    };
+    macro_rules! line {
+        ($level:ident) => {
+            tracing::$level!(
+                target: TARGET,
+                domain = a.domain,
+                bucket = %bucket,
+                rule,
+                allowed = a.usage.allowed,
+                denied = a.usage.denied,
+                counts = %counts,
+                assigned = %assigned,
+                "bucket assigned"
+            )
+        };
+    }
+    if a.loud {
+        line!(info);
+    } else {
+        line!(debug);
+    }
+}
+
 /// `key=value,key=value`, each value hashed (`#` and 8 hex digits) unless `values`.
-fn entries(descriptor: &Descriptor, values: bool) -> String {
+fn entries(entries: &[(String, String)], values: bool) -> String {
     let mut out = String::new();
-    for (n, (key, value)) in descriptor.entries.iter().enumerate() {
+    for (n, (key, value)) in entries.iter().enumerate() {
         if n > 0 {
             out.push(',');
         }
@@ -158,7 +215,7 @@ mod tests {
     #[test]
     fn values_are_hashed_alike_everywhere_unless_shown() {
         let d = descriptor(&[("user", "alice"), ("path", "/login")]);
-        let hidden = entries(&d, false);
+        let hidden = entries(&d.entries, false);
         assert!(
             !hidden.contains("alice") && !hidden.contains("/login"),
             "{hidden}"
@@ -167,11 +224,18 @@ mod tests {
             hidden.starts_with("user=#") && hidden.contains(",path=#"),
             "{hidden}"
         );
-        assert_eq!(hidden, entries(&d, false), "the same value, the same hash");
-        let other = entries(&descriptor(&[("user", "bob"), ("path", "/login")]), false);
+        assert_eq!(
+            hidden,
+            entries(&d.entries, false),
+            "the same value, the same hash"
+        );
+        let other = entries(
+            &descriptor(&[("user", "bob"), ("path", "/login")]).entries,
+            false,
+        );
         assert_ne!(hidden[..14], other[..14], "another value, another hash");
         assert_eq!(hidden[14..], other[14..]);
-        assert_eq!(entries(&d, true), "user=alice,path=/login");
+        assert_eq!(entries(&d.entries, true), "user=alice,path=/login");
     }
 
     #[test]

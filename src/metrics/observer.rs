@@ -57,6 +57,22 @@ impl Observer for Metrics {
         self.unknown_domain.inc();
     }
 
+    fn quota_stream(&self, opened: bool) {
+        self.quota.stream(opened);
+    }
+
+    fn quota_buckets(&self, delta: i64) {
+        self.quota.buckets(delta);
+    }
+
+    fn quota_usage(&self, domain: &str, allowed: u64, denied: u64) {
+        self.quota.usage(domain, allowed, denied);
+    }
+
+    fn quota_assignment(&self, domain: &str, kind: &'static str) {
+        self.quota.assignment(domain, kind);
+    }
+
     fn global_shadow(&self) {
         self.global_shadow.inc();
     }

@@ -109,6 +109,7 @@ impl Metrics {
             "Admin API calls (--admin-addr) by action (inspect, reset) and result (ok, unauthorized, invalid, store_error)",
             self.admin_calls.clone(),
         );
+        self.quota.register(registry);
     }
 
     /// Calls, latencies, the store and the config.

@@ -33,6 +33,7 @@ use self::net::{ConnectionLimits, GuardedListener};
 use crate::limiter::Limiter;
 use crate::metrics::Metrics;
 use crate::proto::FILE_DESCRIPTOR_SET;
+use crate::proto::envoy::service::rate_limit_quota::v3::rate_limit_quota_service_server::RateLimitQuotaServiceServer;
 
 #[derive(Debug, thiserror::Error)]
 pub enum ServerError {
@@ -62,6 +63,8 @@ pub struct ServerOptions {
     pub tls_reload_interval: Duration,
     /// When set, not ready until it is true (the xDS source's first config).
     pub config_arrived: Option<Arc<AtomicBool>>,
+    /// The most Rate Limit Quota Service streams at once (`--rlqs-max-streams`).
+    pub quota_streams: usize,
 }
 
 impl Default for ServerOptions {
@@ -75,6 +78,7 @@ impl Default for ServerOptions {
             connections: ConnectionLimits::default(),
             tls_reload_interval: Duration::from_secs(5),
             config_arrived: None,
+            quota_streams: grpc::quota::DEFAULT_MAX_STREAMS,
         }
     }
 }
@@ -87,10 +91,11 @@ pub struct App {
     pub options: ServerOptions,
 }
 
-/// The gRPC health service names slidegate reports: the RLS service itself, the reference
+/// The gRPC health service names slidegate reports: the two rate-limit services, the reference
 /// server's `ratelimit`, and the empty name (the whole server).
-const HEALTH_NAMES: [&str; 3] = [
+const HEALTH_NAMES: [&str; 4] = [
     "envoy.service.ratelimit.v3.RateLimitService",
+    "envoy.service.rate_limit_quota.v3.RateLimitQuotaService",
     "ratelimit",
     "",
 ];
@@ -317,15 +322,15 @@ async fn finish_within_grace(
 }
 
 /// The gRPC services: rate limit (answered ahead of the router by `grpc::direct`, see
-/// [`GrpcService`]), health, and reflection (v1 and v1alpha, so every grpcurl finds the services
-/// without proto files).
+/// [`GrpcService`]), the rate limit quota service (`grpc::quota`), health, and reflection (v1
+/// and v1alpha, so every grpcurl finds the services without proto files).
 fn grpc_service(
     app: &App,
     health_service: HealthServer<impl tonic_health::pb::health_server::Health>,
     bytes: &RequestBytes,
     body_timeout: Duration,
 ) -> Result<GrpcService<Routes>, ServerError> {
-    // Each version also registers the other's descriptors, so both list the same four services
+    // Each version also registers the other's descriptors, so both list the same five services
     // whichever one a client (old or new grpcurl) asks.
     let reflection_v1 = tonic_reflection::server::Builder::configure()
         .register_encoded_file_descriptor_set(FILE_DESCRIPTOR_SET)
@@ -337,7 +342,9 @@ fn grpc_service(
         .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
         .register_encoded_file_descriptor_set(tonic_reflection::pb::v1::FILE_DESCRIPTOR_SET)
         .build_v1alpha()?;
+    let quota = grpc::quota::QuotaService::new(app.limiter.clone(), app.options.quota_streams);
     let routes = Routes::new(health_service)
+        .add_service(RateLimitQuotaServiceServer::new(quota))
         .add_service(reflection_v1)
         .add_service(reflection_v1alpha)
         .prepare();

@@ -18,9 +18,11 @@ use std::time::Duration;
 use bytes::Bytes;
 
 pub mod memory;
+pub mod quota;
 pub mod redis;
 
 pub use memory::MemoryStore;
+pub use quota::{Grant, QuotaFuture, QuotaItem, QuotaOutcome};
 pub use redis::{ClockSource, RedisOptions, RedisStore};
 
 /// One window as a store counts it: at most `limit` hits in any interval of `length_ms`.
@@ -99,6 +101,12 @@ impl StoreKey {
         self.with_suffix(":ban")
     }
 
+    /// The Envoys that hold a share of the descriptor's limit (Rate Limit Quota Service): a
+    /// hash, field per holder.
+    pub fn holders(&self) -> String {
+        self.with_suffix(":hold")
+    }
+
     /// Built for every descriptor of every Redis call: sized once and copied, without the
     /// formatting machinery `format!` runs.
     fn with_suffix(&self, suffix: &str) -> String {
@@ -141,9 +149,8 @@ impl Role {
 }
 
 /// How the Redis store keeps a `sliding_log`: one compact string per log (the default, for
-/// rules whose log holds at most [`COMPACT_LOG_MAX_ENTRIES`]), or the sorted set of the
-/// releases before it, kept for a rolling upgrade from them (`docs/redis.md#the-compact-log`).
-/// Either reads a log written in the other, rewriting it.
+/// rules whose log holds at most [`COMPACT_LOG_MAX_ENTRIES`]), or a sorted set for every rule
+/// (`docs/redis.md#the-compact-log`). Either reads a log written in the other, rewriting it.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum LogFormat {
     #[default]
@@ -437,6 +444,19 @@ pub trait Store: Send + Sync + 'static {
     /// Forgets every window and ban of each key (the admin API's reset), atomically per key
     /// as a decision sees it; answers, per key, whether it held anything.
     fn reset<'a>(&'a self, keys: &'a [StoreKey]) -> ResetFuture<'a>;
+
+    /// Records each bucket's reported usage in its window, whatever the counts, and shares what
+    /// is left of its limit among the Envoys that report it ([`quota`]); their assignments live
+    /// `ttl_ms` from `now_ms`. Each bucket is decided on its own, atomically.
+    fn quota<'a>(
+        &'a self,
+        items: &'a [QuotaItem<'a>],
+        ttl_ms: u64,
+        now_ms: u64,
+    ) -> QuotaFuture<'a> {
+        let _ = (items, ttl_ms, now_ms);
+        Box::pin(async { Err(StoreError::unavailable("this store keeps no quotas")) })
+    }
 
     /// A short name for logs and metrics.
     fn name(&self) -> &'static str;

@@ -21,6 +21,7 @@ use tokio::net::TcpListener;
 use tokio::sync::oneshot;
 use tonic::transport::Channel;
 
+pub mod envoy;
 pub mod otlp;
 pub mod redis;
 pub mod xds;

@@ -12,6 +12,12 @@ use slidegate::store::Store;
 
 use crate::common::*;
 
+mod quota;
+pub use quota::{
+    quota_denies_a_used_up_window_and_matches_any_order, quota_fleet_shares_one_limit_exactly,
+    quota_shares_move_with_demand,
+};
+
 pub type StoreFuture<'a> = Pin<Box<dyn Future<Output = Arc<dyn Store>> + Send + 'a>>;
 
 /// Makes a fresh store (or a fresh client of a shared one) for one test.
@@ -1377,7 +1383,9 @@ macro_rules! conformance_suite {
             sliding_counter_takes_large_hits, sliding_counter_exact_under_concurrency,
             sliding_counter_windows_sharing_a_bucket_count_once, weighted_hits_count_as_tokens,
             debits_charge_usage_that_happened, debits_under_concurrency_match_a_sequential_model,
-            known_over_descriptors_skip_the_store, cached_bans_and_bans_of_the_others);
+            known_over_descriptors_skip_the_store, cached_bans_and_bans_of_the_others,
+            quota_fleet_shares_one_limit_exactly, quota_shares_move_with_demand,
+            quota_denies_a_used_up_window_and_matches_any_order);
     };
     (@tests $backend:expr; $($name:ident),* $(,)?) => {
         $(

@@ -22,6 +22,7 @@ use super::{
 };
 use shards::{Locked, Shard, Shards, SweeperGuard, lock, sweep_forever};
 
+mod quota;
 mod shards;
 mod slot;
 
@@ -332,6 +333,16 @@ impl Store for MemoryStore {
             })
             .collect();
         Box::pin(async move { Ok(cleared) })
+    }
+
+    fn quota<'a>(
+        &'a self,
+        items: &'a [crate::store::QuotaItem<'a>],
+        ttl_ms: u64,
+        now_ms: u64,
+    ) -> crate::store::QuotaFuture<'a> {
+        let outcomes = self.quota_items(items, ttl_ms, now_ms);
+        Box::pin(async move { outcomes })
     }
 
     fn live_keys(&self) -> Option<u64> {

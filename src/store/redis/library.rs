@@ -35,10 +35,17 @@ pub enum Function {
     Inspect,
     /// Deletes descriptors' keys (`allow-oom`).
     Reset,
+    /// Records Envoys' usage reports and shares each bucket's limit among them.
+    Quota,
 }
 
 impl Function {
-    const ALL: [Function; 3] = [Function::Undo, Function::Inspect, Function::Reset];
+    const ALL: [Function; 4] = [
+        Function::Undo,
+        Function::Inspect,
+        Function::Reset,
+        Function::Quota,
+    ];
 
     /// The function's name after the library's, and its entry in the Lua text.
     fn suffix_and_entry(self) -> (&'static str, &'static str) {
@@ -46,13 +53,14 @@ impl Function {
             Function::Undo => ("_undo", "undo_call"),
             Function::Inspect => ("_inspect", "inspect_call"),
             Function::Reset => ("_reset", "reset_call"),
+            Function::Quota => ("_quota", "quota_call"),
         }
     }
 
     /// The script form's flags, as the function's registration declares them.
     fn script_flags(self) -> &'static str {
         match self {
-            Function::Undo => "",
+            Function::Undo | Function::Quota => "",
             Function::Inspect => " flags=no-writes",
             Function::Reset => " flags=allow-oom",
         }
@@ -82,7 +90,7 @@ pub struct Library {
     /// That script, for `EVALSHA`.
     script: Script,
     /// The other functions, in the order of [`Function::ALL`].
-    others: [Named; 3],
+    others: [Named; 4],
     /// Set when `FUNCTION LOAD` was refused: calls go by `EVALSHA` from then on.
     by_script: Arc<AtomicBool>,
 }

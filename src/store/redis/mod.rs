@@ -49,6 +49,7 @@ mod marker;
 mod master;
 mod nodes;
 pub mod packed;
+mod quota;
 mod replicas;
 
 use batch::Batcher;
@@ -293,6 +294,15 @@ impl Store for RedisStore {
 
     fn reset<'a>(&'a self, keys: &'a [crate::store::StoreKey]) -> crate::store::ResetFuture<'a> {
         self.reset_keys(keys)
+    }
+
+    fn quota<'a>(
+        &'a self,
+        items: &'a [crate::store::QuotaItem<'a>],
+        ttl_ms: u64,
+        now_ms: u64,
+    ) -> crate::store::QuotaFuture<'a> {
+        self.quota_items(items, ttl_ms, now_ms)
     }
 
     fn name(&self) -> &'static str {
