@@ -478,12 +478,42 @@ pub fn human_bytes(bytes: u64) -> String {
 }
 
 impl Limits {
-    /// Every rule, one line each, sorted by domain and path.
+    /// Every rule, one line each, sorted by domain and path, with the Rate Limit Quota Service
+    /// bucket id that matches it (`*` for any value).
     pub fn describe(&self) -> String {
-        self.rules()
-            .into_iter()
-            .map(|(_, rule)| rule.describe() + "\n")
-            .collect()
+        fn walk(node: &Node, id: &mut Vec<String>, out: &mut Vec<(String, String)>) {
+            if let Some(rule) = &node.rule {
+                out.push((
+                    rule.path.clone(),
+                    format!("{}; quota bucket {{{}}}", rule.describe(), id.join(", ")),
+                ));
+            }
+            for (key, children) in &node.children {
+                let mut visit = |value: &str, next: &Node| {
+                    id.push(format!("{key}: {value}"));
+                    walk(next, id, out);
+                    id.pop();
+                };
+                children.exact.iter().for_each(|(v, n)| visit(v, n));
+                children
+                    .wildcards
+                    .iter()
+                    .for_each(|w| visit(w.pattern.as_str(), &w.node));
+                if let Some(n) = &children.any_value {
+                    visit("*", n);
+                }
+            }
+        }
+        let mut lines = Vec::new();
+        let mut domains: Vec<(&String, &Domain)> = self.domains.iter().collect();
+        domains.sort_by_key(|(name, _)| *name);
+        for (_, domain) in domains {
+            let mut out = Vec::new();
+            walk(&domain.root, &mut Vec::new(), &mut out);
+            out.sort();
+            lines.extend(out.into_iter().map(|(_, line)| line + "\n"));
+        }
+        lines.concat()
     }
 }
 
