@@ -19,7 +19,7 @@
 -- KEYS, per descriptor of each request in order:
 --   key    when               type        content
 --   data   sliding_log        string      a compact log: a head, then a slot per entry, oldest
---                                         first (layout in compact_log.lua)
+--                                         first (layout in compact_layout.lua)
 --          ... rule flag 2    sorted set  score: time in ms; member "<cum>:<weight>:<time>",
 --                                         or "<cum>:<weight>:<time>:<prefix>:<i>" when written
 --                                         by a tentative request (sorted_log.lua)
