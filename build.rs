@@ -8,7 +8,7 @@ use std::process::Command;
 
 /// The parts of the Redis function library, in the order they are joined (`lua/contract.lua`
 /// says what each holds and why the order).
-const LUA_PARTS: [&str; 14] = [
+const LUA_PARTS: [&str; 15] = [
     "contract",
     "arguments",
     "sorted_log",
@@ -21,6 +21,7 @@ const LUA_PARTS: [&str; 14] = [
     "decide",
     "paths",
     "call",
+    "undo_inspect_reset",
     "quota",
     "register",
 ];

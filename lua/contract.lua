@@ -84,11 +84,12 @@
 --
 -- The other entries: undo (takes back a rejected spread request's entry), inspect (reads a
 -- descriptor's keys for the admin API, no write) and reset (deletes descriptors' keys), in
--- call.lua; quota (an Envoy's usage reports, and its share of each bucket's limit), in
+-- undo_inspect_reset.lua; quota (an Envoy's usage reports, and its share of each bucket's limit), in
 -- quota.lua. Their contracts are at their functions.
 --
 -- The parts, in order: contract (this), arguments, sorted_log, compact_layout, compact_log,
--- compact_in_place, convert, counter, request, decide, paths, call, quota, register. Each part is a do ... end block
+-- compact_in_place, convert, counter, request, decide, paths, call, undo_inspect_reset, quota,
+-- register. Each part is a do ... end block
 -- that assigns the locals declared below which other parts use, and keeps its own helpers
 -- local to its block. Lua 5.1 allows 200 active locals in one function, and the library is
 -- one: the main chunk holds the 78 declared here (a test counts them), every other local
@@ -137,5 +138,5 @@ local PATHS
 -- quota.lua: the Rate Limit Quota Service's shares.
 local quota_call
 
--- call.lua: the entry functions.
+-- call.lua and undo_inspect_reset.lua: the entry functions.
 local decide_call, undo_call, inspect_call, reset_call

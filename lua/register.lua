@@ -13,7 +13,7 @@
 -- again does alike), and the caller sends that request again (a call per slot where they sit
 -- in several) to the master serving its slot now, or, mid-migration, keys declared after
 -- ASKING to the master importing it. The undo, inspect and reset functions are at their
--- definitions in call.lua, the quota function in quota.lua.
+-- definitions in undo_inspect_reset.lua, the quota function in quota.lua.
 -- Each registration is one line: the script form (EVALSHA, where FUNCTION LOAD is refused)
 -- turns every one into a comment but its entry's, which becomes a call of it.
 redis.register_function('slidegate_VERSION', decide_call)

@@ -831,7 +831,8 @@ async fn weighted_log_memory_is_per_call() {
 }
 
 /// Where `FUNCTION LOAD` is refused (the command renamed away, or an ACL user without it), the
-/// same code goes by `SCRIPT LOAD` and `EVALSHA`, and decides the same: 2 an hour admits two.
+/// same code goes by `SCRIPT LOAD` and `EVALSHA`, and decides the same: 2 an hour admits two;
+/// the admin API's inspection and reset and the quota service's reports go by `EVAL`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn without_function_load_the_script_goes_by_evalsha() {
     let renamed = RedisProcess::start(&["--rename-command", "FUNCTION", ""]);
@@ -863,6 +864,41 @@ async fn without_function_load_the_script_goes_by_evalsha() {
         );
         assert!(calls_of(redis, "evalsha") >= 3, "{url}: decided by EVALSHA");
         assert_eq!(calls_of(redis, "fcall"), 0, "{url}");
+        // The library's other functions go as scripts too: an inspection sees the two
+        // admitted, a reset clears them, a quota report is recorded and shared.
+        let one = slidegate::limiter::Request {
+            domain: domain.clone(),
+            descriptors: vec![slidegate::limiter::Descriptor {
+                entries: vec![("k".to_string(), "v".to_string())],
+                limit: None,
+                hits_addend: None,
+            }],
+            hits_addend: 0,
+        };
+        let standing = server.limiter.inspect(&one).await.expect("inspect");
+        assert_eq!(standing[0].windows[0].used, 2, "{url}: {standing:?}");
+        let cleared = server.limiter.reset(&one).await.expect("reset");
+        assert!(cleared[0].cleared, "{url}: {cleared:?}");
+        let usage = slidegate::limiter::BucketUsage {
+            id: vec![("k".to_string(), "v".to_string())],
+            allowed: 0,
+            denied: 1,
+            elapsed_ms: 0,
+        };
+        let holder = server.limiter.quota_holder();
+        let assigned = server
+            .limiter
+            .quota_report(&domain, &holder, &[usage])
+            .await;
+        assert!(
+            matches!(
+                assigned[0],
+                Some(slidegate::limiter::Assignment::TokenBucket { .. })
+            ),
+            "{url}: {assigned:?}"
+        );
+        assert!(calls_of(redis, "eval") >= 3, "{url}: by EVAL");
+        assert_eq!(calls_of(redis, "fcall_ro"), 0, "{url}");
         server.stop().await;
     }
 }

@@ -26,7 +26,8 @@ use super::SCRIPT;
 const NAME_IN_SOURCE: &str = "slidegate_VERSION";
 
 /// A function of the library besides the decision ([`Library::call`]): each registered on one
-/// line of `lua/register.lua`, with its contract at its definition in `lua/call.lua`.
+/// line of `lua/register.lua`, with its contract at its definition (`lua/undo_inspect_reset.lua`,
+/// `lua/quota.lua`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Function {
     /// Takes back the entry of a rejected request spread over several masters.
@@ -293,9 +294,14 @@ fn refused(e: &Error) -> bool {
         || details.contains("unknown subcommand")
 }
 
-/// The library's text as a script that runs `entry` (a function of `lua/call.lua`) when run,
-/// with `flags` on its first line: no library name there, every registration (one line each,
-/// at the end) a comment, and the call of `entry` after them. (In a script `KEYS` and `ARGV`
+/// The parts the decision's script form leaves out: a script makes every function of its text
+/// again on every call, and the decision needs none of theirs.
+const NOT_FOR_DECIDING: [&str; 2] = ["undo_inspect_reset", "quota"];
+
+/// The library's text as a script that runs `entry` (an entry function) when run, with `flags`
+/// on its first line: no library name there, every registration (one line each, at the end) a
+/// comment, and the call of `entry` after them; for the decision, without the parts it does not
+/// use (each part starts at the line `build.rs` names it by). (In a script `KEYS` and `ARGV`
 /// are globals; the library declares locals of those names, hence `_G`.)
 fn as_script(source: &str, entry: &str, flags: &str) -> String {
     let source = source.replacen(
@@ -303,11 +309,20 @@ fn as_script(source: &str, entry: &str, flags: &str) -> String {
         &format!("#!lua{flags}"),
         1,
     );
+    let mut left_out = false;
     let mut script: Vec<&str> = source
         .lines()
         .map(|line| {
+            if let Some(part) = line
+                .strip_prefix("-- lua/")
+                .and_then(|p| p.strip_suffix(".lua"))
+            {
+                left_out = entry == "decide_call" && NOT_FOR_DECIDING.contains(&part);
+            }
             if line.starts_with("redis.register_function") {
                 "-- (a script registers no function)"
+            } else if left_out {
+                "--"
             } else {
                 line
             }
@@ -369,6 +384,10 @@ mod tests {
                 .ends_with("return decide_call(_G.KEYS, _G.ARGV)")
         );
         assert_eq!(script.lines().count(), SCRIPT.lines().count() + 1);
+        // The decision's script makes none of the other entries' functions.
+        assert!(!script.contains("quota_call = function"));
+        assert!(!script.contains("undo_call = function"));
+        assert!(SCRIPT.contains("quota_call = function"));
         let inspect = as_script(SCRIPT, "inspect_call", Function::Inspect.script_flags());
         assert!(inspect.starts_with("#!lua flags=no-writes\n"));
         assert!(inspect.ends_with("return inspect_call(_G.KEYS, _G.ARGV)"));
