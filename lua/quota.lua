@@ -1,6 +1,6 @@
 -- === quota: Envoy's usage reports, and each holder's share of a bucket's limit ===
 --
--- For the Rate Limit Quota Service (src/store/quota.rs has the rule and why; this part follows
+-- For the Rate Limit Quota Service (src/store/shares.rs has the rule and why; this part follows
 -- it number for number, and tests/differential.rs holds the two to the same answers). A
 -- bucket is one descriptor: the usage an Envoy reports is recorded in its log or counters by
 -- `decide` in mode 3, and the holders of its limit (one per Envoy stream) are a hash beside
@@ -46,7 +46,7 @@ do
     return others, previous, ended
   end
 
-  -- The holder's demand, requests a thousand seconds (`demand` in store/quota.rs).
+  -- The holder's demand, requests a thousand seconds (`demand` in store/shares.rs).
   local function demand_of(allowed, denied, elapsed, previous, others)
     local reported = math.min(allowed, MOST_REPORTED) + math.min(denied, MOST_REPORTED)
     local measured = math.floor(reported * 1000000 / math.min(max(elapsed, 1000), MOST_ELAPSED_MS))
@@ -62,7 +62,7 @@ do
     return max(measured, math.floor(total / #others))
   end
 
-  -- The token bucket whose cost stays within every budget (`token_bucket` in store/quota.rs):
+  -- The token bucket whose cost stays within every budget (`token_bucket` in store/shares.rs):
   -- max_tokens, tokens_per_fill, fill_interval_s.
   local function token_bucket(budgets, taus)
     local least = budgets[1]
@@ -102,7 +102,7 @@ do
     return max(tokens, 1), fill, interval
   end
 
-  -- The grant for a holder of `demand` and the budgets it leaves (`share` in store/quota.rs):
+  -- The grant for a holder of `demand` and the budgets it leaves (`share` in store/shares.rs):
   -- 0 full, 1 held elsewhere, or 2 and the token bucket.
   local function share(rule, counts, others, demand, horizon)
     local total = demand

@@ -180,7 +180,7 @@ pub struct ServeArgs {
     pub max_connections: usize,
     /// Rate Limit Quota Service streams open at once (one per Envoy and domain); past it a new
     /// stream is refused with RESOURCE_EXHAUSTED.
-    #[arg(long, env = "SLIDEGATE_RLQS_MAX_STREAMS", default_value_t = slidegate::server::grpc::quota::DEFAULT_MAX_STREAMS, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..))]
+    #[arg(long, env = "SLIDEGATE_RLQS_MAX_STREAMS", default_value_t = slidegate::server::grpc::quota_streams::DEFAULT_MAX_STREAMS, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..))]
     pub rlqs_max_streams: usize,
     /// A connection nothing is read from for this long is closed (HTTP/2 peers are pinged at
     /// a third of it, so live ones stay); also the time a client has to send request headers.

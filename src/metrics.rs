@@ -15,7 +15,7 @@
 //! `registration.rs` the name and help each family is registered under; `observer.rs` what is
 //! counted as it happens (the limiter's calls and decisions, config loads, admin API calls);
 //! `rule_series.rs` the per-rule counters and their labels; `scraped.rs` what is read from the
-//! store and the process at each scrape; `quota.rs` the Rate Limit Quota Service's; `prometheus_text.rs` the reference's text format;
+//! store and the process at each scrape; `quota_series.rs` the Rate Limit Quota Service's; `prometheus_text.rs` the reference's text format;
 //! `process.rs` the `process_*` metrics.
 
 use std::collections::HashSet;
@@ -34,7 +34,7 @@ use crate::limiter::{Clock, SystemClock};
 mod observer;
 mod process;
 mod prometheus_text;
-mod quota;
+mod quota_series;
 mod registration;
 mod rule_series;
 mod scraped;
@@ -129,7 +129,7 @@ pub struct Metrics {
     unknown_domain: Counter,
     global_shadow: Counter,
     admin_calls: Family<AdminLabels, Counter>,
-    quota: quota::QuotaMetrics,
+    quota: quota_series::QuotaMetrics,
     /// Spans dropped with the export queue full, and the count last read.
     spans_dropped: Counter,
     spans_dropped_seen: AtomicU64,
@@ -214,7 +214,7 @@ impl Metrics {
             unknown_domain: Counter::default(),
             global_shadow: Counter::default(),
             admin_calls: Family::default(),
-            quota: quota::QuotaMetrics::default(),
+            quota: quota_series::QuotaMetrics::default(),
             spans_dropped: Counter::default(),
             spans_dropped_seen: AtomicU64::new(0),
             detailed_seen: Mutex::new(HashSet::new()),

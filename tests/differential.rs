@@ -368,7 +368,7 @@ fn report() -> impl Strategy<Value = Report> {
         )
 }
 
-/// The Rate Limit Quota Service's shares (`store::quota::share`, mirrored in `lua/quota.lua`):
+/// The Rate Limit Quota Service's shares (`store::shares::share`, mirrored in `lua/quota.lua`):
 /// random reports of four holders over the config's rules (several windows, a counter, a sorted
 /// set past 1,000, unlimited and unmatched buckets), each given to the embedded store and to
 /// the library on a real Redis, and every assignment and every check after one alike.

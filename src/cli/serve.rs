@@ -445,7 +445,7 @@ fn limiter_options(args: &ServeArgs) -> LimiterOptions {
                 reset: name(2, defaults.reset),
             }
         }),
-        quota_ttl: slidegate::limiter::quota::QUOTA_TTL,
+        quota_ttl: slidegate::limiter::assignments::QUOTA_TTL,
     }
 }
 

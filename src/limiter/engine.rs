@@ -58,7 +58,7 @@ pub struct LimiterOptions {
     /// again (`None`: until its reset). Set while the admin API is on, so that a reset taken
     /// by one replica reaches every replica's cache within it.
     pub over_limit_cache_hold_ms: Option<u64>,
-    /// How long a Rate Limit Quota Service assignment lives ([`super::quota::QUOTA_TTL`]).
+    /// How long a Rate Limit Quota Service assignment lives ([`super::assignments::QUOTA_TTL`]).
     pub quota_ttl: std::time::Duration,
 }
 
@@ -82,7 +82,7 @@ impl Default for LimiterOptions {
             log_descriptor_values: false,
             span_descriptor_values: false,
             over_limit_cache_hold_ms: None,
-            quota_ttl: super::quota::QUOTA_TTL,
+            quota_ttl: super::assignments::QUOTA_TTL,
         }
     }
 }

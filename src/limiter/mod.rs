@@ -16,12 +16,13 @@
 //!   (`why.rs`) and a trace's span are told of a decision.
 //! * `inspect_reset.rs`: the admin API's inspect and reset, a request planned as a decision
 //!   plans it.
-//! * `quota.rs`: Envoy's Rate Limit Quota Service: a report's buckets matched to rules, their
+//! * `assignments.rs`: Envoy's Rate Limit Quota Service: a report's buckets matched to rules, their
 //!   usage and shares asked of the store, each answered with an assignment.
 //! * `clock.rs`: time as an input; `unit.rs`: the config's and the proto's time units.
 
 mod answer;
 mod ask_store;
+pub mod assignments;
 pub mod bounds;
 pub mod cache;
 pub mod clock;
@@ -31,7 +32,6 @@ pub mod inspect_reset;
 pub mod key;
 pub mod observe;
 mod plan;
-pub mod quota;
 mod report;
 pub mod rules;
 #[cfg(test)]
@@ -39,12 +39,12 @@ mod testing;
 pub mod unit;
 pub mod why;
 
+pub use assignments::{Assignment, BucketUsage};
 pub use bounds::RequestBounds;
 pub use clock::{Clock, ManualClock, SystemClock};
 pub use engine::{DEFAULT_OVER_LIMIT_CACHE, Limiter, LimiterOptions};
 pub use headers::LimitHeaderNames;
 pub use observe::{CallResult, DescriptorReport, NoObserver, Observer};
-pub use quota::{Assignment, BucketUsage};
 pub use rules::FailurePolicy;
 pub use unit::Unit;
 

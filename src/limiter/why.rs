@@ -7,7 +7,7 @@
 use std::fmt::Write as _;
 use std::hash::{DefaultHasher, Hash, Hasher};
 
-use super::quota::{Assignment, BucketUsage};
+use super::assignments::{Assignment, BucketUsage};
 use super::rules::{Rule, human_ms};
 use super::{Code, Descriptor};
 use crate::store::{CheckItem, ItemOutcome, QuotaOutcome};

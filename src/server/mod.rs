@@ -78,7 +78,7 @@ impl Default for ServerOptions {
             connections: ConnectionLimits::default(),
             tls_reload_interval: Duration::from_secs(5),
             config_arrived: None,
-            quota_streams: grpc::quota::DEFAULT_MAX_STREAMS,
+            quota_streams: grpc::quota_streams::DEFAULT_MAX_STREAMS,
         }
     }
 }
@@ -342,7 +342,8 @@ fn grpc_service(
         .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
         .register_encoded_file_descriptor_set(tonic_reflection::pb::v1::FILE_DESCRIPTOR_SET)
         .build_v1alpha()?;
-    let quota = grpc::quota::QuotaService::new(app.limiter.clone(), app.options.quota_streams);
+    let quota =
+        grpc::quota_streams::QuotaService::new(app.limiter.clone(), app.options.quota_streams);
     let routes = Routes::new(health_service)
         .add_service(RateLimitQuotaServiceServer::new(quota))
         .add_service(reflection_v1)

@@ -18,12 +18,12 @@ use std::time::Duration;
 use bytes::Bytes;
 
 pub mod memory;
-pub mod quota;
 pub mod redis;
+pub mod shares;
 
 pub use memory::MemoryStore;
-pub use quota::{Grant, QuotaFuture, QuotaItem, QuotaOutcome};
 pub use redis::{ClockSource, RedisOptions, RedisStore};
+pub use shares::{Grant, QuotaFuture, QuotaItem, QuotaOutcome};
 
 /// One window as a store counts it: at most `limit` hits in any interval of `length_ms`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -446,7 +446,7 @@ pub trait Store: Send + Sync + 'static {
     fn reset<'a>(&'a self, keys: &'a [StoreKey]) -> ResetFuture<'a>;
 
     /// Records each bucket's reported usage in its window, whatever the counts, and shares what
-    /// is left of its limit among the Envoys that report it ([`quota`]); their assignments live
+    /// is left of its limit among the Envoys that report it ([`shares`]); their assignments live
     /// `ttl_ms` from `now_ms`. Each bucket is decided on its own, atomically.
     fn quota<'a>(
         &'a self,

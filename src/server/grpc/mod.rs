@@ -22,7 +22,7 @@ use crate::server::budget::ConnectionBytes;
 use crate::wire;
 
 pub mod direct;
-pub mod quota;
+pub mod quota_streams;
 pub mod streams;
 pub mod tls;
 

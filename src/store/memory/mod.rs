@@ -22,7 +22,7 @@ use super::{
 };
 use shards::{Locked, Shard, Shards, SweeperGuard, lock, sweep_forever};
 
-mod quota;
+mod holders;
 mod shards;
 mod slot;
 

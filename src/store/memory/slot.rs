@@ -20,8 +20,8 @@ pub(crate) struct Slot {
     pub(super) ban_until_ms: u64,
     /// After this the slot holds nothing that any window or ban still needs.
     pub(super) keep_until_ms: u64,
-    /// The Envoy streams that hold a share of this descriptor's limit (quota.rs).
-    pub(super) holders: Vec<(Box<str>, crate::store::quota::Holder)>,
+    /// The Envoy streams that hold a share of this descriptor's limit (holders.rs).
+    pub(super) holders: Vec<(Box<str>, crate::store::shares::Holder)>,
 }
 
 #[derive(Clone, Copy)]

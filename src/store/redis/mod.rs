@@ -21,7 +21,7 @@
 //!   masters is sent as tentative calls, concurrently, and if the combined answer is a rejection
 //!   the entries recorded are removed again. That can briefly make other requests see a fuller
 //!   log (never an emptier one): it can under-admit for a moment, never over-admit.
-//! * `inspect_reset.rs`: the admin API's inspect and reset (the library's inspect and reset
+//! * `operator_calls.rs`: the admin API's inspect and reset (the library's inspect and reset
 //!   functions), and the read of a descriptor after an undo; `compact.rs` reads a compact log's
 //!   bytes in Rust for them.
 //! * Every call is bounded by a deadline: a slow or dead Redis becomes a fast error.
@@ -43,13 +43,13 @@ pub mod compact;
 mod connection;
 mod decide;
 mod encode;
-mod inspect_reset;
 mod library;
 mod marker;
 mod master;
 mod nodes;
+mod operator_calls;
 pub mod packed;
-mod quota;
+mod quota_calls;
 mod replicas;
 
 use batch::Batcher;

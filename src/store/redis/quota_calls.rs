@@ -9,7 +9,7 @@ use fred::types::Value;
 
 use super::packed::{self, Item};
 use super::*;
-use crate::store::quota::{Grant, MOST_ELAPSED_MS, MOST_REPORTED, QuotaItem, QuotaOutcome};
+use crate::store::shares::{Grant, MOST_ELAPSED_MS, MOST_REPORTED, QuotaItem, QuotaOutcome};
 use crate::store::{QuotaFuture, Role, rule_text};
 
 impl RedisStore {

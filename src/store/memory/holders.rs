@@ -1,11 +1,11 @@
 //! The embedded store's quotas (Envoy's Rate Limit Quota Service): a bucket's reported usage
 //! recorded in its descriptor's slot, and its holders kept beside the log, shared by
-//! [`crate::store::quota::share`], as the Redis library does in `lua/quota.lua`.
+//! [`crate::store::shares::share`], as the Redis library does in `lua/quota.lua`.
 
 use super::shards::lock;
 use super::{MemoryStore, Slot};
 use crate::store::StoreError;
-use crate::store::quota::{Holder, MOST_REPORTED, QuotaItem, QuotaOutcome, demand, share};
+use crate::store::shares::{Holder, MOST_REPORTED, QuotaItem, QuotaOutcome, demand, share};
 
 impl MemoryStore {
     /// Records each bucket's usage and shares its limit among its holders, one bucket at a time

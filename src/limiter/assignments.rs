@@ -2,7 +2,7 @@
 //! bucket id matches the rule the descriptor of its entries would match, in whichever order the
 //! tree has them), their usage handed to the store with the stream that reports it, and each
 //! outcome turned into an assignment. The store shares each limit among the Envoys that report
-//! it (`store::quota`); the transport (`server/grpc/quota.rs`) reads the stream and writes the
+//! it (`store::shares`); the transport (`server/grpc/quota_streams.rs`) reads the stream and writes the
 //! assignments. Rules are the same as `ShouldRateLimit`'s, and so is a bucket's window: what
 //! the Envoys admit is counted where a `ShouldRateLimit` check reads it.
 
