@@ -22,6 +22,7 @@ use tokio::sync::oneshot;
 use tonic::transport::Channel;
 
 pub mod otlp;
+pub mod proxy;
 pub mod redis;
 pub mod xds;
 

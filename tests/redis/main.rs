@@ -17,6 +17,7 @@ mod conformance;
 
 mod faults;
 mod inspect;
+mod link;
 mod moves;
 mod script;
 mod sharing;
