@@ -19,6 +19,7 @@
 //!     SLIDEGATE_BENCH_SCRIPT=/tmp/old.lua SLIDEGATE_BENCH_ONLY=ceiling cargo bench --bench load
 //!     SLIDEGATE_BENCH_LIMITADOR=/path/to/limitador-server cargo bench --bench load  # side by side
 //!     SLIDEGATE_BENCH_GRPC_TIMEOUT_MS=20 cargo bench --bench load   # Envoy's default deadline
+//!     SLIDEGATE_BENCH_GRPC_TIMEOUT_MS=none cargo bench --bench load   # a client with no deadline
 //!     SLIDEGATE_BENCH_WARM_SECS=65 cargo bench --bench load   # measured after 65 s of the load
 //!     SLIDEGATE_BENCH_USERS=1000000 SLIDEGATE_BENCH_WARM_SECS=65 cargo bench --bench load  # more users
 //!     SLIDEGATE_BENCH_CALLS_PER_VISIT=2 cargo bench --bench load   # two calls in a row per user
@@ -42,7 +43,8 @@
 //! of a saturated run comparable with runs before it (Envoy's 20 ms would cut off the slowest
 //! calls of both servers at 256 in flight, which a closed loop on two shared cores makes slower
 //! than Envoy's traffic would). With the variable set, the generator also gives up on a call at
-//! that deadline, as Envoy does, and counts it failed, whether or not the server keeps to it.
+//! that deadline, as Envoy does, and counts it failed, whether or not the server keeps to it;
+//! `none` sends no `grpc-timeout` at all, as a gRPC client that sets no deadline.
 //!
 //! The load generator shares the machine with slidegate and Redis: compare figures from one
 //! run, as ratios.
@@ -378,14 +380,19 @@ impl Caller {
         )
         .parse()
         .expect("uri");
-        let deadline = std::env::var("SLIDEGATE_BENCH_GRPC_TIMEOUT_MS")
-            .ok()
+        let asked = std::env::var("SLIDEGATE_BENCH_GRPC_TIMEOUT_MS").ok();
+        // `none`: a client that sets no deadline (no `grpc-timeout`).
+        let no_deadline = asked.as_deref() == Some("none");
+        let deadline = asked
             .and_then(|ms| ms.parse().ok())
             .map(Duration::from_millis);
         let timeout_ms = deadline.map_or(1000, |d| d.as_millis() as u64);
         let mut headers = hyper::HeaderMap::new();
         headers.insert("content-type", "application/grpc".parse().expect("ASCII"));
         for (name, value) in envoy_headers(timeout_ms) {
+            if no_deadline && name == "grpc-timeout" {
+                continue;
+            }
             headers.insert(name, value.parse().expect("ASCII"));
         }
         Caller {

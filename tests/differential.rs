@@ -264,6 +264,7 @@ fn answer_alike(url: &str, formats: &[LogFormat]) {
                     url: url.to_owned(),
                     pool_size: 2,
                     timeout: Duration::from_secs(5),
+                    queue_timeout: Duration::from_secs(5),
                     connect_timeout: Duration::from_secs(5),
                     clock: ClockSource::Server,
                     tls: Default::default(),

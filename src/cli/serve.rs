@@ -380,6 +380,7 @@ async fn open_store(args: &ServeArgs, clock: Arc<SystemClock>) -> Result<Arc<dyn
         url: url.clone(),
         pool_size: args.redis_pool_size,
         timeout: args.redis_timeout,
+        queue_timeout: args.redis_queue_timeout,
         connect_timeout: args.redis_connect_timeout,
         clock: match args.clock {
             ClockArg::Server => ClockSource::Server,

@@ -1,4 +1,11 @@
-//! The link between slidegate and Redis degraded by the fault proxy (`tests/common/proxy.rs`).
+//! The link between slidegate and Redis degraded by the fault proxy (`tests/common/proxy.rs`):
+//! added latency, a partition, connections reset; and what a decision waits for, its turn or
+//! Redis's reply, each within its own bound.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use slidegate::limiter::{Code, Decision, Limiter, LimiterError, SystemClock};
+use slidegate::store::with_caller_deadline;
 
 use super::*;
 use common::proxy::FaultProxy;
@@ -47,4 +54,174 @@ fn the_fault_proxy_delays_stalls_and_resets() {
         .expect("timeout");
     assert!(ping(&mut again).is_ok(), "a new connection after a reset");
     assert_eq!(proxy.accepted(), 2);
+}
+
+/// A store on Redis through `proxy`: `timeout` for Redis, `queue_timeout` for a turn.
+async fn store_through(
+    proxy: &FaultProxy,
+    timeout: Duration,
+    queue_timeout: Duration,
+) -> Arc<dyn Store> {
+    let mut opts = options(proxy.url(), timeout);
+    opts.queue_timeout = queue_timeout;
+    Arc::new(
+        RedisStore::connect(opts)
+            .await
+            .expect("connect through the proxy"),
+    )
+}
+
+/// A limiter of one rule (`k`, `per_hour` an hour) in a domain of its own, on `store`.
+fn limiter_on(
+    store: Arc<dyn Store>,
+    per_hour: u32,
+    policy: FailurePolicy,
+) -> (Arc<Limiter>, String) {
+    let domain = unique_domain("link");
+    let config = format!(
+        "domain: {domain}\ndescriptors:\n  - key: k\n    rate_limit: {{unit: hour, requests_per_unit: {per_hour}}}\n"
+    );
+    let limits =
+        slidegate::config::compile_sources(&[("link.yaml".into(), config)]).expect("config");
+    let options = LimiterOptions {
+        failure_policy: policy,
+        over_limit_cache: 0,
+        ..LimiterOptions::default()
+    };
+    let limiter = Limiter::new(limits, store, Arc::new(SystemClock), options);
+    (Arc::new(limiter), domain)
+}
+
+/// A request of `n` descriptors `k=<tag>-<i>`: 32 of them fill a call alone.
+fn wide(domain: &str, tag: &str, n: usize) -> slidegate::limiter::Request {
+    let descriptors = (0..n)
+        .map(|i| descriptor(&[("k", &format!("{tag}-{i}"))]))
+        .collect();
+    slidegate::wire::from_proto(request(domain, descriptors))
+}
+
+/// `calls` decisions of 32 descriptors each, all at once, each for a caller with `deadline`
+/// (or none): how each was answered, and how long it took.
+async fn all_at_once(
+    limiter: &Arc<Limiter>,
+    domain: &str,
+    calls: usize,
+    deadline: Option<Duration>,
+) -> Vec<(Result<Decision, LimiterError>, Duration)> {
+    static TAG: AtomicU64 = AtomicU64::new(0);
+    let tasks: Vec<_> = (0..calls)
+        .map(|_| {
+            let request = wide(
+                domain,
+                &format!("w{}", TAG.fetch_add(1, Ordering::SeqCst)),
+                32,
+            );
+            let limiter = limiter.clone();
+            tokio::spawn(async move {
+                let started = Instant::now();
+                let decision = limiter.should_rate_limit(&request);
+                let decided = match deadline {
+                    Some(d) => {
+                        with_caller_deadline(tokio::time::Instant::now() + d, decision).await
+                    }
+                    None => decision.await,
+                };
+                (decided, started.elapsed())
+            })
+        })
+        .collect();
+    let mut answers = Vec::new();
+    for task in tasks {
+        answers.push(task.await.expect("decision task"));
+    }
+    answers
+}
+
+/// Waiting for a turn is not Redis being slow: ten calls that each fill a call to Redis, at
+/// once, where every call takes 50 ms or more (the link's delay). Two are out at a time, so
+/// the last waits four turns, longer than `--redis-timeout` (150 ms): without a caller's
+/// deadline each is decided by Redis, its wait for a turn bounded by `--redis-queue-timeout`.
+/// With a short queue timeout the ones left waiting are answered by the policy, saying they
+/// waited for a turn; with Redis slower than `--redis-timeout`, saying Redis did not answer;
+/// with a caller's deadline that Redis cannot meet, each just before it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_turn_and_a_reply_are_waited_for_each_within_its_own_bound() {
+    let redis = RedisProcess::start(&[]);
+    let proxy = FaultProxy::start(redis.port);
+    let ms = Duration::from_millis;
+    let store = store_through(&proxy, ms(150), Duration::from_secs(5)).await;
+    let (limiter, domain) = limiter_on(store, 1_000, FailurePolicy::Error);
+    proxy.delay(ms(25));
+    let answers = all_at_once(&limiter, &domain, 10, None).await;
+    let slowest = answers
+        .iter()
+        .map(|(_, took)| *took)
+        .max()
+        .unwrap_or_default();
+    for (answer, took) in &answers {
+        let decision = answer
+            .as_ref()
+            .unwrap_or_else(|e| panic!("answered by the policy after {took:?}: {e}"));
+        assert_eq!(decision.overall, Code::Ok);
+    }
+    assert!(
+        slowest > ms(150),
+        "no call waited past --redis-timeout ({slowest:?}): the test shows nothing"
+    );
+
+    let store = store_through(&proxy, ms(150), ms(60)).await;
+    let (limiter, domain) = limiter_on(store, 1_000, FailurePolicy::Error);
+    let answers = all_at_once(&limiter, &domain, 10, None).await;
+    let turns: Vec<String> = answers
+        .iter()
+        .filter_map(|(a, _)| a.as_ref().err())
+        .map(ToString::to_string)
+        .collect();
+    assert!(
+        !turns.is_empty(),
+        "no call waited past --redis-queue-timeout"
+    );
+    for text in &turns {
+        assert!(
+            text.starts_with("waited ")
+                && text.ends_with(" ms for a turn to call Redis (--redis-queue-timeout)"),
+            "{text}"
+        );
+    }
+
+    proxy.delay(ms(100));
+    let store = store_through(&proxy, ms(50), Duration::from_secs(5)).await;
+    let (limiter, domain) = limiter_on(store, 1_000, FailurePolicy::Error);
+    let answers = all_at_once(&limiter, &domain, 3, None).await;
+    for (answer, took) in &answers {
+        let text = answer
+            .as_ref()
+            .err()
+            .map(ToString::to_string)
+            .unwrap_or_default();
+        assert_eq!(
+            text, "Redis did not answer within 50 ms (--redis-timeout)",
+            "after {took:?}"
+        );
+    }
+
+    proxy.delay(ms(60));
+    let store = store_through(&proxy, ms(150), Duration::from_secs(5)).await;
+    let (limiter, domain) = limiter_on(store, 1_000, FailurePolicy::Error);
+    let answers = all_at_once(&limiter, &domain, 10, Some(ms(100))).await;
+    for (answer, took) in &answers {
+        assert!(
+            *took < ms(100),
+            "answered at {took:?}, past the caller's deadline"
+        );
+        let text = answer
+            .as_ref()
+            .err()
+            .map(ToString::to_string)
+            .unwrap_or_default();
+        assert!(
+            text.ends_with(", until just before the caller's deadline"),
+            "{text}"
+        );
+    }
 }

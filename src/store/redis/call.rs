@@ -17,7 +17,7 @@ use super::encode::{int, number};
 use super::master::Master;
 use super::packed::{self, Item, Items};
 use super::{Library, call_failed};
-use crate::store::StoreError;
+use crate::store::{Bound, Deadlines, StoreError, Waited};
 
 /// How long to wait before sending a call Redis answered `TRYAGAIN` (a slot mid-migration).
 const TRY_AGAIN_AFTER: Duration = Duration::from_millis(5);
@@ -38,9 +38,8 @@ pub(super) struct Request {
     /// Which of the pool's clients carries it (taken modulo the pool's size; on a cluster, of
     /// its master's own clients), so that requests take the clients in turn.
     pub lane: usize,
-    /// When it is answered by the failure policy if Redis has not answered it
-    /// ([`crate::store::answer_by`]).
-    pub answer_by: Instant,
+    /// Until when it may wait for its turn, and for Redis once sent ([`Deadlines`]).
+    pub deadlines: Deadlines,
 }
 
 impl Request {
@@ -149,9 +148,10 @@ impl Sender {
     /// its own (it loads one it finds missing), never in a pipeline behind `ASKING`.
     pub async fn call_asking(&self, importer: &Master, request: Request) -> Answer {
         let requests = [request];
-        let Some((_, until)) = self.terms(&requests) else {
-            return Err(StoreError::Timeout(Duration::ZERO));
+        let Some(term) = self.terms(&requests) else {
+            return Err(no_time_left(&requests));
         };
+        let until = term.until;
         if self.library.by_script() {
             return Err(not_served_error(
                 "the slot is migrating and calls go by EVALSHA",
@@ -166,7 +166,7 @@ impl Sender {
         loop {
             let wait = until.saturating_duration_since(Instant::now());
             if wait.is_zero() {
-                return Err(StoreError::Timeout(self.timeout));
+                return Err(term.gave_up());
             }
             let pool = importer.pool.load();
             let client = client_of(&pool, request.lane, false);
@@ -207,6 +207,7 @@ impl Sender {
                     tokio::time::sleep_until(until.min(Instant::now() + TRY_AGAIN_AFTER)).await;
                 }
                 Some(Err(e)) if elsewhere(&e) => return Err(not_served_error(e.details())),
+                Some(Err(e)) if *e.kind() == ErrorKind::Timeout => return Err(term.gave_up()),
                 Some(Err(e)) => return Err(call_failed(&e)),
                 None => return Err(StoreError::Protocol("no reply to ASKING's call".into())),
             }
@@ -251,17 +252,24 @@ impl Sender {
 
     /// A call's client (its first request's lane) and until when it waits ([`call_until`]);
     /// `None` when every request's time is up.
-    fn terms(&self, requests: &[Request]) -> Option<(usize, Instant)> {
+    fn terms(&self, requests: &[Request]) -> Option<Term> {
         let lane = requests.first().map_or(0, |r| r.lane);
-        call_until(requests, Instant::now()).map(|until| (lane, until))
+        let sent = Instant::now();
+        let (until, bound) = call_until(requests, sent, self.timeout)?;
+        Some(Term {
+            lane,
+            sent,
+            until,
+            bound,
+        })
     }
 
     /// One call with every key declared (they share a slot, or there are no slots). The
     /// requests are not needed after it, so their parts move into the command.
     async fn call_declared(&self, master: Option<&Master>, requests: Vec<Request>) -> Vec<Answer> {
         let count = requests.len();
-        let Some((lane, until)) = self.terms(&requests) else {
-            return vec![Err(StoreError::Timeout(Duration::ZERO)); count];
+        let Some(term) = self.terms(&requests) else {
+            return vec![Err(no_time_left(&requests)); count];
         };
         let mut keys = Vec::with_capacity(requests.iter().map(|r| r.keys.len()).sum());
         let mut args = Vec::with_capacity(2 + requests.iter().map(|r| r.args.len()).sum::<usize>());
@@ -274,11 +282,11 @@ impl Sender {
         let via = match master {
             // By `EVALSHA` on a cluster: the master's own client, which follows no
             // redirection (a refusal comes back as `MOVED` or `ASK`: [`elsewhere`]).
-            Some(master) => Via::Master(lane, master),
+            Some(master) => Via::Master(term.lane, master),
             None if self.redirect => Via::Redirect,
-            None => Via::Lane(lane),
+            None => Via::Lane(term.lane),
         };
-        match self.send(via, until, keys, args, false).await {
+        match self.send(via, &term, keys, args, false).await {
             Ok(reply) => split(reply, count),
             Err(e) => vec![Err(e); count],
         }
@@ -290,8 +298,8 @@ impl Sender {
     /// caller finds where the slot went (`RedisStore::call_group`).
     async fn call_master(&self, master: &Master, requests: Vec<Request>) -> Vec<Answer> {
         let count = requests.len();
-        let Some((lane, until)) = self.terms(&requests) else {
-            return vec![Err(StoreError::Timeout(Duration::ZERO)); count];
+        let Some(term) = self.terms(&requests) else {
+            return vec![Err(no_time_left(&requests)); count];
         };
         let key_count: usize = requests.iter().map(|r| r.keys.len()).sum();
         let arg_count: usize = requests.iter().map(|r| r.args.len()).sum();
@@ -305,14 +313,14 @@ impl Sender {
         for request in &requests {
             args.extend(request.args.iter().cloned());
         }
-        let via = Via::Master(lane, master);
-        match self.send(via, until, Vec::new(), args, true).await {
+        let via = Via::Master(term.lane, master);
+        match self.send(via, &term, Vec::new(), args, true).await {
             Ok(reply) => split(reply, count),
             Err(e) => vec![Err(e); count],
         }
     }
 
-    /// Sends until Redis answers, or `until`. TRYAGAIN: a slot is being migrated and this
+    /// Sends until Redis answers, or the term's end. TRYAGAIN: a slot is being migrated and this
     /// call's keys are split between two masters for a moment; Redis asks to send it again
     /// shortly. A missing function (a restart, FUNCTION FLUSH, a node that never saw it): load
     /// it and send again, once. Keys and arguments are shared buffers: a copy to send again is
@@ -320,17 +328,18 @@ impl Sender {
     async fn send(
         &self,
         via: Via<'_>,
-        until: Instant,
+        term: &Term,
         keys: Vec<Key>,
         args: Vec<Value>,
         spread: bool,
     ) -> Result<Value, StoreError> {
+        let until = term.until;
         let mut loaded = false;
         loop {
             // A zero timeout is none to the client: a call with no time left is not sent.
             let wait = until.saturating_duration_since(Instant::now());
             if wait.is_zero() {
-                return Err(StoreError::Timeout(self.timeout));
+                return Err(term.gave_up());
             }
             let pool = match via {
                 Via::Master(_, master) => master.pool.load(),
@@ -371,8 +380,10 @@ impl Sender {
                     loaded = true;
                     // Boxed: rare, and its future (about 7 KB) would otherwise be part of
                     // every call's, and of every decision's that awaits one.
-                    Box::pin(self.load_by(&pool, until)).await?;
+                    Box::pin(self.load_by(&pool, term)).await?;
                 }
+                // The client's own timeout: the call's term ended.
+                Err(e) if *e.kind() == ErrorKind::Timeout => return Err(term.gave_up()),
                 Err(e) => return Err(call_failed(&e)),
             }
         }
@@ -381,32 +392,57 @@ impl Sender {
     /// Loads the library for a call that found it missing: in a task of its own, so that it
     /// completes (within `--redis-connect-timeout`) for the calls after this one even when
     /// this call's time runs out first.
-    async fn load_by(&self, pool: &Pool, until: Instant) -> Result<(), StoreError> {
+    async fn load_by(&self, pool: &Pool, term: &Term) -> Result<(), StoreError> {
         let (library, client, timeout) =
             (self.library.clone(), pool.next().clone(), self.load_timeout);
         let load = tokio::spawn(async move { library.load(&client, timeout).await });
-        match tokio::time::timeout_at(until, load).await {
+        match tokio::time::timeout_at(term.until, load).await {
             Ok(Ok(Ok(()))) => Ok(()),
             Ok(Ok(Err(e))) => Err(call_failed(&e)),
             Ok(Err(_)) => Err(StoreError::unavailable(
                 "loading the function library failed",
             )),
-            Err(_) => Err(StoreError::Timeout(self.timeout)),
+            Err(_) => Err(term.gave_up()),
         }
     }
 }
 
-/// Until when a call carrying `requests` waits for Redis, from `now`: as long as the latest
-/// of their [`Request::answer_by`], so that none is answered by the failure policy while it
-/// would still take Redis's answer (a request whose time is up sooner is answered then by
-/// [`super::batch::Batcher`]'s timer). `None` when every request's time is up: nothing to
-/// send.
-fn call_until(requests: &[Request], now: Instant) -> Option<Instant> {
+/// What a call waits for: its client (its first request's lane), when it was sent, and until
+/// when it waits for Redis ([`call_until`]) and why then.
+pub(super) struct Term {
+    pub lane: usize,
+    pub sent: Instant,
+    pub until: Instant,
+    pub bound: Bound,
+}
+
+impl Term {
+    /// The call's error once its term ended without Redis's reply.
+    pub fn gave_up(&self) -> StoreError {
+        let waited = self.until.saturating_duration_since(self.sent);
+        StoreError::Timeout(Waited::Redis(waited, self.bound))
+    }
+}
+
+/// Until when a call carrying `requests`, sent at `now`, waits for Redis: as long as the
+/// latest of their moments ([`Deadlines::reply_by`], `timeout` being `--redis-timeout`), so
+/// that none is answered by the failure policy while it would still take Redis's answer (one
+/// whose moment comes sooner is answered then by [`super::batch::Batcher`]). `None` when
+/// every request's time is up: nothing to send.
+fn call_until(requests: &[Request], now: Instant, timeout: Duration) -> Option<(Instant, Bound)> {
     requests
         .iter()
-        .map(|r| r.answer_by)
-        .max()
-        .filter(|&until| until > now)
+        .map(|r| r.deadlines.reply_by(now, timeout))
+        .filter(|(by, _)| *by > now)
+        .max_by_key(|(until, _)| *until)
+}
+
+/// Why a call whose every request's time is up before it is sent answers so: they waited for
+/// a turn until their moments.
+fn no_time_left(requests: &[Request]) -> StoreError {
+    let deadlines = requests.first().map(|r| r.deadlines);
+    let bound = deadlines.map_or(Bound::CallerDeadline, |d| d.turn_bound());
+    StoreError::Timeout(Waited::Turn(Duration::ZERO, bound))
 }
 
 /// Whether a cluster call failed because its keys are not where it was sent: a replica since a
@@ -587,25 +623,42 @@ mod tests {
     #[test]
     fn a_call_waits_until_its_latest_requests_moment() {
         let now = Instant::now();
-        let request = |ms: i64| Request {
+        let ms = |ms: i64| {
+            if ms >= 0 {
+                now + Duration::from_millis(ms.unsigned_abs())
+            } else {
+                now - Duration::from_millis(ms.unsigned_abs())
+            }
+        };
+        let request = |caller: i64| Request {
             now_ms: None,
             keys: Vec::new(),
             args: Vec::new(),
             slots: Slots::Standalone,
             lane: 0,
-            answer_by: if ms >= 0 {
-                now + Duration::from_millis(ms.unsigned_abs())
-            } else {
-                now - Duration::from_millis(ms.unsigned_abs())
+            deadlines: Deadlines {
+                caller: Some(ms(caller)),
+                turn: ms(caller),
             },
         };
-        let until = |ms: &[i64]| {
-            let requests: Vec<Request> = ms.iter().map(|&m| request(m)).collect();
-            call_until(&requests, now).map(|u| u.duration_since(now).as_millis())
+        let until = |callers: &[i64]| {
+            let requests: Vec<Request> = callers.iter().map(|&c| request(c)).collect();
+            call_until(&requests, now, Duration::from_millis(15))
+                .map(|(u, bound)| (u.duration_since(now).as_millis(), bound))
         };
-        assert_eq!(until(&[15]), Some(15));
-        assert_eq!(until(&[5, 15, 12]), Some(15), "the latest");
-        assert_eq!(until(&[-1, 4]), Some(4), "one whose time is up rides along");
+        let caller = Bound::CallerDeadline;
+        assert_eq!(until(&[10]), Some((10, caller)));
+        assert_eq!(
+            until(&[100]),
+            Some((15, Bound::RedisTimeout)),
+            "--redis-timeout first"
+        );
+        assert_eq!(until(&[5, 12, 9]), Some((12, caller)), "the latest");
+        assert_eq!(
+            until(&[-1, 4]),
+            Some((4, caller)),
+            "one whose time is up rides along"
+        );
         assert_eq!(until(&[0, -3]), None, "every request's time is up");
         assert_eq!(until(&[]), None, "no request, no call");
     }
@@ -618,7 +671,7 @@ mod tests {
             args: Vec::new(),
             slots: Slots::Standalone,
             lane: 0,
-            answer_by: Instant::now(),
+            deadlines: Deadlines::for_caller(Instant::now(), Duration::ZERO, None),
         };
         let now = |nows: &[Option<u64>]| {
             let requests: Vec<Request> = nows.iter().map(|&n| request(n)).collect();

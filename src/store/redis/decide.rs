@@ -154,7 +154,9 @@ impl RedisStore {
         mode: Mode,
     ) -> call::Answer {
         self.sender.resent.fetch_add(1, Ordering::Relaxed);
-        self.sender.refresh(call.answer_by).await;
+        // Reading the slots again is waited for as a call sent now would be.
+        let (until, _) = call.deadlines.reply_by(Instant::now(), self.sender.timeout);
+        self.sender.refresh(until).await;
         let now = self
             .nodes
             .as_ref()
@@ -179,7 +181,7 @@ impl RedisStore {
         // Still the master that refused it: the slot is migrating from it, and this request's
         // keys have left it (or are new).
         let importer = match (&source, &self.nodes) {
-            (Some(source), Some(nodes)) => nodes.importer(slot, source, call.answer_by).await,
+            (Some(source), Some(nodes)) => nodes.importer(slot, source, until).await,
             _ => None,
         };
         let answer = match importer.as_ref().and_then(|b| b.master()) {
@@ -210,7 +212,7 @@ impl RedisStore {
             // Requests take the pool's clients in turn, as `Pool::next` would hand them out
             // (the low 32 bits: a `usize` on every target).
             lane: usize::try_from(number & u64::from(u32::MAX)).unwrap_or(0),
-            answer_by: crate::store::answer_by(Instant::now(), self.sender.timeout),
+            deadlines: Deadlines::new(Instant::now(), self.recipe.options.queue_timeout),
         };
         let mode = match (rejected, groups.len()) {
             (true, _) => Mode::Rejected,
@@ -542,8 +544,8 @@ impl RedisStore {
 pub(super) struct Call {
     pub(super) number: u64,
     pub(super) lane: usize,
-    /// When the request is answered by the failure policy if Redis has not answered it.
-    pub(super) answer_by: Instant,
+    /// Until when the request may wait for its turn, and for Redis once sent.
+    pub(super) deadlines: Deadlines,
 }
 
 /// Items of a request that go in one script call.

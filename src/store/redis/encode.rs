@@ -86,7 +86,7 @@ impl RedisStore {
             args,
             slots,
             lane: call.lane,
-            answer_by: call.answer_by,
+            deadlines: call.deadlines,
         }
     }
 

@@ -65,8 +65,8 @@ use nodes::Nodes;
 pub use crate::tls::TlsFiles;
 
 use super::{
-    Algorithm, CheckItem, CheckOutcome, ItemOutcome, LogFormat, Store, StoreError, StoreFuture,
-    WindowOutcome, admits, push_decimal, rule_text,
+    Algorithm, CheckItem, CheckOutcome, Deadlines, ItemOutcome, LogFormat, Store, StoreError,
+    StoreFuture, Waited, WindowOutcome, admits, push_decimal, rule_text,
 };
 
 type UndoFuture<'a> =
@@ -90,8 +90,12 @@ pub struct RedisOptions {
     /// user and password in the URL.
     pub url: String,
     pub pool_size: usize,
-    /// Deadline for one decision, all slots included.
+    /// How long a call sent to Redis is waited for (`--redis-timeout`; a caller's deadline may
+    /// end it sooner).
     pub timeout: Duration,
+    /// How long a decision whose caller sent no deadline may wait for its turn to call Redis
+    /// (`--redis-queue-timeout`).
+    pub queue_timeout: Duration,
     pub connect_timeout: Duration,
     pub clock: ClockSource,
     /// CA, client certificate and hostname policy for `rediss://`; empty: system CAs.
@@ -231,13 +235,12 @@ impl RedisStore {
 
 impl RedisStore {
     /// [`RedisStore::decide`] when its turn comes, and the health note of how it went. A
-    /// decision has until its moment ([`crate::store::answer_by`]: `--redis-timeout` after it
-    /// reaches the store, or sooner before its caller's deadline), its wait for a turn
-    /// included (the batchers' queues, one per master on a cluster: `batch.rs`). A call's
+    /// decision waits for its turn (the batchers' queues, one per master on a cluster:
+    /// `batch.rs`) and then for Redis, each within its own bound ([`Deadlines`]). A call's
     /// commands are bounded by the client's own timeout, which also marks a command so that it
     /// is never sent after a reconnection once its caller was told it failed (a timer of ours
     /// dropping the call would leave it unmarked, and Redis would record hits for a call long
-    /// answered with an error).
+    /// answered with an error). A decision that never had its turn says nothing of the client.
     async fn checked(
         &self,
         items: &[CheckItem<'_>],
@@ -249,7 +252,7 @@ impl RedisStore {
         // A protocol error is an answer: the client works.
         self.note(!matches!(
             result,
-            Err(StoreError::Timeout(_) | StoreError::Unavailable { .. })
+            Err(StoreError::Timeout(Waited::Redis(..)) | StoreError::Unavailable { .. })
         ));
         result
     }
