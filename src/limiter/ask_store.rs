@@ -76,7 +76,7 @@ impl Limiter {
         let mut rest_outcomes = if rest.is_empty() {
             Vec::new()
         } else {
-            match self.ask_store(&rest, now_ms, true).await {
+            match self.ask_store(&rest, now_ms, true, policy).await {
                 Ok(outcome) => {
                     self.remember(&rest, &outcome.items, now_ms, generation);
                     outcome.items
@@ -118,12 +118,17 @@ impl Limiter {
     }
 
     /// One store call, timed for the observer; `rejected`: the request is already rejected
-    /// (`Store::check_rejected`).
+    /// (`Store::check_rejected`). Where the store failing means the deny policy answers
+    /// `OVER_LIMIT`, the store takes back what it records after giving up
+    /// (`Store::check_or_take_back`): such a request never passed. Under the other policies
+    /// what it records stands: with `allow` the request passed, and with `error` Envoy's
+    /// `failure_mode_deny` decided.
     async fn ask_store(
         &self,
         items: &[CheckItem<'_>],
         now_ms: u64,
         rejected: bool,
+        policy: FailurePolicy,
     ) -> Result<CheckOutcome, StoreError> {
         let started = Stopwatch::start();
         // A trace's child span per store call (made only as the call's own span is).
@@ -139,17 +144,14 @@ impl Limiter {
         } else {
             tracing::Span::none()
         };
-        let result = if rejected {
-            self.store
-                .check_rejected(items, now_ms)
-                .instrument(span.clone())
-                .await
+        let asked = if rejected {
+            self.store.check_rejected(items, now_ms)
+        } else if policy == FailurePolicy::Deny {
+            self.store.check_or_take_back(items, now_ms)
         } else {
-            self.store
-                .check(items, now_ms)
-                .instrument(span.clone())
-                .await
+            self.store.check(items, now_ms)
         };
+        let result = asked.instrument(span.clone()).await;
         span.record(
             "outcome",
             result.as_ref().map_or_else(StoreError::kind, |_| "ok"),
@@ -166,7 +168,7 @@ impl Limiter {
         now_ms: u64,
         policy: FailurePolicy,
     ) -> Result<CheckOutcome, LimiterError> {
-        match self.ask_store(items, now_ms, false).await {
+        match self.ask_store(items, now_ms, false, policy).await {
             Ok(outcome) => Ok(outcome),
             Err(error) => self.by_policy(items, error, now_ms, policy),
         }

@@ -382,6 +382,18 @@ pub trait Store: Send + Sync + 'static {
     /// window had room for one more hit. Items that do not fit and have a ban get banned.
     fn check<'a>(&'a self, items: &'a [CheckItem<'a>], now_ms: u64) -> StoreFuture<'a>;
 
+    /// Decides as [`Store::check`], for a request whose caller is answered `OVER_LIMIT` (the
+    /// deny policy) if the store gives up on it: hits a reply shows recorded after the store
+    /// gave up are taken back, since the request never passed. A store that cannot answer late
+    /// decides as `check` does.
+    fn check_or_take_back<'a>(
+        &'a self,
+        items: &'a [CheckItem<'a>],
+        now_ms: u64,
+    ) -> StoreFuture<'a> {
+        self.check(items, now_ms)
+    }
+
     /// Decides a batch whose request is already rejected by a descriptor known to be over (not
     /// among `items`; the limiter's over-limit cache): as [`Store::check`] with one more
     /// enforcing item that does not fit. Nothing is recorded but debits, and items that do not

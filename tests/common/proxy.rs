@@ -43,6 +43,18 @@ struct Faults {
     resets: watch::Sender<u64>,
     /// Connections accepted so far.
     accepted: AtomicU64,
+    /// Reads taken from the clients so far (each a write of theirs, or part of one).
+    taken: AtomicU64,
+    /// When the proxy started, and when it last took or passed on bytes (µs after it).
+    started: Instant,
+    last_bytes_us: AtomicU64,
+}
+
+impl Faults {
+    fn bytes_moved(&self) {
+        let us = u64::try_from(self.started.elapsed().as_micros()).unwrap_or(u64::MAX);
+        self.last_bytes_us.store(us, Ordering::SeqCst);
+    }
 }
 
 /// A running proxy: clients connect to `port`, and reach `upstream` through it.
@@ -69,6 +81,9 @@ impl FaultProxy {
             stalled: watch::channel(false).0,
             resets: watch::channel(0).0,
             accepted: AtomicU64::new(0),
+            taken: AtomicU64::new(0),
+            started: Instant::now(),
+            last_bytes_us: AtomicU64::new(0),
         });
         // Bound here, so that the port takes connections once this returns; served on the
         // proxy's runtime (this may run inside a test's, which must not be blocked on).
@@ -147,6 +162,18 @@ impl FaultProxy {
     pub fn accepted(&self) -> u64 {
         self.faults.accepted.load(Ordering::SeqCst)
     }
+
+    /// Reads taken from the clients so far: a command sent is at least one.
+    pub fn taken(&self) -> u64 {
+        self.faults.taken.load(Ordering::SeqCst)
+    }
+
+    /// Whether no byte has been taken or passed on for `quiet`: nothing is in flight through
+    /// the proxy, nor was lately.
+    pub fn quiet_for(&self, quiet: Duration) -> bool {
+        let last = Duration::from_micros(self.faults.last_bytes_us.load(Ordering::SeqCst));
+        self.faults.started.elapsed().saturating_sub(last) >= quiet
+    }
 }
 
 impl Drop for FaultProxy {
@@ -180,15 +207,11 @@ async fn relay(mut client: TcpStream, upstream: u16, faults: Arc<Faults>) {
         let up = pump(
             from_client,
             to_server,
+            &faults,
             &faults.up_us,
-            faults.stalled.subscribe(),
+            Some(&faults.taken),
         );
-        let down = pump(
-            from_server,
-            to_client,
-            &faults.down_us,
-            faults.stalled.subscribe(),
-        );
+        let down = pump(from_server, to_client, &faults, &faults.down_us, None);
         tokio::select! {
             _ = async { tokio::join!(up, down) } => false,
             _ = resets.changed() => true,
@@ -208,19 +231,26 @@ fn reset_on_close(stream: &TcpStream) {
 }
 
 /// Passes what `from` sends on to `to`, each read held `delay` (µs, read when it arrives), and
-/// nothing while `stalled`; ends when `from` ends or `to` fails.
+/// nothing while stalled, counting its reads in `reads` where given; ends when `from` ends or
+/// `to` fails.
 async fn pump(
     mut from: ReadHalf<'_>,
     mut to: WriteHalf<'_>,
+    faults: &Faults,
     delay: &AtomicU64,
-    mut stalled: watch::Receiver<bool>,
+    reads: Option<&AtomicU64>,
 ) {
+    let mut stalled = faults.stalled.subscribe();
     let (held, mut due) = mpsc::unbounded_channel::<(Instant, Vec<u8>)>();
     let read = async move {
         let mut buffer = vec![0u8; 64 * 1024];
         while let Ok(n) = from.read(&mut buffer).await {
             if n == 0 {
                 break;
+            }
+            faults.bytes_moved();
+            if let Some(reads) = reads {
+                reads.fetch_add(1, Ordering::SeqCst);
             }
             let at = Instant::now() + Duration::from_micros(delay.load(Ordering::SeqCst));
             if held.send((at, buffer[..n].to_vec())).is_err() {
@@ -236,6 +266,7 @@ async fn pump(
             {
                 return;
             }
+            faults.bytes_moved();
         }
         let _ = to.shutdown().await;
     };

@@ -100,6 +100,20 @@ fn wide(domain: &str, tag: &str, n: usize) -> slidegate::limiter::Request {
     slidegate::wire::from_proto(request(domain, descriptors))
 }
 
+/// `limiter`'s decision of `request` for a caller that waits until `deadline` from now, where
+/// it sets one.
+async fn decide_for(
+    limiter: &Limiter,
+    request: &slidegate::limiter::Request,
+    deadline: Option<Duration>,
+) -> Result<Decision, LimiterError> {
+    let decision = limiter.should_rate_limit(request);
+    match deadline {
+        Some(d) => with_caller_deadline(tokio::time::Instant::now() + d, decision).await,
+        None => decision.await,
+    }
+}
+
 /// `calls` decisions of 32 descriptors each, all at once, each for a caller with `deadline`
 /// (or none): how each was answered, and how long it took.
 async fn all_at_once(
@@ -119,13 +133,7 @@ async fn all_at_once(
             let limiter = limiter.clone();
             tokio::spawn(async move {
                 let started = Instant::now();
-                let decision = limiter.should_rate_limit(&request);
-                let decided = match deadline {
-                    Some(d) => {
-                        with_caller_deadline(tokio::time::Instant::now() + d, decision).await
-                    }
-                    None => decision.await,
-                };
+                let decided = decide_for(&limiter, &request, deadline).await;
                 (decided, started.elapsed())
             })
         })
@@ -223,5 +231,119 @@ async fn a_turn_and_a_reply_are_waited_for_each_within_its_own_bound() {
             text.ends_with(", until just before the caller's deadline"),
             "{text}"
         );
+    }
+}
+
+/// `calls` decisions at once for `[k=<user>]` per user, each for a caller with `deadline`
+/// (or none), and each user's calls one after another: per user, how many were admitted.
+async fn per_user(
+    limiter: &Arc<Limiter>,
+    domain: &str,
+    users: &[String],
+    calls: usize,
+    deadline: Option<Duration>,
+) -> Vec<usize> {
+    let tasks: Vec<_> = users
+        .iter()
+        .map(|user| {
+            let (limiter, domain, user) = (limiter.clone(), domain.to_string(), user.clone());
+            tokio::spawn(async move {
+                let mut admitted = 0;
+                for _ in 0..calls {
+                    let request = slidegate::wire::from_proto(request(
+                        &domain,
+                        vec![descriptor(&[("k", &user)])],
+                    ));
+                    let decision = decide_for(&limiter, &request, deadline)
+                        .await
+                        .unwrap_or_else(|e| panic!("the deny policy answers, not an error: {e}"));
+                    admitted += usize::from(decision.overall == Code::Ok);
+                }
+                admitted
+            })
+        })
+        .collect();
+    let mut admitted = Vec::new();
+    for task in tasks {
+        admitted.push(task.await.expect("user task"));
+    }
+    admitted
+}
+
+/// FCALLs Redis has run so far (decisions and undos alike).
+fn fcalls(redis: &RedisProcess) -> u64 {
+    redis
+        .cmd("INFO commandstats")
+        .lines()
+        .find_map(|line| line.strip_prefix("cmdstat_fcall:calls="))
+        .and_then(|rest| rest.split(',').next()?.parse().ok())
+        .unwrap_or(0)
+}
+
+/// Overload takes no one's quota: Redis slowed past `--redis-timeout` (every call takes 120 ms,
+/// the timeout is 50 ms) for a domain whose store failures the deny policy answers. Every call
+/// is answered `OVER_LIMIT` by the policy; the calls that went out record their hits when they
+/// run, and the late replies are taken back; a decision still waiting for its turn when its
+/// caller's deadline comes is never sent. After the link heals, each user gets exactly its
+/// limit (5) counting only what was answered OK, and each log holds what was admitted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn hits_answered_by_the_deny_policy_are_taken_back() {
+    let redis = RedisProcess::start(&[]);
+    let proxy = FaultProxy::start(redis.port);
+    let ms = Duration::from_millis;
+    let store = store_through(&proxy, ms(50), Duration::from_secs(1)).await;
+    let (limiter, domain) = limiter_on(store, 5, FailurePolicy::Deny);
+    let users: Vec<String> = (0..10).map(|u| format!("u{u}")).collect();
+    let log = |user: &str| format!("rl:{{{domain}:k={user}}}:log");
+    let held = |user: &str| log_entries(redis.port, &log(user)).len();
+    proxy.delay(ms(60));
+    let mut admitted = per_user(&limiter, &domain, &users, 3, None).await;
+    assert!(
+        admitted.iter().all(|&a| a == 0),
+        "admitted through a slow link: {admitted:?}"
+    );
+    // Nothing left in flight (late replies, their undos) and nothing left recorded.
+    let taken_back = || {
+        wait_until("every late hit taken back", Duration::from_secs(10), || {
+            proxy.quiet_for(ms(300)) && users.iter().all(|u| held(u) == 0)
+        });
+    };
+    taken_back();
+    // Two callers without a deadline take both calls out, answered by the policy 50 ms after
+    // they are sent; eight that give 30 ms wait for a turn behind them and are answered when
+    // it ends, before those calls' moment: never sent. Redis runs the two calls and their
+    // undos, nothing more.
+    let before = fcalls(&redis);
+    let taken = proxy.taken();
+    let (blocked, queued) =
+        tokio::join!(per_user(&limiter, &domain, &users[..2], 1, None), async {
+            let end = Instant::now() + Duration::from_secs(5);
+            while proxy.taken() < taken + 2 {
+                assert!(Instant::now() < end, "the two calls never went out");
+                tokio::time::sleep(ms(1)).await;
+            }
+            per_user(&limiter, &domain, &users[2..], 1, Some(ms(30))).await
+        });
+    assert!(blocked.iter().chain(&queued).all(|&a| a == 0));
+    taken_back();
+    proxy.delay(Duration::ZERO);
+    assert_eq!(
+        fcalls(&redis) - before,
+        4,
+        "two calls and two undos for ten callers, of whom two had their turn"
+    );
+    for (total, now) in admitted
+        .iter_mut()
+        .zip(per_user(&limiter, &domain, &users, 8, None).await)
+    {
+        *total += now;
+    }
+    assert_eq!(
+        admitted,
+        vec![5; users.len()],
+        "each user's limit, once healed"
+    );
+    for user in &users {
+        assert_eq!(held(user), 5, "{user}'s log holds what was admitted");
     }
 }

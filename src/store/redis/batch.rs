@@ -17,6 +17,7 @@ use tokio::time::Instant;
 
 use super::call::{Answer, DESCRIPTORS_PER_CALL, Request, Sender, not_served};
 use super::master::{Master, RATE_WINDOW, Remedy};
+use super::take_back::TakeBack;
 use crate::store::{Bound, StoreError, Waited};
 
 /// Requests waiting for a call, and how many calls are out.
@@ -94,6 +95,7 @@ impl Batcher {
                 queue.next_id += 1;
                 let until = request.deadlines.turn;
                 let bound = request.deadlines.turn_bound();
+                let take_back = request.take_back.clone();
                 queue.waiting.push_back(Waiting {
                     id,
                     request,
@@ -106,10 +108,15 @@ impl Batcher {
                     since,
                     until,
                     bound,
+                    take_back,
                 }
             }
         };
         match turn {
+            // Boxed: its future would otherwise enlarge every decision's.
+            Turn::Now(request) if request.take_back.is_some() => {
+                Box::pin(self.alone_taking_back(request, sender)).await
+            }
             Turn::Now(request) => {
                 let _out = CallOut {
                     batcher: self.clone(),
@@ -125,6 +132,7 @@ impl Batcher {
                 since,
                 until,
                 bound,
+                take_back,
             } => {
                 let answer = match tokio::time::timeout_at(until, &mut later).await {
                     Ok(answer) => answer,
@@ -134,11 +142,54 @@ impl Batcher {
                     // Its call is out: the call answers it by its reply moment.
                     Err(_) => later.await,
                 };
-                answer.unwrap_or_else(|_| {
+                let answer = answer.unwrap_or_else(|_| {
                     Err(StoreError::unavailable(
                         "the call carrying this request was dropped",
                     ))
-                })
+                });
+                if let (Some(take_back), Err(StoreError::Timeout(Waited::Redis(..)))) =
+                    (take_back, &answer)
+                {
+                    take_back.answered();
+                }
+                answer
+            }
+        }
+    }
+
+    /// A call of `request` alone, whose recorded hits are taken back if its caller is answered
+    /// by the policy before the reply comes: the call waits for the late reply (`call.rs`,
+    /// `call_until`), in a task of its own once the decision's moment has passed, and its
+    /// place goes on then, as any call's does at its moment.
+    async fn alone_taking_back(self: &Arc<Self>, request: Request, sender: &Sender) -> Answer {
+        let sent = Instant::now();
+        let (by, bound) = request.deadlines.reply_by(sent, sender.timeout);
+        let (take_back, lane) = (request.take_back.clone(), request.lane);
+        let out = CallOut {
+            batcher: self.clone(),
+            sender: sender.clone(),
+        };
+        let (batcher, owned) = (self.clone(), sender.clone());
+        let mut call = Box::pin(async move {
+            let answer = owned.call_one(batcher.master.as_deref(), request).await;
+            batcher.note(&answer, &owned);
+            answer
+        });
+        tokio::select! {
+            biased;
+            answer = &mut call => answer,
+            () = tokio::time::sleep_until(by) => {
+                drop(out);
+                let (sender, master) = (sender.clone(), self.master.clone());
+                if let Some(take_back) = &take_back {
+                    take_back.answered();
+                }
+                tokio::spawn(async move {
+                    if let (Ok(reply), Some(take_back)) = (call.await, take_back) {
+                        take_back.take_back(&reply, &sender, master.as_deref(), lane).await;
+                    }
+                });
+                Err(StoreError::Timeout(Waited::Redis(by.duration_since(sent), bound)))
             }
         }
     }
@@ -232,51 +283,82 @@ impl Batcher {
             }
             return;
         };
-        let (batcher, sender, master) = (self.clone(), sender.clone(), self.master.clone());
-        // The guard is made inside the task: a task dropped unstarted hands nothing on.
-        runtime.spawn(async move {
-            let _out = CallOut {
-                batcher,
-                sender: sender.clone(),
-            };
-            let sent = Instant::now();
-            let mut pending = Vec::with_capacity(batch.len());
-            let mut requests = Vec::with_capacity(batch.len());
-            for waiting in batch {
-                pending.push(Pending {
-                    answer: Some(waiting.answer),
-                    by: waiting.request.deadlines.reply_by(sent, sender.timeout),
-                });
-                requests.push(waiting.request);
-            }
-            let call = sender.call(master.as_deref(), requests);
-            let replies = answer_in_time(call, &mut pending, sent).await;
-            if let Some(first) = replies.first() {
-                _out.batcher.note(first, &sender);
-            }
-            for (pending, reply) in pending.into_iter().zip(replies) {
-                if let Some(answer) = pending.answer {
+        let (batcher, sender) = (self.clone(), sender.clone());
+        runtime.spawn(batcher.send(batch, sender));
+    }
+
+    /// Sends `batch` in one call, answers each request by its moment or by Redis's reply,
+    /// hands the call's place on, and takes back what the reply shows recorded for requests
+    /// whose callers the policy answered first, where asked to ([`TakeBack`]). The place's
+    /// guard is made inside the task: a task dropped unstarted hands nothing on.
+    async fn send(self: Arc<Self>, batch: Vec<Waiting>, sender: Sender) {
+        let master = self.master.clone();
+        let out = CallOut {
+            batcher: self,
+            sender: sender.clone(),
+        };
+        let sent = Instant::now();
+        let mut pending = Vec::with_capacity(batch.len());
+        let mut requests = Vec::with_capacity(batch.len());
+        for waiting in batch {
+            pending.push(Pending {
+                answer: Some(waiting.answer),
+                by: waiting.request.deadlines.reply_by(sent, sender.timeout),
+                take_back: waiting.request.take_back.clone(),
+                lane: waiting.request.lane,
+            });
+            requests.push(waiting.request);
+        }
+        let call = sender.call(master.as_deref(), requests);
+        let batcher = out.batcher.clone();
+        let mut out = Some(out);
+        let replies = answer_in_time(call, &mut pending, sent, &mut out).await;
+        if let Some(first) = replies.first() {
+            batcher.note(first, &sender);
+        }
+        let mut late = Vec::new();
+        for (pending, reply) in pending.into_iter().zip(replies) {
+            match (pending.answer, pending.take_back, reply) {
+                (Some(answer), _, reply) => {
                     let _ = answer.send(reply);
                 }
+                (None, Some(take_back), Ok(reply)) if take_back.was_answered() => {
+                    late.push((take_back, reply, pending.lane));
+                }
+                _ => {}
             }
-        });
+        }
+        // The call's place goes on before what it recorded late is taken back.
+        drop(out);
+        for (take_back, reply, lane) in late {
+            take_back
+                .take_back(&reply, &sender, master.as_deref(), lane)
+                .await;
+        }
     }
 }
 
-/// A request of a call that is out: where its answer goes (until it is given), and until when
-/// Redis's reply is its caller's ([`crate::store::Deadlines::reply_by`]).
+/// A request of a call that is out: where its answer goes (until it is given), until when
+/// Redis's reply is its caller's ([`crate::store::Deadlines::reply_by`]), and, where its
+/// recorded hits are to be taken back if its caller is answered by the policy first, what it
+/// records (its decision marks there that the policy answered it).
 struct Pending {
     answer: Option<oneshot::Sender<Answer>>,
     by: (Instant, Bound),
+    take_back: Option<Arc<TakeBack>>,
+    lane: usize,
 }
 
 /// The replies of `call` (sent at `sent`), each request's caller answered by the failure
 /// policy meanwhile once its moment passes: the requests of one call came at different times,
-/// for callers of different deadlines, and the call waits for the latest of them.
+/// for callers of different deadlines, and the call waits for the latest of them. Once every
+/// caller is answered, the call's place goes on (`out`): a call that still waits then waits
+/// only for a late reply whose hits are to be taken back, and holds up no decision.
 async fn answer_in_time(
     call: impl Future<Output = Vec<Answer>>,
     pending: &mut [Pending],
     sent: Instant,
+    out: &mut Option<CallOut>,
 ) -> Vec<Answer> {
     tokio::pin!(call);
     loop {
@@ -286,6 +368,7 @@ async fn answer_in_time(
             .map(|p| p.by.0)
             .min();
         let Some(next) = next else {
+            drop(out.take());
             return call.await;
         };
         tokio::select! {
@@ -307,13 +390,14 @@ async fn answer_in_time(
 enum Turn {
     Now(Request),
     /// Queued as `id` at `since`, answered by the policy at `until` (for `bound`) if its call
-    /// has not taken it by then.
+    /// has not taken it by then; what it records, where it is to be taken back.
     Later {
         id: u64,
         later: oneshot::Receiver<Answer>,
         since: Instant,
         until: Instant,
         bound: Bound,
+        take_back: Option<Arc<TakeBack>>,
     },
 }
 
@@ -365,6 +449,7 @@ mod tests {
             slots: Slots::Standalone,
             lane: 0,
             deadlines: crate::store::Deadlines::for_caller(Instant::now(), Duration::ZERO, None),
+            take_back: None,
         };
         let call = sender.call_one(None, request());
         let batcher = Batcher::new(1);

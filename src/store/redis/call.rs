@@ -16,6 +16,7 @@ use tokio::time::Instant;
 use super::encode::{int, number};
 use super::master::Master;
 use super::packed::{self, Item, Items};
+use super::take_back::TakeBack;
 use super::{Library, call_failed};
 use crate::store::{Bound, Deadlines, StoreError, Waited};
 
@@ -40,6 +41,10 @@ pub(super) struct Request {
     pub lane: usize,
     /// Until when it may wait for its turn, and for Redis once sent ([`Deadlines`]).
     pub deadlines: Deadlines,
+    /// Where its caller is answered `OVER_LIMIT` by the deny policy if Redis has not answered
+    /// by its moment: what it records, taken back from a reply that comes after all
+    /// (`take_back.rs`).
+    pub take_back: Option<Arc<TakeBack>>,
 }
 
 impl Request {
@@ -214,6 +219,16 @@ impl Sender {
         }
     }
 
+    /// The client a call of `lane` goes by: `master`'s own, on a cluster where its master is
+    /// known; else the redirect client on a cluster, or the pool's client of `lane`.
+    pub fn client_for(&self, master: Option<&Master>, lane: usize) -> Client {
+        match master {
+            Some(master) => client_of(&master.pool.load(), lane, false).clone(),
+            None if self.redirect => redirect_client(&self.pool.load()).clone(),
+            None => client_of(&self.pool.load(), lane, false).clone(),
+        }
+    }
+
     /// Reads the cluster's slots again, by the redirect client (the one client that stops for
     /// it), waiting at most until `until`; one read at a time, and none again within
     /// [`READ_AGAIN_AFTER`] of the last; the store's routing copy is read again after it.
@@ -255,7 +270,7 @@ impl Sender {
     fn terms(&self, requests: &[Request]) -> Option<Term> {
         let lane = requests.first().map_or(0, |r| r.lane);
         let sent = Instant::now();
-        let (until, bound) = call_until(requests, sent, self.timeout)?;
+        let (until, bound) = call_until(requests, sent, self.timeout, self.load_timeout)?;
         Some(Term {
             lane,
             sent,
@@ -427,13 +442,27 @@ impl Term {
 /// Until when a call carrying `requests`, sent at `now`, waits for Redis: as long as the
 /// latest of their moments ([`Deadlines::reply_by`], `timeout` being `--redis-timeout`), so
 /// that none is answered by the failure policy while it would still take Redis's answer (one
-/// whose moment comes sooner is answered then by [`super::batch::Batcher`]). `None` when
-/// every request's time is up: nothing to send.
-fn call_until(requests: &[Request], now: Instant, timeout: Duration) -> Option<(Instant, Bound)> {
+/// whose moment comes sooner is answered then by [`super::batch::Batcher`]); and `late` after
+/// it is sent (`--redis-connect-timeout`: how long the client waits on a silent connection
+/// before it drops it, and with it any reply) where a request's recorded hits are to be taken
+/// back from a reply that comes after its moment ([`Request::take_back`]). `None` when every
+/// request's time is up: nothing to send.
+fn call_until(
+    requests: &[Request],
+    now: Instant,
+    timeout: Duration,
+    late: Duration,
+) -> Option<(Instant, Bound)> {
     requests
         .iter()
-        .map(|r| r.deadlines.reply_by(now, timeout))
-        .filter(|(by, _)| *by > now)
+        .filter_map(|r| {
+            let (by, bound) = r.deadlines.reply_by(now, timeout);
+            match &r.take_back {
+                _ if by <= now => None,
+                Some(_) if now + late > by => Some((now + late, Bound::ConnectTimeout)),
+                _ => Some((by, bound)),
+            }
+        })
         .max_by_key(|(until, _)| *until)
 }
 
@@ -618,8 +647,9 @@ mod tests {
         );
     }
 
-    /// A call waits until the latest of its requests' moments to be answered; a call whose
-    /// requests' time is all up is not sent.
+    /// A call waits until the latest of its requests' moments to be answered, and as long as
+    /// the client waits on a silent connection where a request's recorded hits are to be taken
+    /// back from a late reply; a call whose requests' time is all up is not sent.
     #[test]
     fn a_call_waits_until_its_latest_requests_moment() {
         let now = Instant::now();
@@ -630,7 +660,7 @@ mod tests {
                 now - Duration::from_millis(ms.unsigned_abs())
             }
         };
-        let request = |caller: i64| Request {
+        let request = |caller: i64, take_back: bool| Request {
             now_ms: None,
             keys: Vec::new(),
             args: Vec::new(),
@@ -640,26 +670,41 @@ mod tests {
                 caller: Some(ms(caller)),
                 turn: ms(caller),
             },
+            take_back: take_back.then(|| Arc::new(TakeBack::default())),
         };
-        let until = |callers: &[i64]| {
-            let requests: Vec<Request> = callers.iter().map(|&c| request(c)).collect();
-            call_until(&requests, now, Duration::from_millis(15))
+        let until = |callers: &[(i64, bool)]| {
+            let requests: Vec<Request> = callers.iter().map(|&(c, t)| request(c, t)).collect();
+            let late = Duration::from_millis(2_000);
+            call_until(&requests, now, Duration::from_millis(15), late)
                 .map(|(u, bound)| (u.duration_since(now).as_millis(), bound))
         };
         let caller = Bound::CallerDeadline;
-        assert_eq!(until(&[10]), Some((10, caller)));
+        assert_eq!(until(&[(10, false)]), Some((10, caller)));
         assert_eq!(
-            until(&[100]),
+            until(&[(100, false)]),
             Some((15, Bound::RedisTimeout)),
             "--redis-timeout first"
         );
-        assert_eq!(until(&[5, 12, 9]), Some((12, caller)), "the latest");
         assert_eq!(
-            until(&[-1, 4]),
+            until(&[(5, false), (12, false), (9, false)]),
+            Some((12, caller)),
+            "the latest"
+        );
+        assert_eq!(
+            until(&[(-1, false), (4, false)]),
             Some((4, caller)),
             "one whose time is up rides along"
         );
-        assert_eq!(until(&[0, -3]), None, "every request's time is up");
+        assert_eq!(
+            until(&[(4, false), (10, true)]),
+            Some((2_000, Bound::ConnectTimeout)),
+            "a late reply is waited for where hits are to be taken back"
+        );
+        assert_eq!(
+            until(&[(0, false), (-3, true)]),
+            None,
+            "every request's time is up"
+        );
         assert_eq!(until(&[]), None, "no request, no call");
     }
 
@@ -672,6 +717,7 @@ mod tests {
             slots: Slots::Standalone,
             lane: 0,
             deadlines: Deadlines::for_caller(Instant::now(), Duration::ZERO, None),
+            take_back: None,
         };
         let now = |nows: &[Option<u64>]| {
             let requests: Vec<Request> = nows.iter().map(|&n| request(n)).collect();

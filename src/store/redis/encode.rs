@@ -2,6 +2,7 @@
 //! made once per rule), the reply read back into outcomes, and which errors are the script's own.
 //! The layout of both is the table at the top of `lua/contract.lua`.
 
+use super::take_back::{Recorded, TakeBack};
 use super::*;
 
 /// The error code the script puts first in its error replies (Redis error replies start with a
@@ -80,6 +81,14 @@ impl RedisStore {
             ClockSource::Server => Some(now_ms),
             ClockSource::Redis => None,
         };
+        let take_back = call.take_back.then(|| {
+            let recorded = group
+                .iter()
+                .map(|&i| Recorded::of(self, &items[i]))
+                .collect();
+            let prefix = (mode == Mode::Tentative).then(|| self.prefix(call));
+            std::sync::Arc::new(TakeBack::new(recorded, prefix))
+        });
         Request {
             now_ms,
             keys,
@@ -87,6 +96,7 @@ impl RedisStore {
             slots,
             lane: call.lane,
             deadlines: call.deadlines,
+            take_back,
         }
     }
 
@@ -168,12 +178,28 @@ pub(super) const FITS: u64 = 1;
 pub(super) const BAN_SET: u64 = 2;
 pub(super) const RECORDED: u64 = 4;
 pub(super) const BANNED: u64 = 8;
+/// The entry recorded is later than the call's time, which it is otherwise stamped with: its
+/// time follows.
+pub(super) const LATER: u64 = 16;
 
 /// Reads the script's reply (layout in `lua/contract.lua`); anything else is a protocol error.
 pub(super) fn parse_reply(
     reply: &[i64],
     items: &[CheckItem<'_>],
     group: &[usize],
+    tentative: bool,
+) -> Result<GroupReply, StoreError> {
+    read_reply(
+        reply,
+        group.iter().map(|&i| items[i].windows.len()),
+        tentative,
+    )
+}
+
+/// [`parse_reply`] for descriptors whose rules have `windows` windows each, in order.
+pub(super) fn read_reply(
+    reply: &[i64],
+    windows: impl ExactSizeIterator<Item = usize>,
     tentative: bool,
 ) -> Result<GroupReply, StoreError> {
     let bad = |what: &str| StoreError::Protocol(format!("script reply {what}"));
@@ -185,11 +211,11 @@ pub(super) fn parse_reply(
         u64::try_from(v).map_err(|_| bad(&format!("has a negative {what}")))
     };
     let now_ms = next("now")?;
-    let mut outcomes = Vec::with_capacity(group.len());
-    let mut entries = Vec::with_capacity(group.len());
-    for &i in group {
+    let mut outcomes = Vec::with_capacity(windows.len());
+    let mut entries = Vec::with_capacity(windows.len());
+    for m in windows {
         let flags = next("flags")?;
-        if flags >= BANNED * 2 {
+        if flags >= LATER * 2 || (tentative && flags & LATER != 0) {
             return Err(bad("has unknown flags"));
         }
         let has = |flag: u64| flags & flag != 0;
@@ -197,24 +223,21 @@ pub(super) fn parse_reply(
         if has(BANNED) == (ban_remaining_ms == 0) {
             return Err(bad("has a ban flag and time that disagree"));
         }
-        // A tentative request's entry is named by its time too.
-        entries.push(match (has(RECORDED), tentative) {
-            (true, true) => Entry {
+        // An entry is named by its time too: a tentative request's follows its running total,
+        // as does another's stamped later than the call.
+        entries.push(match has(RECORDED) {
+            true => Entry {
                 cum: next("entry")?,
-                at_ms: next("entry's time")?,
+                at_ms: if tentative || has(LATER) {
+                    next("entry's time")?
+                } else {
+                    now_ms
+                },
             },
-            (true, false) => Entry {
-                cum: next("entry")?,
-                at_ms: 0,
-            },
-            (false, _) => Entry::default(),
+            false => Entry::default(),
         });
         // A banned item reports no windows; the others one pair per window of their rule.
-        let m = if has(BANNED) {
-            0
-        } else {
-            items[i].windows.len()
-        };
+        let m = if has(BANNED) { 0 } else { m };
         let mut windows = Vec::with_capacity(m);
         for _ in 0..m {
             windows.push(WindowOutcome {
@@ -267,13 +290,35 @@ mod tests {
         assert!(reply.recorded() && reply.items[0].fits && reply.items[0].recorded);
         assert_eq!(reply.items[0].windows[0].count, 1);
         assert_eq!(reply.items[0].windows[0].reset_ms, 999);
-        assert_eq!(reply.entries, [Entry { cum: 7, at_ms: 0 }]);
+        assert_eq!(
+            reply.entries,
+            [Entry {
+                cum: 7,
+                at_ms: 1_000
+            }],
+            "stamped at the call's time"
+        );
+        // Stamped later than the call (the log's newest entry was): its time follows.
+        let later =
+            parse_reply(&[1_000, 5 | 16, 7, 1_004, 1, 999], &items, &[0], false).expect("later");
+        assert_eq!(
+            later.entries,
+            [Entry {
+                cum: 7,
+                at_ms: 1_004
+            }]
+        );
+        assert_eq!(later.items[0].windows[0].reset_ms, 999);
         // Tentative: the entry's time follows its running total.
         let tentative =
             parse_reply(&[1_000, 5, 7, 990, 1, 999], &items, &[0], true).expect("well-formed");
         assert_eq!(tentative.entries, [Entry { cum: 7, at_ms: 990 }]);
         assert_eq!(tentative.items[0].windows[0].reset_ms, 999);
         assert!(parse_reply(&good, &items, &[0], true).is_err(), "no time");
+        assert!(
+            parse_reply(&[1_000, 5 | 16, 7, 990, 1, 999], &items, &[0], true).is_err(),
+            "a tentative request's entry's time follows without flag 16"
+        );
         // Rejected: no entry, so the count follows the flags.
         let rejected = parse_reply(&[1_000, 0, 5, 400], &items, &[0], false).expect("well-formed");
         assert!(!rejected.recorded() && !rejected.items[0].fits);
@@ -287,11 +332,11 @@ mod tests {
         assert!(banned.items[0].ban_set && banned.items[0].windows.is_empty());
         assert_eq!(banned.items[0].ban_remaining_ms, 900_000);
         for wrong in [
-            &good[..4],                // ends early
-            &[1_000, 5, 7, 1, 999, 0], // longer
-            &[1_000, 16, 7, 1, 999],   // unknown flag
-            &[1_000, 8, 0],            // banned for no time
-            &[1_000, 5, -7, 1, 999],   // negative
+            &good[..4],                  // ends early
+            &[1_000, 5, 7, 1, 999, 0],   // longer
+            &[1_000, 32 | 5, 7, 1, 999], // unknown flag
+            &[1_000, 8, 0],              // banned for no time
+            &[1_000, 5, -7, 1, 999],     // negative
         ] {
             assert!(
                 matches!(

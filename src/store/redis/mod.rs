@@ -21,6 +21,9 @@
 //!   masters is sent as tentative calls, concurrently, and if the combined answer is a rejection
 //!   the entries recorded are removed again. That can briefly make other requests see a fuller
 //!   log (never an emptier one): it can under-admit for a moment, never over-admit.
+//! * `take_back.rs`: what a call recorded for a request whose caller the deny policy already
+//!   answered `OVER_LIMIT` (its reply came after the decision's moment), taken back; and the
+//!   removal of one entry, which the undo of a rejected spread request shares.
 //! * `inspect_reset.rs`: the admin API's inspect and reset (the library's inspect and reset
 //!   functions), and the read of a descriptor after an undo; `compact.rs` reads a compact log's
 //!   bytes in Rust for them.
@@ -50,6 +53,7 @@ mod master;
 mod nodes;
 pub mod packed;
 mod replicas;
+mod take_back;
 
 use batch::Batcher;
 use call::{Request, Sender, Slots, not_served};
@@ -246,9 +250,12 @@ impl RedisStore {
         items: &[CheckItem<'_>],
         now_ms: u64,
         rejected: bool,
+        take_back: bool,
     ) -> Result<CheckOutcome, StoreError> {
         let groups = self.groups(items);
-        let result = self.decide(items, groups, now_ms, rejected).await;
+        let result = self
+            .decide(items, groups, now_ms, rejected, take_back)
+            .await;
         // A protocol error is an answer: the client works.
         self.note(!matches!(
             result,
@@ -279,11 +286,19 @@ async fn evicting_policy(client: &Client) -> Option<String> {
 
 impl Store for RedisStore {
     fn check<'a>(&'a self, items: &'a [CheckItem<'a>], now_ms: u64) -> StoreFuture<'a> {
-        Box::pin(self.checked(items, now_ms, false))
+        Box::pin(self.checked(items, now_ms, false, false))
+    }
+
+    fn check_or_take_back<'a>(
+        &'a self,
+        items: &'a [CheckItem<'a>],
+        now_ms: u64,
+    ) -> StoreFuture<'a> {
+        Box::pin(self.checked(items, now_ms, false, true))
     }
 
     fn check_rejected<'a>(&'a self, items: &'a [CheckItem<'a>], now_ms: u64) -> StoreFuture<'a> {
-        Box::pin(self.checked(items, now_ms, true))
+        Box::pin(self.checked(items, now_ms, true, false))
     }
 
     fn inspect<'a>(
