@@ -175,27 +175,17 @@ impl Limiter {
     }
 
     /// Why a domain with `store_reset: closed` is not decided by the store now: the store lost
-    /// its data less than one longest window of the domain's rules before (from when this
-    /// limiter first saw the loss).
+    /// its data less than one longest window of the domain's rules before (from when the loss
+    /// was found, by this replica or another).
     fn closed_after_reset(&self, domain: &Domain, now_ms: u64) -> Option<StoreError> {
         if !domain.store_reset_closed {
             return None;
         }
-        let losses = self.store.data_losses()?;
-        let seen = self.losses_seen.load(Ordering::Relaxed);
-        if losses > seen
-            && self
-                .losses_seen
-                .compare_exchange(seen, losses, Ordering::Relaxed, Ordering::Relaxed)
-                .is_ok()
-        {
-            self.lost_at_ms.store(now_ms, Ordering::Relaxed);
-        }
-        let lost_at = self.lost_at_ms.load(Ordering::Relaxed);
-        (losses > 0 && now_ms < lost_at.saturating_add(domain.longest_window_ms)).then(|| {
+        let lost_at = self.store.data_lost_at()?;
+        (now_ms < lost_at.saturating_add(domain.longest_window_ms)).then(|| {
             StoreError::unavailable(format!(
                 "the store lost its data {} ms ago; store_reset: closed answers by the failure policy until {} ms have passed",
-                now_ms - lost_at,
+                now_ms.saturating_sub(lost_at),
                 domain.longest_window_ms
             ))
         })

@@ -94,10 +94,6 @@ pub struct Limiter {
     pub(super) store_errors: AtomicU64,
     /// When a store error was last logged: failures are logged once per burst, not per call.
     pub(super) last_error_log_ms: AtomicU64,
-    /// The store's data losses seen so far, and when the last was first seen (ms): domains
-    /// with `store_reset: closed` answer by their policy for a window from then.
-    pub(super) losses_seen: AtomicU64,
-    pub(super) lost_at_ms: AtomicU64,
     /// Descriptors known to be over, answered without the store.
     pub(super) cache: OverLimitCache,
 }
@@ -118,8 +114,6 @@ impl Limiter {
             observer: Arc::new(NoObserver),
             store_errors: AtomicU64::new(0),
             last_error_log_ms: AtomicU64::new(0),
-            losses_seen: AtomicU64::new(0),
-            lost_at_ms: AtomicU64::new(0),
         }
     }
 

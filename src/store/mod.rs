@@ -440,6 +440,12 @@ pub trait Store: Send + Sync + 'static {
         None
     }
 
+    /// When the store's latest loss of its data was found (ms since the epoch), by this replica
+    /// or another that left word of it in the store; `None` where it can tell of none.
+    fn data_lost_at(&self) -> Option<u64> {
+        None
+    }
+
     /// The `maxmemory-policy` of a store that evicts keys under memory pressure (which forgets
     /// windows and lets their requests through again), where the store knows it.
     fn evicting(&self) -> Option<String> {

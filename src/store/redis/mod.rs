@@ -369,6 +369,10 @@ impl Store for RedisStore {
         Some(self.markers.losses.load(Ordering::Relaxed))
     }
 
+    fn data_lost_at(&self) -> Option<u64> {
+        Some(self.markers.lost_at_ms.load(Ordering::Relaxed)).filter(|&at| at > 0)
+    }
+
     fn silent(&self) -> Vec<String> {
         self.nodes.as_ref().map(Nodes::silent).unwrap_or_default()
     }
