@@ -517,8 +517,9 @@ fn check_boolean_variables(var: &dyn Fn(&str) -> Option<String>) -> Result<(), S
 pub fn no_domain(path: &std::path::Path) -> String {
     format!(
         "{}: no domain defined (no `*.yaml`/`*.yml` file with a `domain:`), so nothing would be limited; \
-         point --config (or RUNTIME_ROOT/RUNTIME_SUBDIRECTORY) at the rules, or start anyway with \
-         --force-start-without-initial-config (FORCE_START_WITHOUT_INITIAL_CONFIG=true)",
+         point --config (or RUNTIME_ROOT/RUNTIME_SUBDIRECTORY) at the rules, start not ready until a \
+         domain loads with --ready-needs-config (HEALTHY_WITH_AT_LEAST_ONE_CONFIG_LOADED=true), or \
+         start anyway with --force-start-without-initial-config (FORCE_START_WITHOUT_INITIAL_CONFIG=true)",
         path.display()
     )
 }

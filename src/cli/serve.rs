@@ -179,13 +179,13 @@ fn trace_options(args: &ServeArgs) -> TraceOptions {
 async fn serve_async(args: ServeArgs) -> Result<(), String> {
     let load_options = LoadOptions {
         merge_domains: args.merge_domain_config,
-        allow_no_domains: args.allow_empty_config,
+        // Readiness that needs a domain turns a config without one into not ready, as the
+        // reference goes unhealthy, rather than into a refusal.
+        allow_no_domains: args.allow_empty_config || args.ready_needs_config,
     };
     let initial = match (&args.config, &args.xds_server) {
         (_, Some(_)) => Loaded::default(),
-        (Some(path), None) => {
-            initial_config(path, load_options, args.force_start_without_initial_config)?
-        }
+        (Some(path), None) => initial_config(path, load_options, &args)?,
         (None, None) => {
             return Err(
                 "--config (or SLIDEGATE_CONFIG, or the reference's RUNTIME_ROOT) or --xds-server (CONFIG_TYPE=GRPC_XDS_SOTW) is required".into(),
@@ -333,15 +333,21 @@ fn grpc_tls(args: &ServeArgs) -> Result<Option<Arc<ServerTls>>, String> {
     Ok(Some(Arc::new(tls)))
 }
 
-/// The config at start. With `force_start`, a missing or invalid one serves no limits (and
-/// fingerprint 0, so the first valid config the watch sees is swapped in).
+/// The config at start. With `--force-start-without-initial-config`, a missing or invalid one
+/// serves no limits (and fingerprint 0, so the first valid config the watch sees is swapped
+/// in). One that defines no domain stops the start unless forced, or unless readiness waits
+/// for a domain (`--ready-needs-config`): then the server starts not ready, and is ready once a
+/// domain loads.
 fn initial_config(
     path: &std::path::Path,
     options: LoadOptions,
-    force_start: bool,
+    args: &ServeArgs,
 ) -> Result<Loaded, String> {
+    let force_start = args.force_start_without_initial_config;
     match config::load_path_with(path, options) {
-        Ok(loaded) if loaded.limits.domains.is_empty() && !force_start => {
+        Ok(loaded)
+            if loaded.limits.domains.is_empty() && !force_start && !args.ready_needs_config =>
+        {
             Err(super::no_domain(path))
         }
         Ok(loaded) => {
@@ -354,6 +360,9 @@ fn initial_config(
                 domains = loaded.limits.domains.len(),
                 "config loaded"
             );
+            if loaded.limits.domains.is_empty() && args.ready_needs_config {
+                tracing::warn!(config = %path.display(), "no domain defined yet: not ready until one loads (--ready-needs-config)");
+            }
             Ok(loaded)
         }
         Err(errors) if force_start => {
