@@ -3,6 +3,7 @@
 
 use std::process::ExitCode;
 use std::sync::Arc;
+use std::sync::atomic::AtomicBool;
 use std::time::Duration;
 
 use slidegate::config::{self, LoadOptions, Loaded};
@@ -200,11 +201,24 @@ async fn serve_async(args: ServeArgs) -> Result<(), String> {
         MetricNamesArg::Reference => MetricNames::Reference,
     }));
     metrics.config_loaded(initial.fingerprint != 0);
-    let limiter = Arc::new(
-        Limiter::new(initial.limits, store, clock, limiter_options(&args))
-            .with_observer(metrics.clone()),
-    );
-    let source = config_source(&args, load_options, initial.fingerprint, &limiter, &metrics)?;
+    let mut limiter = Limiter::new(initial.limits, store, clock, limiter_options(&args))
+        .with_observer(metrics.clone());
+    // From xDS without FORCE_START_WITHOUT_INITIAL_CONFIG: neither ready nor answering before
+    // the first config, as the reference does not serve before it.
+    let config_arrived = Arc::new(AtomicBool::new(false));
+    let awaiting = args.xds_server.is_some() && !args.force_start_without_initial_config;
+    if awaiting {
+        limiter = limiter.awaiting_first_config(config_arrived.clone());
+    }
+    let limiter = Arc::new(limiter);
+    let source = config_source(
+        &args,
+        load_options,
+        initial.fingerprint,
+        &limiter,
+        &metrics,
+        config_arrived.clone(),
+    )?;
     let mut listeners = bind(&args).await?;
     listeners.grpc_tls = grpc_tls;
     tracing::info!(grpc = %args.grpc_addr, http = %args.http_addr, store = limiter.store().name(), tls = listeners.grpc_tls.is_some(), "serving");
@@ -227,14 +241,7 @@ async fn serve_async(args: ServeArgs) -> Result<(), String> {
                 max_connection_age_grace: args.grpc_max_connection_age_grace,
             },
             tls_reload_interval: args.tls_reload_interval,
-            // From xDS without FORCE_START_WITHOUT_INITIAL_CONFIG: not ready before the
-            // first config, as the reference does not serve before it.
-            config_arrived: match &source {
-                ConfigSource::Xds(client) if !args.force_start_without_initial_config => {
-                    Some(client.received.clone())
-                }
-                _ => None,
-            },
+            config_arrived: awaiting.then_some(config_arrived),
             ..ServerOptions::default()
         },
     };
@@ -246,7 +253,7 @@ async fn serve_async(args: ServeArgs) -> Result<(), String> {
 /// What keeps the config current; dropping it stops it (hence the field nothing reads).
 enum ConfigSource {
     Files(#[allow(dead_code)] Option<config::watch::ConfigWatch>),
-    Xds(slidegate::xds::XdsClient),
+    Xds(#[allow(dead_code)] slidegate::xds::XdsClient),
 }
 
 fn config_source(
@@ -255,6 +262,7 @@ fn config_source(
     fingerprint: u64,
     limiter: &Arc<Limiter>,
     metrics: &Arc<Metrics>,
+    config_arrived: Arc<AtomicBool>,
 ) -> Result<ConfigSource, String> {
     if let Some(server) = &args.xds_server {
         let options = xds_options(args, server, load_options);
@@ -263,6 +271,7 @@ fn config_source(
             options,
             limiter.clone(),
             metrics.clone(),
+            config_arrived,
         )));
     }
     let Some(config_path) = &args.config else {
@@ -351,6 +360,9 @@ fn initial_config(
             Err(super::no_domain(path))
         }
         Ok(loaded) => {
+            if loaded.limits.domains.is_empty() && args.ready_needs_config {
+                tracing::warn!(config = %path.display(), "no domain defined yet: not ready until one loads (--ready-needs-config)");
+            }
             for warning in &loaded.warnings {
                 tracing::warn!("{warning}");
             }
@@ -360,9 +372,6 @@ fn initial_config(
                 domains = loaded.limits.domains.len(),
                 "config loaded"
             );
-            if loaded.limits.domains.is_empty() && args.ready_needs_config {
-                tracing::warn!(config = %path.display(), "no domain defined yet: not ready until one loads (--ready-needs-config)");
-            }
             Ok(loaded)
         }
         Err(errors) if force_start => {

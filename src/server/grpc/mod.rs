@@ -187,6 +187,7 @@ pub fn to_status(error: &LimiterError) -> tonic::Status {
     match error {
         LimiterError::InvalidRequest(message) => tonic::Status::invalid_argument(message.clone()),
         LimiterError::Store(e) => tonic::Status::unavailable(e.to_string()),
+        LimiterError::NoConfig(message) => tonic::Status::unavailable(message.clone()),
     }
 }
 
