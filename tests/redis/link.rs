@@ -413,7 +413,7 @@ async fn through_a_degraded_link(
     // answer in time. Not Envoy's 20 ms here: the policy answers 3 ms before that, and this
     // unoptimized build, on two cores the other tests (and maybe another build) share, takes
     // from 2 to over 10 ms to turn the policy's answer into a response; 250 ms leaves it 25.
-    // The release build keeps to 20 ms under load (docs/performance.md).
+    // What the release build does at 20 ms under load is in docs/performance.md.
     proxy.delay(ms(150));
     let message = request(domain, vec![descriptor(&[("k", cut)])]);
     let mut caller = RawCaller::connect(server.grpc_addr, &message).await;
