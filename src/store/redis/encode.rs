@@ -1,7 +1,10 @@
 //! What a script call carries and answers: a request's `KEYS` and `ARGV` (the rule as one text,
-//! made once per rule), the reply read back into outcomes, and which errors are the script's own.
+//! made once per rule), the call's reply split into one answer per request and read back into
+//! outcomes, and which errors are the script's own.
 //! The layout of both is the table at the top of `lua/contract.lua`.
 
+use super::call::{Answer, NOT_SERVED, not_served_error};
+use super::packed::{self, Item, Items};
 use super::take_back::{Recorded, TakeBack};
 use super::*;
 
@@ -263,9 +266,91 @@ pub(super) fn read_reply(
     })
 }
 
+/// Splits the script's reply (one flat array, packed: the call's time, then per request its
+/// length and its integers, or `-1` and what failed; see [`super::packed`]) into the requests'
+/// answers, each the call's time and the request's integers. A reply of the wrong shape fails
+/// every request of the call.
+pub(super) fn split(reply: Value, count: usize) -> Vec<Answer> {
+    split_flat(&reply, count).unwrap_or_else(|e| vec![Err(e); count])
+}
+
+fn split_flat(reply: &Value, count: usize) -> Result<Vec<Answer>, StoreError> {
+    let bad = |what: &str| StoreError::Protocol(format!("script reply {what}"));
+    // fred hands a bulk string over as bytes unless it is valid UTF-8, which a packed array's
+    // first byte (0x90 to 0x9f, 0xdc or 0xdd) all but rules out; text is read the same.
+    let bytes: &[u8] = match reply {
+        Value::Bytes(bytes) => bytes,
+        Value::String(text) => text.as_bytes(),
+        _ => return Err(bad("is not the script's packed array")),
+    };
+    let mut values = packed::array(bytes).map_err(|e| bad(&e.to_string()))?;
+    fn next<'a>(values: &mut Items<'a>) -> Result<Option<Item<'a>>, StoreError> {
+        values
+            .next()
+            .transpose()
+            .map_err(|e| StoreError::Protocol(format!("script reply {e}")))
+    }
+    let now = match next(&mut values)? {
+        Some(Item::Int(now)) if now >= 0 => now,
+        _ => return Err(bad("does not start with the call's time")),
+    };
+    let mut answers = Vec::with_capacity(count);
+    while answers.len() < count {
+        let length = match next(&mut values)? {
+            Some(Item::Int(-1)) => {
+                let message = match next(&mut values)? {
+                    Some(Item::Text(text)) => String::from_utf8_lossy(text).into_owned(),
+                    _ => String::new(),
+                };
+                answers.push(Err(failed(&message)));
+                continue;
+            }
+            Some(Item::Int(length)) => {
+                usize::try_from(length).map_err(|_| bad("holds a negative length"))?
+            }
+            _ => return Err(bad("does not answer every request of the call")),
+        };
+        // (A length no reply could hold allocates no more than what is left.)
+        let mut integers = Vec::with_capacity(1 + length.min(values.len()));
+        integers.push(now);
+        for _ in 0..length {
+            match next(&mut values)? {
+                Some(Item::Int(n)) => integers.push(n),
+                Some(Item::Text(_)) => return Err(bad("holds a value that is not an integer")),
+                None => return Err(bad("ends inside a request's part")),
+            }
+        }
+        answers.push(Ok(integers));
+    }
+    if !values.is_empty() {
+        return Err(bad("is longer than its requests"));
+    }
+    values.finish().map_err(|e| bad(&e.to_string()))?;
+    Ok(answers)
+}
+
+/// What a request that failed inside the script says: Redis's error (a key of another type, a
+/// slot its master does not serve) or the script's own (code `SLIDEGATE`).
+fn failed(message: &str) -> StoreError {
+    if message.contains(NOT_SERVED) {
+        return not_served_error(message);
+    }
+    request_failed(message)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The script's reply of these integers, packed as Redis's cmsgpack packs it.
+    fn ints(values: &[i64]) -> Value {
+        packed_reply(&values.iter().map(|&n| Item::Int(n)).collect::<Vec<_>>())
+    }
+
+    fn packed_reply(items: &[Item<'_>]) -> Value {
+        Value::Bytes(packed::tests::pack(items).into())
+    }
+
     use crate::store::{Role, RuleText};
 
     #[test]
@@ -481,5 +566,85 @@ mod tests {
         // The small ones are static: nothing made per call.
         assert!(matches!(number(7), Value::Bytes(_)));
         assert!(matches!(number(1_000), Value::Integer(1_000)));
+    }
+
+    #[test]
+    fn a_reply_splits_into_one_answer_per_request() {
+        let mut flat = vec![1_000, 9, 1, 1, 0, 0, 1, 1, 1, 1, 1_000];
+        flat.extend([4, 5, 3, 3, 999]);
+        let mut reply: Vec<Item<'_>> = flat.iter().map(|&n| Item::Int(n)).collect();
+        reply.splice(
+            11..11,
+            [
+                Item::Int(-1),
+                Item::Text(b"WRONGTYPE Operation against a key"),
+                Item::Int(-1),
+                Item::Text(b"SLIDEGATE request 3: mode must be 0, 1 or 2"),
+            ],
+        );
+        let answers = split(packed_reply(&reply), 4);
+        assert_eq!(answers.len(), 4);
+        assert_eq!(
+            answers[0].as_ref().ok(),
+            Some(&vec![1_000, 1, 1, 0, 0, 1, 1, 1, 1, 1_000])
+        );
+        // Redis's own error: the store is unavailable for that request; the script's code: a
+        // protocol error, for that request alone.
+        assert!(
+            matches!(&answers[1], Err(StoreError::Unavailable { context, .. }) if context.contains("WRONGTYPE"))
+        );
+        assert!(matches!(&answers[2], Err(StoreError::Protocol(m)) if m.contains("mode")));
+        // Each answer starts with the call's time.
+        assert_eq!(answers[3].as_ref().ok(), Some(&vec![1_000, 5, 3, 3, 999]));
+    }
+
+    #[test]
+    fn replies_of_the_wrong_shape_fail_every_request_of_the_call() {
+        let protocol = |a: &Answer| matches!(a, Err(StoreError::Protocol(_)));
+        for reply in [
+            // Not the packed array: a RESP array or integer, a packed map, bytes after it.
+            Value::Array(vec![
+                Value::Integer(9),
+                Value::Integer(1),
+                Value::Integer(7),
+            ]),
+            Value::Integer(1),
+            Value::Bytes(vec![0x81, 0x09, 0x01].into()),
+            Value::Bytes(vec![0x93, 0x09, 0x01, 0x07, 0x00].into()),
+            // No time, or a negative one.
+            ints(&[]),
+            ints(&[-5, 1, 7, 1, 7]),
+            // One request answered where two were sent.
+            ints(&[9, 1, 7]),
+            // A length past the reply's end, or one no reply could hold.
+            ints(&[9, 3, 7, 7]),
+            ints(&[9, i64::MAX, 7]),
+            ints(&[9, -2, 7]),
+            // More than the requests.
+            ints(&[9, 1, 7, 1, 7, 1, 7]),
+            // A header and a request's length that claim billions of values, over a few bytes:
+            // refused without allocating for them.
+            Value::Bytes(
+                vec![
+                    0xdd, 0xff, 0xff, 0xff, 0xff, 0x09, 0xce, 0xff, 0xff, 0xff, 0xff, 0x01,
+                ]
+                .into(),
+            ),
+            // A value that is not an integer.
+            packed_reply(&[
+                Item::Int(9),
+                Item::Int(1),
+                Item::Text(b"x"),
+                Item::Int(1),
+                Item::Int(7),
+            ]),
+        ] {
+            let answers = split(reply.clone(), 2);
+            assert_eq!(answers.len(), 2, "{reply:?}");
+            assert!(answers.iter().all(protocol), "{reply:?} -> {answers:?}");
+        }
+        let answers = split(ints(&[4, 1, 7, 2, 8, 9]), 2);
+        assert_eq!(answers[0].as_ref().ok(), Some(&vec![4, 7]));
+        assert_eq!(answers[1].as_ref().ok(), Some(&vec![4, 8, 9]));
     }
 }

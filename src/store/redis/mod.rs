@@ -7,12 +7,11 @@
 //! * `library.rs`: the script as a Redis function library, loaded once on every primary
 //!   (`FUNCTION LOAD`) and called with `FCALL`; loaded again when a restart, `FUNCTION FLUSH` or a
 //!   new master lost it; by `EVALSHA` where `FUNCTION LOAD` is refused.
-//! * `encode.rs`: a request's `KEYS` and `ARGV`, and the reply read back (`packed.rs` reads the
-//!   MessagePack string the reply comes in).
+//! * `encode.rs`: a request's `KEYS` and `ARGV`, and the reply split per request and read back
+//!   (`packed.rs` reads the MessagePack string the reply comes in).
 //! * `call.rs`: one script call: to a cluster master by name through the script's spread
 //!   function, or with the keys declared (standalone Redis; on a cluster by the redirect client,
-//!   or by `ASKING` to the master importing a slot); `TRYAGAIN` and a lost library handled; the
-//!   reply split per request.
+//!   or by `ASKING` to the master importing a slot); `TRYAGAIN` and a lost library handled.
 //! * `batch.rs`: requests that arrive while every call to a Redis is out go together in the next
 //!   call, each decided on its own; `nodes.rs` keeps one such batcher per cluster master, so a
 //!   master's call carries requests of all its slots, with clients of that master's own
@@ -62,7 +61,7 @@ use connection::{
 };
 pub use connection::{normalize_url, redact};
 use decide::{Call, Entry, Group, GroupReply};
-use encode::{call_failed, request_failed};
+use encode::call_failed;
 pub use library::{Function, Library};
 use nodes::Nodes;
 
