@@ -19,6 +19,7 @@
 //!     SLIDEGATE_BENCH_SCRIPT=/tmp/old.lua SLIDEGATE_BENCH_ONLY=ceiling cargo bench --bench load
 //!     SLIDEGATE_BENCH_LIMITADOR=/path/to/limitador-server cargo bench --bench load  # side by side
 //!     SLIDEGATE_BENCH_GRPC_TIMEOUT_MS=20 cargo bench --bench load   # Envoy's default deadline
+//!     SLIDEGATE_BENCH_GRPC_TIMEOUT_MS=none cargo bench --bench load   # a client with no deadline
 //!     SLIDEGATE_BENCH_WARM_SECS=65 cargo bench --bench load   # measured after 65 s of the load
 //!     SLIDEGATE_BENCH_USERS=1000000 SLIDEGATE_BENCH_WARM_SECS=65 cargo bench --bench load  # more users
 //!     SLIDEGATE_BENCH_CALLS_PER_VISIT=2 cargo bench --bench load   # two calls in a row per user
@@ -42,7 +43,8 @@
 //! of a saturated run comparable with runs before it (Envoy's 20 ms would cut off the slowest
 //! calls of both servers at 256 in flight, which a closed loop on two shared cores makes slower
 //! than Envoy's traffic would). With the variable set, the generator also gives up on a call at
-//! that deadline, as Envoy does, and counts it failed, whether or not the server keeps to it.
+//! that deadline, as Envoy does, and counts it failed, whether or not the server keeps to it;
+//! `none` sends no `grpc-timeout` at all, as a gRPC client that sets no deadline.
 //!
 //! The load generator shares the machine with slidegate and Redis: compare figures from one
 //! run, as ratios.
@@ -245,6 +247,12 @@ struct Report {
     name: String,
     calls: usize,
     errors: usize,
+    /// Of the errors, calls with no answer by the generator's deadline
+    /// (`SLIDEGATE_BENCH_GRPC_TIMEOUT_MS`), as Envoy gives up on them.
+    late: usize,
+    /// Of those, calls the server itself answered `CANCELLED`: it gave up at the deadline as it
+    /// counts it (from when it read the call), rather than answering before it.
+    cancelled: usize,
     admitted: usize,
     limit: Option<usize>,
     elapsed: Duration,
@@ -266,6 +274,8 @@ impl Report {
     fn add(&mut self, slice: Report) {
         self.calls += slice.calls;
         self.errors += slice.errors;
+        self.late += slice.late;
+        self.cancelled += slice.cancelled;
         self.admitted += slice.admitted;
         self.elapsed += slice.elapsed;
         self.latencies_us.extend(slice.latencies_us);
@@ -304,13 +314,15 @@ impl Report {
             format!("{:>6} | {:>5} | {:>7}", "-", "-", "-")
         };
         println!(
-            "| {:<44} | {:>8.0} | {:>7.0} | {:>7.0} | {:>7.0} | {:>6} | {:>9} | {:>6.1} | {:>5.2} | {redis} | {:>6.1} |",
+            "| {:<44} | {:>8.0} | {:>7.0} | {:>7.0} | {:>7.0} | {:>6} | {:>5} | {:>5} | {:>9} | {:>6.1} | {:>5.2} | {redis} | {:>6.1} |",
             self.name,
             self.calls as f64 / self.elapsed.as_secs_f64(),
             self.percentile(0.50),
             self.percentile(0.99),
             self.percentile(0.999),
             self.errors,
+            self.late,
+            self.cancelled,
             admitted,
             per(self.server_cpu_s) * 1e6,
             per(self.server_switches as f64),
@@ -321,13 +333,15 @@ impl Report {
 
 fn header() {
     println!(
-        "| {:<44} | {:>8} | {:>7} | {:>7} | {:>7} | {:>6} | {:>9} | {:>6} | {:>5} | {:>6} | {:>5} | {:>7} | {:>6} |",
+        "| {:<44} | {:>8} | {:>7} | {:>7} | {:>7} | {:>6} | {:>5} | {:>5} | {:>9} | {:>6} | {:>5} | {:>6} | {:>5} | {:>7} | {:>6} |",
         "scenario",
         "calls/s",
         "p50 us",
         "p99 us",
         "p99.9us",
         "errors",
+        "late",
+        "cncld",
         "admitted",
         "sg cpu",
         "sg cs",
@@ -337,8 +351,8 @@ fn header() {
         "lg cpu"
     );
     println!(
-        "|{:-<46}|{:->10}|{:->9}|{:->9}|{:->9}|{:->8}|{:->11}|{:->8}|{:->7}|{:->8}|{:->7}|{:->9}|{:->8}|",
-        "", ":", ":", ":", ":", ":", ":", ":", ":", ":", ":", ":", ":"
+        "|{:-<46}|{:->10}|{:->9}|{:->9}|{:->9}|{:->8}|{:->7}|{:->7}|{:->11}|{:->8}|{:->7}|{:->8}|{:->7}|{:->9}|{:->8}|",
+        "", ":", ":", ":", ":", ":", ":", ":", ":", ":", ":", ":", ":", ":", ":"
     );
 }
 
@@ -378,14 +392,19 @@ impl Caller {
         )
         .parse()
         .expect("uri");
-        let deadline = std::env::var("SLIDEGATE_BENCH_GRPC_TIMEOUT_MS")
-            .ok()
+        let asked = std::env::var("SLIDEGATE_BENCH_GRPC_TIMEOUT_MS").ok();
+        // `none`: a client that sets no deadline (no `grpc-timeout`).
+        let no_deadline = asked.as_deref() == Some("none");
+        let deadline = asked
             .and_then(|ms| ms.parse().ok())
             .map(Duration::from_millis);
         let timeout_ms = deadline.map_or(1000, |d| d.as_millis() as u64);
         let mut headers = hyper::HeaderMap::new();
         headers.insert("content-type", "application/grpc".parse().expect("ASCII"));
         for (name, value) in envoy_headers(timeout_ms) {
+            if no_deadline && name == "grpc-timeout" {
+                continue;
+            }
             headers.insert(name, value.parse().expect("ASCII"));
         }
         Caller {
@@ -398,16 +417,30 @@ impl Caller {
 
     /// Whether the call was admitted (`OK`); an error for any failed call, and for one answered
     /// past Envoy's deadline when there is one.
-    async fn call(&mut self, request: &RateLimitRequest) -> Result<bool, String> {
-        match self.deadline {
-            None => self.call_once(request).await,
-            Some(deadline) => tokio::time::timeout(deadline, self.call_once(request))
-                .await
-                .unwrap_or_else(|_| Err(format!("no answer within {deadline:?}"))),
+    async fn call(&mut self, request: &RateLimitRequest) -> Result<bool, Failed> {
+        let Some(deadline) = self.deadline else {
+            return self.call_once(request).await.map_err(Failed::Answered);
+        };
+        let call = self.call_once(request);
+        tokio::pin!(call);
+        match tokio::time::timeout(deadline, &mut call).await {
+            Ok(answer) => answer.map_err(Failed::Answered),
+            // Envoy gives up here. The server's answer, awaited still, tells whether it answered
+            // before the deadline as it counts it (the answer reached the generator late) or
+            // gave up at it itself (`CANCELLED`).
+            Err(_) => {
+                let answer = call.await;
+                let cancelled = answer.is_err_and(|e| e.grpc_status.as_deref() == Some("1"));
+                Err(Failed::Late { cancelled })
+            }
         }
     }
 
-    async fn call_once(&mut self, request: &RateLimitRequest) -> Result<bool, String> {
+    async fn call_once(&mut self, request: &RateLimitRequest) -> Result<bool, NotOk> {
+        let failed = |what: String| NotOk {
+            grpc_status: None,
+            what,
+        };
         let mut body = BytesMut::with_capacity(5 + request.encoded_len());
         body.put_u8(0);
         body.put_u32(u32::try_from(request.encoded_len()).expect("a small request"));
@@ -416,28 +449,48 @@ impl Caller {
             .body(Full::new(body.freeze()))
             .expect("a request");
         *call.headers_mut() = self.headers.clone();
-        self.send.ready().await.map_err(|e| e.to_string())?;
+        self.send.ready().await.map_err(|e| failed(e.to_string()))?;
         let response = self
             .send
             .send_request(call)
             .await
-            .map_err(|e| e.to_string())?;
+            .map_err(|e| failed(e.to_string()))?;
         let (head, body) = response.into_parts();
-        let collected = body.collect().await.map_err(|e| e.to_string())?;
+        let collected = body.collect().await.map_err(|e| failed(e.to_string()))?;
         // The status is in the trailers, or in the headers of a trailers-only answer.
         let status = collected
             .trailers()
             .and_then(|t| t.get("grpc-status"))
             .or_else(|| head.headers.get("grpc-status"))
-            .map(|v| v.as_bytes().to_vec());
-        if head.status != hyper::StatusCode::OK || status.as_deref() != Some(b"0") {
-            return Err(format!("HTTP {} grpc-status {status:?}", head.status));
+            .map(|v| String::from_utf8_lossy(v.as_bytes()).into_owned());
+        if head.status != hyper::StatusCode::OK || status.as_deref() != Some("0") {
+            return Err(NotOk {
+                what: format!("HTTP {} grpc-status {status:?}", head.status),
+                grpc_status: status,
+            });
         }
         let message = collected.to_bytes();
         let decoded = RateLimitResponse::decode(message.get(5..).unwrap_or_default())
-            .map_err(|e| e.to_string())?;
+            .map_err(|e| failed(e.to_string()))?;
         Ok(decoded.overall_code == 1)
     }
+}
+
+/// A call that did not end with `grpc-status: 0`: its status where it had one, and what
+/// happened.
+#[derive(Debug, PartialEq, Eq)]
+struct NotOk {
+    grpc_status: Option<String>,
+    what: String,
+}
+
+/// How a call failed: answered with an error, or not answered by the generator's deadline,
+/// and then whether the server itself gave up at that deadline (`CANCELLED`) or answered
+/// before it as it counts it.
+#[derive(Debug, PartialEq, Eq)]
+enum Failed {
+    Answered(NotOk),
+    Late { cancelled: bool },
 }
 
 /// Drives `server` with `load` requests of `shape`.
@@ -482,7 +535,8 @@ async fn drive(
             let stream = c * load.streams + s;
             tasks.push(tokio::spawn(async move {
                 let mut latencies = Vec::with_capacity(100_000);
-                let (mut errors, mut admitted, mut i) = (0usize, 0usize, 0u64);
+                let (mut errors, mut late, mut cancelled, mut admitted, mut i) =
+                    (0usize, 0usize, 0usize, 0usize, 0u64);
                 while Instant::now() < deadline {
                     let r = request(shape, request_number(i, stream, streams));
                     i += 1;
@@ -493,11 +547,20 @@ async fn drive(
                     }
                     match answer {
                         Ok(ok) => admitted += usize::from(ok),
-                        Err(_) => errors += 1,
+                        Err(failed) => {
+                            errors += 1;
+                            if let Failed::Late {
+                                cancelled: by_server,
+                            } = failed
+                            {
+                                late += 1;
+                                cancelled += usize::from(by_server);
+                            }
+                        }
                     }
                     latencies.push(t.elapsed().as_micros() as u64);
                 }
-                (latencies, errors, admitted)
+                (latencies, (errors, late, cancelled), admitted)
             }));
         }
     }
@@ -515,6 +578,8 @@ async fn drive(
         name: name.into(),
         calls: 0,
         errors: 0,
+        late: 0,
+        cancelled: 0,
         admitted: 0,
         limit,
         elapsed: Duration::ZERO,
@@ -527,9 +592,11 @@ async fn drive(
         redis_keys: 0,
     };
     for t in tasks {
-        let (latencies, errors, admitted) = t.await.expect("caller");
+        let (latencies, (errors, late, cancelled), admitted) = t.await.expect("caller");
         report.calls += latencies.len();
         report.errors += errors;
+        report.late += late;
+        report.cancelled += cancelled;
         report.admitted += admitted;
         report.latencies_us.extend(latencies);
     }
@@ -580,6 +647,8 @@ async fn redis_round_trips(name: &str, port: u16, load: &Load) -> Report {
         name: name.into(),
         calls: latencies.len(),
         errors,
+        late: 0,
+        cancelled: 0,
         admitted: 0,
         limit: None,
         elapsed,

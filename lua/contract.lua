@@ -57,11 +57,13 @@
 --   per request     L, then L integers for its descriptors; or -1 and an error text when a Redis
 --                   command of that request failed (a key of another type, an entry slidegate
 --                   did not write) or its arguments are bad
---   per descriptor  flags: 1 fits, 2 this request set the ban, 4 recorded, 8 banned;
+--   per descriptor  flags: 1 fits, 2 this request set the ban, 4 recorded, 8 banned, 16 the
+--                   entry it recorded is later than the call's time (the log's newest was);
 --                   if banned: ban_remaining_ms, and nothing more;
 --                   if recorded: cum of the entry (a compact log: its total after the
---                   entry; 0 for sliding_counter), and in a tentative request the entry's
---                   time (0 for sliding_counter);
+--                   entry; 0 for sliding_counter), then the entry's time in a tentative
+--                   request (0 for sliding_counter) and in any other with flag 16 (without
+--                   it, the entry's time is the call's);
 --                   per window of the rule: count, reset_ms
 --   count     hits in the window after this call
 --   reset_ms  fitting descriptor: until the oldest counted hit leaves the window (0 if empty);

@@ -145,9 +145,16 @@ do
     if d.records then
       out[r + 1] = d.cum
       r = r + 1
+      -- The entry's time, which names it with cum (a sliding_counter records no entry): a
+      -- tentative request's always, another's where it is later than the call's time (flag
+      -- 16), as `log_answer` writes it.
+      local stamp = rule.buckets == 0 and d.stamp or 0
       if mode == 0 then
-        -- The entry's time, which names it with cum (a sliding_counter records no entry).
-        out[r + 1] = rule.buckets == 0 and d.stamp or 0
+        out[r + 1] = stamp
+        r = r + 1
+      elseif stamp > now then
+        out[r - 1] = out[r - 1] + 16
+        out[r + 1] = stamp
         r = r + 1
       end
     end

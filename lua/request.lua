@@ -95,8 +95,10 @@ do
   out, o = {}, 0
 
   -- A one-window descriptor's part of the reply, from out[r + 1] on: flags, the running total
-  -- and (in a tentative request) time of the entry it recorded, if it did, then its window's
-  -- count and reset. Answers the index of its last value.
+  -- of the entry it recorded, if it did, and that entry's time where the caller could not
+  -- tell it (a tentative request's always; another's only when it is later than the call's
+  -- time, flag 16: the log's newest entry was), then its window's count and reset. Answers the
+  -- index of its last value.
   log_answer = function(r, flags, cum, stamp, count, reset)
     out[r + 1] = flags
     r = r + 1
@@ -104,6 +106,10 @@ do
       out[r + 1] = cum
       r = r + 1
       if mode == 0 then
+        out[r + 1] = stamp
+        r = r + 1
+      elseif stamp ~= now then
+        out[r - 1] = flags + 16
         out[r + 1] = stamp
         r = r + 1
       end

@@ -139,9 +139,14 @@ pub struct ServeArgs {
     /// Redis connections in the pool.
     #[arg(long, env = "SLIDEGATE_REDIS_POOL_SIZE", default_value_t = 4)]
     pub redis_pool_size: usize,
-    /// Deadline for one Redis decision (all slots): well under Envoy's 20 ms filter timeout.
+    /// How long a call sent to Redis is waited for before the failure policy answers its
+    /// decisions: well under Envoy's 20 ms filter timeout.
     #[arg(long, env = "SLIDEGATE_REDIS_TIMEOUT", default_value = "15ms", value_parser = duration_arg)]
     pub redis_timeout: Duration,
+    /// How long a decision whose caller sent no deadline may wait for its turn to call Redis
+    /// (every call to it out) before the failure policy answers it.
+    #[arg(long, env = "SLIDEGATE_REDIS_QUEUE_TIMEOUT", default_value = "1s", value_parser = duration_arg)]
+    pub redis_queue_timeout: Duration,
     /// Deadline for connecting to Redis at start.
     #[arg(long, env = "SLIDEGATE_REDIS_CONNECT_TIMEOUT", default_value = "2s", value_parser = duration_arg)]
     pub redis_connect_timeout: Duration,
@@ -516,8 +521,9 @@ fn check_boolean_variables(var: &dyn Fn(&str) -> Option<String>) -> Result<(), S
 pub fn no_domain(path: &std::path::Path) -> String {
     format!(
         "{}: no domain defined (no `*.yaml`/`*.yml` file with a `domain:`), so nothing would be limited; \
-         point --config (or RUNTIME_ROOT/RUNTIME_SUBDIRECTORY) at the rules, or start anyway with \
-         --force-start-without-initial-config (FORCE_START_WITHOUT_INITIAL_CONFIG=true)",
+         point --config (or RUNTIME_ROOT/RUNTIME_SUBDIRECTORY) at the rules, start not ready until a \
+         domain loads with --ready-needs-config (HEALTHY_WITH_AT_LEAST_ONE_CONFIG_LOADED=true), or \
+         start anyway with --force-start-without-initial-config (FORCE_START_WITHOUT_INITIAL_CONFIG=true)",
         path.display()
     )
 }

@@ -139,7 +139,7 @@ pub struct Metrics {
     /// Series with fixed labels, looked up in their family once, on first use (so a series
     /// still appears only once it has counted something): a lookup hashes the labels under a
     /// lock, on every call.
-    requests_by_result: [OnceLock<Counter>; 4],
+    requests_by_result: [OnceLock<Counter>; 5],
     total_requests_method: OnceLock<Counter>,
     response_seconds_method: OnceLock<Histogram>,
     store_seconds_first: OnceLock<(&'static str, Histogram)>,

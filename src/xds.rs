@@ -96,8 +96,6 @@ fn causes(error: &dyn std::error::Error) -> String {
 /// The running client; dropping it stops it.
 pub struct XdsClient {
     task: tokio::task::JoinHandle<()>,
-    /// True once a config from the server has been applied.
-    pub received: Arc<AtomicBool>,
 }
 
 impl Drop for XdsClient {
@@ -106,20 +104,24 @@ impl Drop for XdsClient {
     }
 }
 
-/// Starts subscribing. Nothing is applied until the server answers.
-pub fn spawn(options: XdsOptions, limiter: Arc<Limiter>, metrics: Arc<Metrics>) -> XdsClient {
-    let received = Arc::new(AtomicBool::new(false));
+/// Starts subscribing. Nothing is applied until the server answers; `received` turns true once
+/// a config from it has been applied.
+pub fn spawn(
+    options: XdsOptions,
+    limiter: Arc<Limiter>,
+    metrics: Arc<Metrics>,
+    received: Arc<AtomicBool>,
+) -> XdsClient {
     let state = Subscription {
         options,
         limiter,
         metrics,
-        received: received.clone(),
+        received,
         applied_version: String::new(),
         applied: Vec::new(),
     };
     XdsClient {
         task: tokio::spawn(state.run()),
-        received,
     }
 }
 

@@ -103,6 +103,7 @@ fn decide(limiter: &Limiter, request: RateLimitRequest) -> Result<(), TestCaseEr
         }
         Err(LimiterError::InvalidRequest(message)) => prop_assert!(!message.is_empty()),
         Err(LimiterError::Store(e)) => prop_assert!(false, "the embedded store failed: {e}"),
+        Err(LimiterError::NoConfig(e)) => prop_assert!(false, "a config is loaded: {e}"),
     }
     Ok(())
 }

@@ -1002,6 +1002,7 @@ async fn health_follows_the_store() {
             url: redis.url(),
             pool_size: 1,
             timeout: Duration::from_millis(200),
+            queue_timeout: Duration::from_secs(1),
             connect_timeout: Duration::from_secs(5),
             clock: slidegate::store::ClockSource::Server,
             tls: Default::default(),

@@ -486,6 +486,78 @@ async fn reference_environment_with_redis_mutual_tls() {
     behaves_as_the_reference(Path::new(env!("CARGO_BIN_EXE_slidegate")), &tls(true, true)).await;
 }
 
+/// The reference's variables for a config under `root/config` and listeners on loopback.
+fn runtime_env(root: &Path, grpc: u16, http: u16) -> Vec<(&'static str, String)> {
+    vec![
+        ("RUNTIME_ROOT", root.display().to_string()),
+        ("HOST", "127.0.0.1".to_string()),
+        ("PORT", http.to_string()),
+        ("GRPC_HOST", "127.0.0.1".to_string()),
+        ("GRPC_PORT", grpc.to_string()),
+    ]
+}
+
+/// gRPC health as a client sees it, from the moment the port accepts.
+struct GrpcHealth(tonic_health::pb::health_client::HealthClient<tonic::transport::Channel>);
+
+impl GrpcHealth {
+    /// Connects to `addr` as soon as it accepts (within 20 s).
+    async fn connect(addr: SocketAddr) -> GrpcHealth {
+        let accept_by = Instant::now() + Duration::from_secs(20);
+        let channel = loop {
+            if let Ok(c) = tonic::transport::Endpoint::from_shared(format!("http://{addr}"))
+                .unwrap()
+                .connect()
+                .await
+            {
+                break c;
+            }
+            assert!(Instant::now() < accept_by, "the gRPC port never accepted");
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        };
+        GrpcHealth(tonic_health::pb::health_client::HealthClient::new(channel))
+    }
+
+    async fn status(&self, service: &str) -> Result<i32, tonic::Code> {
+        let request = tonic_health::pb::HealthCheckRequest {
+            service: service.to_string(),
+        };
+        self.0
+            .clone()
+            .check(request)
+            .await
+            .map(|r| r.into_inner().status)
+            .map_err(|e| e.code())
+    }
+
+    /// Waits (within 10 s: its interval is 2 s) until every name of the service reports
+    /// `status`.
+    async fn wait_for(&self, status: ServingStatus) {
+        let end = Instant::now() + Duration::from_secs(10);
+        loop {
+            let ratelimit = self.status("ratelimit").await;
+            if ratelimit == Ok(status as i32) && self.status("").await == Ok(status as i32) {
+                return;
+            }
+            assert!(
+                Instant::now() < end,
+                "gRPC health never turned {status:?}: {ratelimit:?}"
+            );
+            tokio::time::sleep(Duration::from_millis(25)).await;
+        }
+    }
+}
+
+use tonic_health::pb::health_check_response::ServingStatus;
+
+/// The HTTP status `path` answers on `port` (0 when it does not answer).
+fn http_status(port: u16, path: &str) -> u16 {
+    common::redis::command(port, &format!("GET {path} HTTP/1.0\r\n"))
+        .ok()
+        .and_then(|r| r.split_whitespace().nth(1).and_then(|c| c.parse().ok()))
+        .unwrap_or(0)
+}
+
 /// `FORCE_START_WITHOUT_INITIAL_CONFIG` with a broken config: slidegate serves, answering OK
 /// without a limit, and `HEALTHY_WITH_AT_LEAST_ONE_CONFIG_LOADED` keeps `/healthcheck` at 500;
 /// once a valid config is published it applies, and the health check turns 200.
@@ -495,18 +567,14 @@ async fn forced_start_without_a_valid_config() {
     let domain = unique_domain("forced");
     let mut config = ConfigMap::create(scratch.0.join("config"), "domain: [not, a, string]\n");
     let (grpc, http) = (free_port(), free_port());
-    let env = [
-        ("RUNTIME_ROOT", scratch.0.display().to_string()),
-        ("HOST", "127.0.0.1".to_string()),
-        ("PORT", http.to_string()),
-        ("GRPC_HOST", "127.0.0.1".to_string()),
-        ("GRPC_PORT", grpc.to_string()),
+    let mut env = runtime_env(&scratch.0, grpc, http);
+    env.extend([
         ("FORCE_START_WITHOUT_INITIAL_CONFIG", "true".to_string()),
         (
             "HEALTHY_WITH_AT_LEAST_ONE_CONFIG_LOADED",
             "true".to_string(),
         ),
-    ];
+    ]);
     let log = scratch.0.join("force.log");
     let _child = KillOnDrop(run_with_env(
         Path::new(env!("CARGO_BIN_EXE_slidegate")),
@@ -515,36 +583,15 @@ async fn forced_start_without_a_valid_config() {
     ));
     // From the moment the gRPC port accepts, gRPC health knows the service: NOT_SERVING (no
     // config loaded, with HEALTHY_WITH_AT_LEAST_ONE_CONFIG_LOADED), never NOT_FOUND.
-    let grpc_addr = SocketAddr::from(([127, 0, 0, 1], grpc));
-    let accept_by = Instant::now() + Duration::from_secs(20);
-    let channel = loop {
-        if let Ok(c) = tonic::transport::Endpoint::from_shared(format!("http://{grpc_addr}"))
-            .unwrap()
-            .connect()
-            .await
-        {
-            break c;
-        }
-        assert!(Instant::now() < accept_by, "the gRPC port never accepted");
-        tokio::time::sleep(Duration::from_millis(1)).await;
-    };
-    let grpc_health = tonic_health::pb::health_client::HealthClient::new(channel);
-    let status_of = |service: &str| {
-        let mut client = grpc_health.clone();
-        let service = service.to_string();
-        async move {
-            client
-                .check(tonic_health::pb::HealthCheckRequest { service })
-                .await
-                .map(|r| r.into_inner().status)
-                .map_err(|e| e.code())
-        }
-    };
-    let not_serving = tonic_health::pb::health_check_response::ServingStatus::NotServing as i32;
-    let serving = tonic_health::pb::health_check_response::ServingStatus::Serving as i32;
+    let grpc_health = GrpcHealth::connect(SocketAddr::from(([127, 0, 0, 1], grpc))).await;
+    let not_serving = ServingStatus::NotServing as i32;
     for _ in 0..20 {
         for service in ["ratelimit", ""] {
-            assert_eq!(status_of(service).await, Ok(not_serving), "{service:?}");
+            assert_eq!(
+                grpc_health.status(service).await,
+                Ok(not_serving),
+                "{service:?}"
+            );
         }
     }
     let health = || {
@@ -575,17 +622,69 @@ async fn forced_start_without_a_valid_config() {
         std::thread::sleep(Duration::from_millis(25));
     }
     // gRPC health follows within its interval (2 s).
-    let end = Instant::now() + Duration::from_secs(10);
-    while status_of("ratelimit").await != Ok(serving) || status_of("").await != Ok(serving) {
-        assert!(Instant::now() < end, "gRPC health never turned SERVING");
-        tokio::time::sleep(Duration::from_millis(25)).await;
-    }
+    grpc_health.wait_for(ServingStatus::Serving).await;
     assert_eq!(call().await.overall_code, ok());
     assert_eq!(
         call().await.overall_code,
         over(),
         "the published limit applies"
     );
+}
+
+/// An empty config directory at start, with `HEALTHY_WITH_AT_LEAST_ONE_CONFIG_LOADED` (and no
+/// `FORCE_START_WITHOUT_INITIAL_CONFIG`): the reference starts, unhealthy, and so does
+/// slidegate (a pod whose ConfigMap or sidecar fills the directory later does not crash-loop):
+/// gRPC health NOT_SERVING, `/healthcheck` 500, `/readyz` 503. The first domain makes it
+/// ready; a reload that empties the directory again makes it unready, where without the
+/// setting it would be refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_empty_config_directory_waits_for_a_domain() {
+    let scratch = common::temp_dir("empty-start");
+    let domain = unique_domain("filled");
+    let dir = scratch.0.join("config");
+    std::fs::create_dir_all(&dir).expect("config dir");
+    let (grpc, http) = (free_port(), free_port());
+    let mut env = runtime_env(&scratch.0, grpc, http);
+    env.push((
+        "HEALTHY_WITH_AT_LEAST_ONE_CONFIG_LOADED",
+        "true".to_string(),
+    ));
+    let log = scratch.0.join("empty.log");
+    let mut child = KillOnDrop(run_with_env(
+        Path::new(env!("CARGO_BIN_EXE_slidegate")),
+        &env,
+        log.clone(),
+    ));
+    let grpc_health = GrpcHealth::connect(SocketAddr::from(([127, 0, 0, 1], grpc))).await;
+    let unready = || async {
+        grpc_health.wait_for(ServingStatus::NotServing).await;
+        common::redis::wait_until("unhealthy over HTTP", Duration::from_secs(10), || {
+            http_status(http, "/healthcheck") == 500 && http_status(http, "/readyz") == 503
+        });
+    };
+    unready().await;
+    assert!(
+        child.0.try_wait().expect("the process").is_none(),
+        "exited on an empty directory: {}",
+        std::fs::read_to_string(&log).unwrap_or_default()
+    );
+
+    let config = ConfigMap::create(dir.clone(), &limits(&domain, 1));
+    grpc_health.wait_for(ServingStatus::Serving).await;
+    common::redis::wait_until("healthy over HTTP", Duration::from_secs(10), || {
+        http_status(http, "/healthcheck") == 200 && http_status(http, "/readyz") == 200
+    });
+    let client = connect(SocketAddr::from(([127, 0, 0, 1], grpc))).await;
+    assert_eq!(call_user(&client, &domain).await.overall_code, ok());
+    assert_eq!(
+        call_user(&client, &domain).await.overall_code,
+        over(),
+        "the loaded limit applies"
+    );
+
+    // The ConfigMap emptied: only its dotfiles (`..data`, `..v1`) are left, which are skipped.
+    std::fs::remove_file(config.dir.join("limits.yaml")).expect("empty the directory");
+    unready().await;
 }
 
 /// The reference's own integration tests start it with a relative runtime root

@@ -162,6 +162,7 @@ async fn redis_store(url: String) -> Arc<dyn Store> {
             url,
             pool_size: 2,
             timeout: Duration::from_secs(5),
+            queue_timeout: Duration::from_secs(5),
             connect_timeout: Duration::from_secs(5),
             clock: slidegate::store::ClockSource::Server,
             tls: Default::default(),

@@ -77,8 +77,9 @@ async fn admitted(
 }
 
 /// Push, update, a refused update (NACK, old rules kept), the server restarting
-/// (re-subscription with the version applied), readiness before the first config, and mutual
-/// TLS on both ports.
+/// (re-subscription with the version applied), readiness and calls before the first config
+/// (not ready, gRPC health NOT_SERVING, calls refused UNAVAILABLE), and mutual TLS on both
+/// ports.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn config_over_xds_with_mutual_tls() {
     let scratch = temp_dir("xds");
@@ -101,6 +102,40 @@ async fn config_over_xds_with_mutual_tls() {
     );
     assert_eq!(subscription.version_info, "");
     assert_eq!(healthcheck(http), 500, "not ready before the first config");
+    let channel = tls_channel(grpc_addr, dir, Some("envoy"))
+        .await
+        .expect("mTLS channel");
+    let mut client = RateLimitServiceClient::new(channel.clone());
+    let health = || {
+        let mut health = tonic_health::pb::health_client::HealthClient::new(channel.clone());
+        async move {
+            let service = "envoy.service.ratelimit.v3.RateLimitService".to_string();
+            let checked = health.check(tonic_health::pb::HealthCheckRequest { service });
+            checked
+                .await
+                .expect("gRPC health answers")
+                .into_inner()
+                .status
+        }
+    };
+    use tonic_health::pb::health_check_response::ServingStatus;
+    assert_eq!(health().await, ServingStatus::NotServing as i32);
+    // Nor answering: a call is refused UNAVAILABLE, so the caller's failure mode decides
+    // (Envoy's failure_mode_deny), not a silent OK without limits; POST /json alike, 503.
+    let refused = client
+        .should_rate_limit(gateway_request("early"))
+        .await
+        .expect_err("a call before the first config is refused");
+    let no_config = "no rate limit config has arrived from the xDS server yet";
+    assert_eq!(refused.code(), tonic::Code::Unavailable, "{refused:?}");
+    assert!(refused.message().contains(no_config), "{refused:?}");
+    let json = format!(
+        r#"{{"domain":"{DOMAIN}","descriptors":[{{"entries":[{{"key":"{ROUTE}","value":"{ROUTE}"}},{{"key":"rule-0-match-0","value":"early"}}]}}]}}"#
+    );
+    let http_addr = format!("127.0.0.1:{http}").parse().unwrap();
+    let (status, body) = common::http(http_addr, "POST", "/json", &json).await;
+    assert_eq!(status, 503, "{body}");
+    assert!(body.contains(no_config), "{body}");
 
     xds.push(Snapshot {
         version: "1".into(),
@@ -112,11 +147,14 @@ async fn config_over_xds_with_mutual_tls() {
         Duration::from_secs(10),
         || healthcheck(http) == 200,
     );
-
-    let channel = tls_channel(grpc_addr, dir, Some("envoy"))
-        .await
-        .expect("mTLS channel");
-    let mut client = RateLimitServiceClient::new(channel);
+    let end = std::time::Instant::now() + Duration::from_secs(10);
+    while health().await != ServingStatus::Serving as i32 {
+        assert!(
+            std::time::Instant::now() < end,
+            "gRPC health never turned SERVING"
+        );
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
     assert_eq!(
         admitted(&mut client, gateway_request("alice"), 4).await,
         vec![ok(), ok(), ok(), over()],

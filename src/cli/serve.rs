@@ -3,6 +3,7 @@
 
 use std::process::ExitCode;
 use std::sync::Arc;
+use std::sync::atomic::AtomicBool;
 use std::time::Duration;
 
 use slidegate::config::{self, LoadOptions, Loaded};
@@ -179,13 +180,13 @@ fn trace_options(args: &ServeArgs) -> TraceOptions {
 async fn serve_async(args: ServeArgs) -> Result<(), String> {
     let load_options = LoadOptions {
         merge_domains: args.merge_domain_config,
-        allow_no_domains: args.allow_empty_config,
+        // Readiness that needs a domain turns a config without one into not ready, as the
+        // reference goes unhealthy, rather than into a refusal.
+        allow_no_domains: args.allow_empty_config || args.ready_needs_config,
     };
     let initial = match (&args.config, &args.xds_server) {
         (_, Some(_)) => Loaded::default(),
-        (Some(path), None) => {
-            initial_config(path, load_options, args.force_start_without_initial_config)?
-        }
+        (Some(path), None) => initial_config(path, load_options, &args)?,
         (None, None) => {
             return Err(
                 "--config (or SLIDEGATE_CONFIG, or the reference's RUNTIME_ROOT) or --xds-server (CONFIG_TYPE=GRPC_XDS_SOTW) is required".into(),
@@ -200,11 +201,24 @@ async fn serve_async(args: ServeArgs) -> Result<(), String> {
         MetricNamesArg::Reference => MetricNames::Reference,
     }));
     metrics.config_loaded(initial.fingerprint != 0);
-    let limiter = Arc::new(
-        Limiter::new(initial.limits, store, clock, limiter_options(&args))
-            .with_observer(metrics.clone()),
-    );
-    let source = config_source(&args, load_options, initial.fingerprint, &limiter, &metrics)?;
+    let mut limiter = Limiter::new(initial.limits, store, clock, limiter_options(&args))
+        .with_observer(metrics.clone());
+    // From xDS without FORCE_START_WITHOUT_INITIAL_CONFIG: neither ready nor answering before
+    // the first config, as the reference does not serve before it.
+    let config_arrived = Arc::new(AtomicBool::new(false));
+    let awaiting = args.xds_server.is_some() && !args.force_start_without_initial_config;
+    if awaiting {
+        limiter = limiter.awaiting_first_config(config_arrived.clone());
+    }
+    let limiter = Arc::new(limiter);
+    let source = config_source(
+        &args,
+        load_options,
+        initial.fingerprint,
+        &limiter,
+        &metrics,
+        config_arrived.clone(),
+    )?;
     let mut listeners = bind(&args).await?;
     listeners.grpc_tls = grpc_tls;
     tracing::info!(grpc = %args.grpc_addr, http = %args.http_addr, store = limiter.store().name(), tls = listeners.grpc_tls.is_some(), "serving");
@@ -228,14 +242,7 @@ async fn serve_async(args: ServeArgs) -> Result<(), String> {
             },
             tls_reload_interval: args.tls_reload_interval,
             quota_streams: args.rlqs_max_streams,
-            // From xDS without FORCE_START_WITHOUT_INITIAL_CONFIG: not ready before the
-            // first config, as the reference does not serve before it.
-            config_arrived: match &source {
-                ConfigSource::Xds(client) if !args.force_start_without_initial_config => {
-                    Some(client.received.clone())
-                }
-                _ => None,
-            },
+            config_arrived: awaiting.then_some(config_arrived),
             ..ServerOptions::default()
         },
     };
@@ -247,7 +254,7 @@ async fn serve_async(args: ServeArgs) -> Result<(), String> {
 /// What keeps the config current; dropping it stops it (hence the field nothing reads).
 enum ConfigSource {
     Files(#[allow(dead_code)] Option<config::watch::ConfigWatch>),
-    Xds(slidegate::xds::XdsClient),
+    Xds(#[allow(dead_code)] slidegate::xds::XdsClient),
 }
 
 fn config_source(
@@ -256,6 +263,7 @@ fn config_source(
     fingerprint: u64,
     limiter: &Arc<Limiter>,
     metrics: &Arc<Metrics>,
+    config_arrived: Arc<AtomicBool>,
 ) -> Result<ConfigSource, String> {
     if let Some(server) = &args.xds_server {
         let options = xds_options(args, server, load_options);
@@ -264,6 +272,7 @@ fn config_source(
             options,
             limiter.clone(),
             metrics.clone(),
+            config_arrived,
         )));
     }
     let Some(config_path) = &args.config else {
@@ -334,18 +343,27 @@ fn grpc_tls(args: &ServeArgs) -> Result<Option<Arc<ServerTls>>, String> {
     Ok(Some(Arc::new(tls)))
 }
 
-/// The config at start. With `force_start`, a missing or invalid one serves no limits (and
-/// fingerprint 0, so the first valid config the watch sees is swapped in).
+/// The config at start. With `--force-start-without-initial-config`, a missing or invalid one
+/// serves no limits (and fingerprint 0, so the first valid config the watch sees is swapped
+/// in). One that defines no domain stops the start unless forced, or unless readiness waits
+/// for a domain (`--ready-needs-config`): then the server starts not ready, and is ready once a
+/// domain loads.
 fn initial_config(
     path: &std::path::Path,
     options: LoadOptions,
-    force_start: bool,
+    args: &ServeArgs,
 ) -> Result<Loaded, String> {
+    let force_start = args.force_start_without_initial_config;
     match config::load_path_with(path, options) {
-        Ok(loaded) if loaded.limits.domains.is_empty() && !force_start => {
+        Ok(loaded)
+            if loaded.limits.domains.is_empty() && !force_start && !args.ready_needs_config =>
+        {
             Err(super::no_domain(path))
         }
         Ok(loaded) => {
+            if loaded.limits.domains.is_empty() && args.ready_needs_config {
+                tracing::warn!(config = %path.display(), "no domain defined yet: not ready until one loads (--ready-needs-config)");
+            }
             for warning in &loaded.warnings {
                 tracing::warn!("{warning}");
             }
@@ -381,6 +399,7 @@ async fn open_store(args: &ServeArgs, clock: Arc<SystemClock>) -> Result<Arc<dyn
         url: url.clone(),
         pool_size: args.redis_pool_size,
         timeout: args.redis_timeout,
+        queue_timeout: args.redis_queue_timeout,
         connect_timeout: args.redis_connect_timeout,
         clock: match args.clock {
             ClockArg::Server => ClockSource::Server,

@@ -76,7 +76,7 @@ impl Limiter {
         let mut rest_outcomes = if rest.is_empty() {
             Vec::new()
         } else {
-            match self.ask_store(&rest, now_ms, true).await {
+            match self.ask_store(&rest, now_ms, true, policy).await {
                 Ok(outcome) => {
                     self.remember(&rest, &outcome.items, now_ms, generation);
                     outcome.items
@@ -118,12 +118,17 @@ impl Limiter {
     }
 
     /// One store call, timed for the observer; `rejected`: the request is already rejected
-    /// (`Store::check_rejected`).
+    /// (`Store::check_rejected`). Where the store failing means the deny policy answers
+    /// `OVER_LIMIT`, the store takes back what it records after giving up
+    /// (`Store::check_or_take_back`): such a request never passed. Under the other policies
+    /// what it records stands: with `allow` the request passed, and with `error` Envoy's
+    /// `failure_mode_deny` decided.
     async fn ask_store(
         &self,
         items: &[CheckItem<'_>],
         now_ms: u64,
         rejected: bool,
+        policy: FailurePolicy,
     ) -> Result<CheckOutcome, StoreError> {
         let started = Stopwatch::start();
         // A trace's child span per store call (made only as the call's own span is).
@@ -139,17 +144,14 @@ impl Limiter {
         } else {
             tracing::Span::none()
         };
-        let result = if rejected {
-            self.store
-                .check_rejected(items, now_ms)
-                .instrument(span.clone())
-                .await
+        let asked = if rejected {
+            self.store.check_rejected(items, now_ms)
+        } else if policy == FailurePolicy::Deny {
+            self.store.check_or_take_back(items, now_ms)
         } else {
-            self.store
-                .check(items, now_ms)
-                .instrument(span.clone())
-                .await
+            self.store.check(items, now_ms)
         };
+        let result = asked.instrument(span.clone()).await;
         span.record(
             "outcome",
             result.as_ref().map_or_else(StoreError::kind, |_| "ok"),
@@ -166,34 +168,24 @@ impl Limiter {
         now_ms: u64,
         policy: FailurePolicy,
     ) -> Result<CheckOutcome, LimiterError> {
-        match self.ask_store(items, now_ms, false).await {
+        match self.ask_store(items, now_ms, false, policy).await {
             Ok(outcome) => Ok(outcome),
             Err(error) => self.by_policy(items, error, now_ms, policy),
         }
     }
 
     /// Why a domain with `store_reset: closed` is not decided by the store now: the store lost
-    /// its data less than one longest window of the domain's rules before (from when this
-    /// limiter first saw the loss).
+    /// its data less than one longest window of the domain's rules before (from when the loss
+    /// was found, by this replica or another).
     pub(super) fn closed_after_reset(&self, domain: &Domain, now_ms: u64) -> Option<StoreError> {
         if !domain.store_reset_closed {
             return None;
         }
-        let losses = self.store.data_losses()?;
-        let seen = self.losses_seen.load(Ordering::Relaxed);
-        if losses > seen
-            && self
-                .losses_seen
-                .compare_exchange(seen, losses, Ordering::Relaxed, Ordering::Relaxed)
-                .is_ok()
-        {
-            self.lost_at_ms.store(now_ms, Ordering::Relaxed);
-        }
-        let lost_at = self.lost_at_ms.load(Ordering::Relaxed);
-        (losses > 0 && now_ms < lost_at.saturating_add(domain.longest_window_ms)).then(|| {
+        let lost_at = self.store.data_lost_at()?;
+        (now_ms < lost_at.saturating_add(domain.longest_window_ms)).then(|| {
             StoreError::unavailable(format!(
                 "the store lost its data {} ms ago; store_reset: closed answers by the failure policy until {} ms have passed",
-                now_ms - lost_at,
+                now_ms.saturating_sub(lost_at),
                 domain.longest_window_ms
             ))
         })

@@ -8,7 +8,7 @@
 //! (`answer.rs`), and the observer, the decision log and the trace told (`report.rs`).
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 use arc_swap::ArcSwap;
 use tracing::Instrument as _;
@@ -97,16 +97,14 @@ pub struct Limiter {
     pub(super) store_errors: AtomicU64,
     /// When a store error was last logged: failures are logged once per burst, not per call.
     pub(super) last_error_log_ms: AtomicU64,
-    /// The store's data losses seen so far, and when the last was first seen (ms): domains
-    /// with `store_reset: closed` answer by their policy for a window from then.
-    pub(super) losses_seen: AtomicU64,
-    pub(super) lost_at_ms: AtomicU64,
     /// Descriptors known to be over, answered without the store.
     pub(super) cache: OverLimitCache,
     /// This process among the replicas sharing a store, and its quota streams so far: the
     /// names of the streams that hold quotas ([`Limiter::quota_holder`]).
     pub(super) instance: String,
     pub(super) quota_streams: AtomicU64,
+    /// Where set, calls are refused until it is true: the first config from an xDS server.
+    pub(super) config_arrived: Option<Arc<AtomicBool>>,
 }
 
 impl Limiter {
@@ -125,10 +123,9 @@ impl Limiter {
             observer: Arc::new(NoObserver),
             store_errors: AtomicU64::new(0),
             last_error_log_ms: AtomicU64::new(0),
-            losses_seen: AtomicU64::new(0),
-            lost_at_ms: AtomicU64::new(0),
             instance: random_instance(),
             quota_streams: AtomicU64::new(0),
+            config_arrived: None,
         }
     }
 
@@ -141,6 +138,15 @@ impl Limiter {
     /// What one request may ask for.
     pub fn bounds(&self) -> &RequestBounds {
         &self.options.bounds
+    }
+
+    /// Refuses calls (`LimiterError::NoConfig`, gRPC `UNAVAILABLE`) until `arrived` is true:
+    /// a config taken from an xDS server, before the server's first, limits nothing, and a
+    /// caller told `OK` then would never know it went unlimited; refused, its own failure mode
+    /// decides (Envoy's `failure_mode_deny`).
+    pub fn awaiting_first_config(mut self, arrived: Arc<AtomicBool>) -> Limiter {
+        self.config_arrived = Some(arrived);
+        self
     }
 
     /// Reports every call and decision to `observer` (metrics).
@@ -227,6 +233,7 @@ impl Limiter {
             Ok(_) => CallResult::OverLimit,
             Err(LimiterError::InvalidRequest(_)) => CallResult::Invalid,
             Err(LimiterError::Store(_)) => CallResult::StoreError,
+            Err(LimiterError::NoConfig(_)) => CallResult::NoConfig,
         };
         self.observer.call(call, elapsed);
         span.record("decision", tracing::field::debug(call));
@@ -245,6 +252,11 @@ impl Limiter {
         request: &Request,
         span: &tracing::Span,
     ) -> Result<Decision, LimiterError> {
+        if let Some(arrived) = &self.config_arrived
+            && !arrived.load(Ordering::Acquire)
+        {
+            return Err(LimiterError::NoConfig(NO_CONFIG_YET.into()));
+        }
         self.options.bounds.validate(request)?;
         let limits = self.limits.load_full();
         let now_ms = self.clock.now_ms();
@@ -271,6 +283,9 @@ fn random_instance() -> String {
         std::collections::hash_map::RandomState::new().hash_one(0u8)
     )
 }
+
+/// What a call is refused with before the first config from an xDS server.
+const NO_CONFIG_YET: &str = "no rate limit config has arrived from the xDS server yet; calls are refused until it sends one (--force-start-without-initial-config, FORCE_START_WITHOUT_INITIAL_CONFIG=true, answers them OK without limits instead)";
 
 /// Fills every rule's observer slot with what `observer` keeps there.
 fn prepare(limits: &Limits, observer: &dyn Observer) {

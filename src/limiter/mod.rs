@@ -131,4 +131,8 @@ pub enum LimiterError {
     InvalidRequest(String),
     #[error(transparent)]
     Store(#[from] crate::store::StoreError),
+    /// No config has arrived yet from where the config comes from (an xDS server), and the
+    /// server was not told to serve without one.
+    #[error("{0}")]
+    NoConfig(String),
 }

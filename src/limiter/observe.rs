@@ -87,6 +87,8 @@ pub enum CallResult {
     OverLimit,
     Invalid,
     StoreError,
+    /// Refused: no config has arrived yet.
+    NoConfig,
 }
 
 impl CallResult {
@@ -97,6 +99,7 @@ impl CallResult {
             CallResult::OverLimit => "over_limit",
             CallResult::Invalid => "invalid",
             CallResult::StoreError => "store_error",
+            CallResult::NoConfig => "no_config",
         }
     }
 }

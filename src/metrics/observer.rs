@@ -24,6 +24,7 @@ impl Observer for Metrics {
             CallResult::OverLimit => 1,
             CallResult::Invalid => 2,
             CallResult::StoreError => 3,
+            CallResult::NoConfig => 4,
         };
         series(&self.requests_by_result[i], &self.requests, || {
             ResultLabels {
@@ -41,7 +42,8 @@ impl Observer for Metrics {
         .observe(elapsed.as_secs_f64());
         let err_type = match result {
             CallResult::StoreError => "redis_error",
-            CallResult::Invalid => "service_error",
+            // The reference's service errors include "no rate limit configuration loaded".
+            CallResult::Invalid | CallResult::NoConfig => "service_error",
             CallResult::Ok | CallResult::OverLimit => return,
         };
         self.call_errors

@@ -13,13 +13,17 @@ use std::borrow::Cow;
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
-use std::time::Duration;
 
 use bytes::Bytes;
 
+mod deadline;
 pub mod memory;
 pub mod redis;
 pub mod shares;
+
+pub use deadline::{
+    ANSWER_MARGIN, Bound, Deadlines, Waited, caller_deadline, with_caller_deadline,
+};
 
 pub use memory::MemoryStore;
 pub use redis::{ClockSource, RedisOptions, RedisStore};
@@ -324,8 +328,9 @@ pub struct CheckOutcome {
 /// source, for logs.
 #[derive(Clone, Debug, thiserror::Error)]
 pub enum StoreError {
-    #[error("store timed out after {} ms", .0.as_millis())]
-    Timeout(Duration),
+    /// The store gave the decision up: what it waited for, and how long.
+    #[error("{0}")]
+    Timeout(Waited),
     #[error("store unavailable: {context}")]
     Unavailable {
         context: String,
@@ -375,53 +380,6 @@ pub struct ItemState {
 }
 pub type ReadyFuture<'a> = Pin<Box<dyn Future<Output = bool> + Send + 'a>>;
 
-tokio::task_local! {
-    /// When the caller of the decision being made stops waiting for it (its `grpc-timeout`).
-    static CALLER_DEADLINE: tokio::time::Instant;
-}
-
-/// Runs `decision` for a caller that waits until `deadline`: the Redis store's calls for it
-/// wait for Redis up to that moment rather than `--redis-timeout` (see [`caller_deadline`]).
-/// Kept beside the decision rather than passed through the limiter: a deadline is the
-/// transport's, and only a store that waits on a network has a use for it.
-pub async fn with_caller_deadline<F: Future>(
-    deadline: tokio::time::Instant,
-    decision: F,
-) -> F::Output {
-    CALLER_DEADLINE.scope(deadline, decision).await
-}
-
-/// The deadline of the caller whose decision is being made, where it sent one (set by
-/// [`with_caller_deadline`]; the HTTP endpoint's callers and a gRPC call without
-/// `grpc-timeout` have none).
-pub fn caller_deadline() -> Option<tokio::time::Instant> {
-    CALLER_DEADLINE.try_with(|deadline| *deadline).ok()
-}
-
-/// How long before its caller's deadline a decision the store could not make is answered by
-/// the failure policy, at least: room for the answer to travel back, so that the caller (Envoy,
-/// with its 20 ms filter timeout) receives the policy's answer and not its own timeout. A tenth
-/// of the time left where that is more (a caller's clock started before it sent), half of it
-/// where that is less.
-pub const ANSWER_MARGIN: Duration = Duration::from_millis(3);
-
-/// When a decision that reaches a networked store at `now` is answered by the failure policy
-/// if the store has not answered it: `timeout` (`--redis-timeout`) later, or
-/// [`ANSWER_MARGIN`] before its caller's deadline where that comes first. Waiting for a turn
-/// inside slidegate counts against the same moment.
-pub fn answer_by(now: tokio::time::Instant, timeout: Duration) -> tokio::time::Instant {
-    let own = now + timeout;
-    match caller_deadline() {
-        Some(deadline) => {
-            let left = deadline.saturating_duration_since(now);
-            let margin = ANSWER_MARGIN.max(left / 10).min(left / 2);
-            let early = deadline.checked_sub(margin).unwrap_or(now);
-            own.min(early.max(now))
-        }
-        None => own,
-    }
-}
-
 /// The one interface the limiter needs from a store.
 pub trait Store: Send + Sync + 'static {
     /// Decides a batch at time `now_ms` (milliseconds since the Unix epoch): an item fits if it
@@ -430,6 +388,18 @@ pub trait Store: Send + Sync + 'static {
     /// otherwise nowhere, except a debit's, which is recorded whatever the decision while every
     /// window had room for one more hit. Items that do not fit and have a ban get banned.
     fn check<'a>(&'a self, items: &'a [CheckItem<'a>], now_ms: u64) -> StoreFuture<'a>;
+
+    /// Decides as [`Store::check`], for a request whose caller is answered `OVER_LIMIT` (the
+    /// deny policy) if the store gives up on it: hits a reply shows recorded after the store
+    /// gave up are taken back, since the request never passed. A store that cannot answer late
+    /// decides as `check` does.
+    fn check_or_take_back<'a>(
+        &'a self,
+        items: &'a [CheckItem<'a>],
+        now_ms: u64,
+    ) -> StoreFuture<'a> {
+        self.check(items, now_ms)
+    }
 
     /// Decides a batch whose request is already rejected by a descriptor known to be over (not
     /// among `items`; the limiter's over-limit cache): as [`Store::check`] with one more
@@ -490,6 +460,12 @@ pub trait Store: Send + Sync + 'static {
         None
     }
 
+    /// When the store's latest loss of its data was found (ms since the epoch), by this replica
+    /// or another that left word of it in the store; `None` where it can tell of none.
+    fn data_lost_at(&self) -> Option<u64> {
+        None
+    }
+
     /// The `maxmemory-policy` of a store that evicts keys under memory pressure (which forgets
     /// windows and lets their requests through again), where the store knows it.
     fn evicting(&self) -> Option<String> {
@@ -534,53 +510,5 @@ mod tests {
         assert!(admits([(Quota, false), (Quota, true)]));
         assert!(!admits([(Quota, false), (Quota, false)]));
         assert!(!admits([(Quota, true), (Enforce, false)]));
-    }
-
-    /// A decision is answered by the policy at `--redis-timeout`, or a little before its
-    /// caller's deadline where that comes first.
-    #[tokio::test(start_paused = true)]
-    async fn the_policy_answers_at_the_redis_timeout_or_a_little_before_the_callers_deadline() {
-        let now = tokio::time::Instant::now();
-        let ms = Duration::from_millis;
-        let at = |deadline: Option<u64>, timeout: u64| async move {
-            let answer = async { answer_by(now, ms(timeout)) };
-            let by = match deadline {
-                Some(d) => with_caller_deadline(now + ms(d), answer).await,
-                None => answer.await,
-            };
-            by.duration_since(now).as_millis()
-        };
-        assert_eq!(at(None, 15).await, 15, "no deadline: --redis-timeout");
-        assert_eq!(
-            at(Some(20), 15).await,
-            15,
-            "Envoy's 20 ms: --redis-timeout first"
-        );
-        assert_eq!(at(Some(20), 100).await, 17, "3 ms before Envoy's 20 ms");
-        assert_eq!(at(Some(50), 10_000).await, 45, "a tenth of 50 ms");
-        assert_eq!(at(Some(1_000), 10_000).await, 900);
-        assert_eq!(at(Some(4), 10_000).await, 2, "half of what is left");
-        assert_eq!(at(Some(0), 15).await, 0, "a deadline already passed");
-    }
-
-    /// A decision knows its caller's deadline inside its own future only: not outside it, and
-    /// not in another decision polled beside it.
-    #[tokio::test]
-    async fn a_callers_deadline_is_its_decisions_alone() {
-        assert_eq!(caller_deadline(), None);
-        let deadline = tokio::time::Instant::now() + Duration::from_millis(20);
-        let (inside, beside) = tokio::join!(
-            with_caller_deadline(deadline, async {
-                tokio::task::yield_now().await;
-                caller_deadline()
-            }),
-            async {
-                tokio::task::yield_now().await;
-                caller_deadline()
-            }
-        );
-        assert_eq!(inside, Some(deadline));
-        assert_eq!(beside, None);
-        assert_eq!(caller_deadline(), None);
     }
 }

@@ -23,6 +23,7 @@ use tonic::transport::Channel;
 
 pub mod envoy;
 pub mod otlp;
+pub mod proxy;
 pub mod redis;
 pub mod xds;
 

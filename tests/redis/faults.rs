@@ -699,6 +699,8 @@ async fn a_redis_that_lost_its_data_is_found_and_closed_domains_wait_a_window() 
         );
     }
     redis.restart();
+    // The loss is found after this, so its window ends no sooner than 2 s from now.
+    let found = Instant::now();
     let end = Instant::now() + Duration::from_secs(20);
     for replica in &replicas {
         while !(replica.store().ready().await && replica.store().data_losses() == Some(1)) {
@@ -706,7 +708,6 @@ async fn a_redis_that_lost_its_data_is_found_and_closed_domains_wait_a_window() 
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
     }
-    let found = Instant::now();
     // Forgotten: the open domain admits again (on the replica that never refused it: the
     // other's over-limit cache still knows it was over); the closed one answers by its policy.
     assert_eq!(
@@ -732,5 +733,76 @@ async fn a_redis_that_lost_its_data_is_found_and_closed_domains_wait_a_window() 
     assert!(
         reopened >= Duration::from_millis(1_900),
         "reopened {reopened:?} after the loss was found, before its 2 s window"
+    );
+}
+
+/// Every replica knows Redis forgot, one started after the loss was found too: the marker says
+/// when the loss was found. A replica started against the emptied Redis after another found the
+/// loss answers the closed domain by its policy (on a Redis it took as fresh it would admit
+/// every forgotten request again). One started before any replica checked the emptied Redis
+/// takes it as fresh, and knows of the loss once the replica that knew the old marker has
+/// checked and written it again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replica_started_after_a_loss_was_found_keeps_closed_domains_closed() {
+    use slidegate::limiter::Code::{Ok as Admitted, OverLimit};
+    let mut redis = RedisProcess::start(&[]);
+    let domain = unique_domain("late");
+    let config = format!(
+        "domain: {domain}\nstore_failure: deny\nstore_reset: closed\ndescriptors:\n  - key: k\n    rate_limit: {{requests_per_unit: 5, window: 1h}}\n"
+    );
+    let url = redis.url();
+    let replica = || async {
+        let limits = slidegate::config::compile_sources(&[("closed.yaml".into(), config.clone())])
+            .expect("config");
+        let limiter = slidegate::limiter::Limiter::new(
+            limits,
+            connect(url.clone(), TEST_TIMEOUT).await,
+            Arc::new(slidegate::limiter::SystemClock),
+            LimiterOptions::default(),
+        );
+        assert!(limiter.store().ready().await, "the marker checked");
+        limiter
+    };
+    let call = || slidegate::wire::from_proto(request(&domain, vec![descriptor(&[("k", "v")])]));
+    let code =
+        |decision: Result<slidegate::limiter::Decision, _>| decision.expect("decided").overall;
+    let first = replica().await;
+    for _ in 0..5 {
+        assert_eq!(code(first.should_rate_limit(&call()).await), Admitted);
+    }
+    assert_eq!(code(first.should_rate_limit(&call()).await), OverLimit);
+
+    redis.restart();
+    let end = Instant::now() + Duration::from_secs(20);
+    while !(first.store().ready().await && first.store().data_losses() == Some(1)) {
+        assert!(
+            Instant::now() < end,
+            "the first replica never found the loss"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let second = replica().await;
+    for _ in 0..3 {
+        assert_eq!(
+            code(second.should_rate_limit(&call()).await),
+            OverLimit,
+            "started after the loss was found: the domain is closed for its window"
+        );
+    }
+
+    redis.restart();
+    let third = replica().await;
+    assert_eq!(
+        code(third.should_rate_limit(&call()).await),
+        Admitted,
+        "started before any replica checked the emptied Redis: taken as fresh"
+    );
+    assert!(first.store().ready().await);
+    assert_eq!(first.store().data_losses(), Some(2));
+    assert!(third.store().ready().await);
+    assert_eq!(
+        code(third.should_rate_limit(&call()).await),
+        OverLimit,
+        "told of the loss by the replica that knew the old marker"
     );
 }

@@ -17,6 +17,7 @@ mod conformance;
 
 mod faults;
 mod inspect;
+mod link;
 mod moves;
 mod script;
 mod sharing;
@@ -41,6 +42,7 @@ fn options(url: String, timeout: Duration) -> RedisOptions {
         url,
         pool_size: 2,
         timeout,
+        queue_timeout: Duration::from_secs(1),
         connect_timeout: Duration::from_secs(5),
         clock: ClockSource::Server,
         tls: Default::default(),

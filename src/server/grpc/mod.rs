@@ -188,6 +188,7 @@ pub fn to_status(error: &LimiterError) -> tonic::Status {
     match error {
         LimiterError::InvalidRequest(message) => tonic::Status::invalid_argument(message.clone()),
         LimiterError::Store(e) => tonic::Status::unavailable(e.to_string()),
+        LimiterError::NoConfig(message) => tonic::Status::unavailable(message.clone()),
     }
 }
 
@@ -430,10 +431,17 @@ mod tests {
     fn errors_map_to_the_documented_codes() {
         let invalid = to_status(&LimiterError::InvalidRequest("x".into()));
         assert_eq!(invalid.code(), tonic::Code::InvalidArgument);
-        let store = to_status(&LimiterError::Store(crate::store::StoreError::Timeout(
+        let waited = crate::store::Waited::Redis(
             Duration::from_millis(15),
+            crate::store::Bound::RedisTimeout,
+        );
+        let store = to_status(&LimiterError::Store(crate::store::StoreError::Timeout(
+            waited,
         )));
         assert_eq!(store.code(), tonic::Code::Unavailable);
-        assert_eq!(store.message(), "store timed out after 15 ms");
+        assert_eq!(
+            store.message(),
+            "Redis did not answer within 15 ms (--redis-timeout)"
+        );
     }
 }

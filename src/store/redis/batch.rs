@@ -9,6 +9,7 @@
 //! its slots.
 
 use std::collections::VecDeque;
+use std::future::Future;
 use std::sync::{Arc, Mutex};
 
 use tokio::sync::oneshot;
@@ -16,25 +17,32 @@ use tokio::time::Instant;
 
 use super::call::{Answer, DESCRIPTORS_PER_CALL, Request, Sender, not_served};
 use super::master::{Master, RATE_WINDOW, Remedy};
-use crate::store::StoreError;
+use super::take_back::TakeBack;
+use crate::store::{Bound, StoreError, Waited};
 
 /// Requests waiting for a call, and how many calls are out.
 struct Queue {
     calls: usize,
+    /// In the order they came, which is the order of their ids.
     waiting: VecDeque<Waiting>,
+    next_id: u64,
 }
 
 struct Waiting {
+    id: u64,
     request: Request,
     since: Instant,
     answer: oneshot::Sender<Answer>,
 }
 
 /// Sends requests as they come while fewer than `max_calls` calls are out, and otherwise
-/// queues them for the next call (see the module's notes). A queued request waits no longer
-/// than its [`Request::answer_by`]: its wait for a turn counts against the same moment as its
-/// wait for Redis, and it is answered then (by the failure policy) even while the calls ahead
-/// of it are still out, which also keeps a stalled Redis from collecting an endless queue.
+/// queues them for the next call (see the module's notes). A queued request waits for its turn
+/// until its [`crate::store::Deadlines::turn`] (a little before its caller's deadline, or
+/// `--redis-queue-timeout`), and is then answered by the failure policy and never sent, even
+/// while the calls ahead of it are still out, which also keeps a stalled Redis from collecting
+/// an endless queue. Once sent, it waits for Redis until its reply moment
+/// ([`crate::store::Deadlines::reply_by`]: `--redis-timeout` from then, or its caller's
+/// deadline), whatever it waited before.
 pub(super) struct Batcher {
     queue: Mutex<Queue>,
     max_calls: usize,
@@ -59,6 +67,7 @@ impl Batcher {
             queue: Mutex::new(Queue {
                 calls: 0,
                 waiting: VecDeque::new(),
+                next_id: 0,
             }),
             max_calls: max_calls.max(1),
             master,
@@ -81,16 +90,33 @@ impl Batcher {
                 Turn::Now(request)
             } else {
                 let (answer, later) = oneshot::channel();
-                let (since, until) = (Instant::now(), request.answer_by);
+                let since = Instant::now();
+                let id = queue.next_id;
+                queue.next_id += 1;
+                let until = request.deadlines.turn;
+                let bound = request.deadlines.turn_bound();
+                let take_back = request.take_back.clone();
                 queue.waiting.push_back(Waiting {
+                    id,
                     request,
                     since,
                     answer,
                 });
-                Turn::Later(later, since, until)
+                Turn::Later {
+                    id,
+                    later,
+                    since,
+                    until,
+                    bound,
+                    take_back,
+                }
             }
         };
         match turn {
+            // Boxed: its future would otherwise enlarge every decision's.
+            Turn::Now(request) if request.take_back.is_some() => {
+                Box::pin(self.alone_taking_back(request, sender)).await
+            }
             Turn::Now(request) => {
                 let _out = CallOut {
                     batcher: self.clone(),
@@ -100,14 +126,84 @@ impl Batcher {
                 self.note(&answer, sender);
                 answer
             }
-            Turn::Later(later, since, until) => match tokio::time::timeout_at(until, later).await {
-                Ok(answer) => answer.unwrap_or_else(|_| {
+            Turn::Later {
+                id,
+                mut later,
+                since,
+                until,
+                bound,
+                take_back,
+            } => {
+                let answer = match tokio::time::timeout_at(until, &mut later).await {
+                    Ok(answer) => answer,
+                    Err(_) if self.leave(id) => {
+                        return Err(StoreError::Timeout(Waited::Turn(since.elapsed(), bound)));
+                    }
+                    // Its call is out: the call answers it by its reply moment.
+                    Err(_) => later.await,
+                };
+                let answer = answer.unwrap_or_else(|_| {
                     Err(StoreError::unavailable(
                         "the call carrying this request was dropped",
                     ))
-                }),
-                Err(_) => Err(StoreError::Timeout(until.duration_since(since))),
-            },
+                });
+                if let (Some(take_back), Err(StoreError::Timeout(Waited::Redis(..)))) =
+                    (take_back, &answer)
+                {
+                    take_back.answered();
+                }
+                answer
+            }
+        }
+    }
+
+    /// A call of `request` alone, whose recorded hits are taken back if its caller is answered
+    /// by the policy before the reply comes: the call waits for the late reply (`call.rs`,
+    /// `call_until`), in a task of its own once the decision's moment has passed, and its
+    /// place goes on then, as any call's does at its moment.
+    async fn alone_taking_back(self: &Arc<Self>, request: Request, sender: &Sender) -> Answer {
+        let sent = Instant::now();
+        let (by, bound) = request.deadlines.reply_by(sent, sender.timeout);
+        let (take_back, lane) = (request.take_back.clone(), request.lane);
+        let out = CallOut {
+            batcher: self.clone(),
+            sender: sender.clone(),
+        };
+        let (batcher, owned) = (self.clone(), sender.clone());
+        let mut call = Box::pin(async move {
+            let answer = owned.call_one(batcher.master.as_deref(), request).await;
+            batcher.note(&answer, &owned);
+            answer
+        });
+        tokio::select! {
+            biased;
+            answer = &mut call => answer,
+            () = tokio::time::sleep_until(by) => {
+                drop(out);
+                let (sender, master) = (sender.clone(), self.master.clone());
+                if let Some(take_back) = &take_back {
+                    take_back.answered();
+                }
+                tokio::spawn(async move {
+                    if let (Ok(reply), Some(take_back)) = (call.await, take_back) {
+                        take_back.take_back(&reply, &sender, master.as_deref(), lane).await;
+                    }
+                });
+                Err(StoreError::Timeout(Waited::Redis(by.duration_since(sent), bound)))
+            }
+        }
+    }
+
+    /// Takes request `id` out of the queue, if it is still waiting there: true when it was
+    /// (it is never sent), false when its call has taken it.
+    fn leave(&self, id: u64) -> bool {
+        let mut queue = self.lock();
+        match queue.waiting.binary_search_by_key(&id, |w| w.id) {
+            Ok(at) => {
+                queue.waiting.remove(at);
+                true
+            }
+            Err(_) => false,
         }
     }
 
@@ -139,7 +235,8 @@ impl Batcher {
     }
 
     /// A call came back (or its caller left): the requests that waited go with the next call,
-    /// sent from a task of its own; with none waiting, the call's place is free.
+    /// sent from a task of its own; with none waiting, the call's place is free. A request
+    /// whose turn ended meanwhile is answered so, and not sent.
     fn hand_on(self: &Arc<Self>, sender: &Sender) {
         let batch = {
             let mut queue = self.lock();
@@ -158,9 +255,11 @@ impl Batcher {
                     // Its caller gave up (Envoy's timeout): nothing to send.
                     continue;
                 }
-                if now >= waiting.request.answer_by {
+                let deadlines = waiting.request.deadlines;
+                if now >= deadlines.turn {
                     let waited = now.duration_since(waiting.since);
-                    let _ = waiting.answer.send(Err(StoreError::Timeout(waited)));
+                    let turn = Waited::Turn(waited, deadlines.turn_bound());
+                    let _ = waiting.answer.send(Err(StoreError::Timeout(turn)));
                     continue;
                 }
                 descriptors += size;
@@ -184,30 +283,122 @@ impl Batcher {
             }
             return;
         };
-        let (batcher, sender, master) = (self.clone(), sender.clone(), self.master.clone());
-        // The guard is made inside the task: a task dropped unstarted hands nothing on.
-        runtime.spawn(async move {
-            let _out = CallOut {
-                batcher,
-                sender: sender.clone(),
-            };
-            let (requests, answers): (Vec<_>, Vec<_>) =
-                batch.into_iter().map(|w| (w.request, w.answer)).unzip();
-            let replies = sender.call(master.as_deref(), requests).await;
-            if let Some(first) = replies.first() {
-                _out.batcher.note(first, &sender);
+        let (batcher, sender) = (self.clone(), sender.clone());
+        runtime.spawn(batcher.send(batch, sender));
+    }
+
+    /// Sends `batch` in one call, answers each request by its moment or by Redis's reply,
+    /// hands the call's place on, and takes back what the reply shows recorded for requests
+    /// whose callers the policy answered first, where asked to ([`TakeBack`]). The place's
+    /// guard is made inside the task: a task dropped unstarted hands nothing on.
+    async fn send(self: Arc<Self>, batch: Vec<Waiting>, sender: Sender) {
+        let master = self.master.clone();
+        let out = CallOut {
+            batcher: self,
+            sender: sender.clone(),
+        };
+        let sent = Instant::now();
+        let mut pending = Vec::with_capacity(batch.len());
+        let mut requests = Vec::with_capacity(batch.len());
+        for waiting in batch {
+            pending.push(Pending {
+                answer: Some(waiting.answer),
+                by: waiting.request.deadlines.reply_by(sent, sender.timeout),
+                take_back: waiting.request.take_back.clone(),
+                lane: waiting.request.lane,
+            });
+            requests.push(waiting.request);
+        }
+        let call = sender.call(master.as_deref(), requests);
+        let batcher = out.batcher.clone();
+        let mut out = Some(out);
+        let replies = answer_in_time(call, &mut pending, sent, &mut out).await;
+        if let Some(first) = replies.first() {
+            batcher.note(first, &sender);
+        }
+        let mut late = Vec::new();
+        for (pending, reply) in pending.into_iter().zip(replies) {
+            match (pending.answer, pending.take_back, reply) {
+                (Some(answer), _, reply) => {
+                    let _ = answer.send(reply);
+                }
+                (None, Some(take_back), Ok(reply)) if take_back.was_answered() => {
+                    late.push((take_back, reply, pending.lane));
+                }
+                _ => {}
             }
-            for (answer, reply) in answers.into_iter().zip(replies) {
-                let _ = answer.send(reply);
+        }
+        // The call's place goes on before what it recorded late is taken back.
+        drop(out);
+        for (take_back, reply, lane) in late {
+            take_back
+                .take_back(&reply, &sender, master.as_deref(), lane)
+                .await;
+        }
+    }
+}
+
+/// A request of a call that is out: where its answer goes (until it is given), until when
+/// Redis's reply is its caller's ([`crate::store::Deadlines::reply_by`]), and, where its
+/// recorded hits are to be taken back if its caller is answered by the policy first, what it
+/// records (its decision marks there that the policy answered it).
+struct Pending {
+    answer: Option<oneshot::Sender<Answer>>,
+    by: (Instant, Bound),
+    take_back: Option<Arc<TakeBack>>,
+    lane: usize,
+}
+
+/// The replies of `call` (sent at `sent`), each request's caller answered by the failure
+/// policy meanwhile once its moment passes: the requests of one call came at different times,
+/// for callers of different deadlines, and the call waits for the latest of them. Once every
+/// caller is answered, the call's place goes on (`out`): a call that still waits then waits
+/// only for a late reply whose hits are to be taken back, and holds up no decision.
+async fn answer_in_time(
+    call: impl Future<Output = Vec<Answer>>,
+    pending: &mut [Pending],
+    sent: Instant,
+    out: &mut Option<CallOut>,
+) -> Vec<Answer> {
+    tokio::pin!(call);
+    loop {
+        let next = pending
+            .iter()
+            .filter(|p| p.answer.is_some())
+            .map(|p| p.by.0)
+            .min();
+        let Some(next) = next else {
+            drop(out.take());
+            return call.await;
+        };
+        tokio::select! {
+            biased;
+            replies = &mut call => return replies,
+            () = tokio::time::sleep_until(next) => {
+                let now = Instant::now();
+                for p in pending.iter_mut().filter(|p| p.by.0 <= now) {
+                    if let Some(answer) = p.answer.take() {
+                        let waited = Waited::Redis(p.by.0.saturating_duration_since(sent), p.by.1);
+                        let _ = answer.send(Err(StoreError::Timeout(waited)));
+                    }
+                }
             }
-        });
+        }
     }
 }
 
 enum Turn {
     Now(Request),
-    /// Queued at the first moment, answered by the policy at the second if not sooner.
-    Later(oneshot::Receiver<Answer>, Instant, Instant),
+    /// Queued as `id` at `since`, answered by the policy at `until` (for `bound`) if its call
+    /// has not taken it by then; what it records, where it is to be taken back.
+    Later {
+        id: u64,
+        later: oneshot::Receiver<Answer>,
+        since: Instant,
+        until: Instant,
+        bound: Bound,
+        take_back: Option<Arc<TakeBack>>,
+    },
 }
 
 /// A call that is out; when it ends, however it ends, its place goes to the waiting requests.
@@ -257,7 +448,8 @@ mod tests {
             args: Vec::new(),
             slots: Slots::Standalone,
             lane: 0,
-            answer_by: Instant::now(),
+            deadlines: crate::store::Deadlines::for_caller(Instant::now(), Duration::ZERO, None),
+            take_back: None,
         };
         let call = sender.call_one(None, request());
         let batcher = Batcher::new(1);

@@ -1,6 +1,6 @@
 //! Script calls: the requests a call carries, sending them (keys declared, or by the script's
 //! spread function on a cluster master), `TRYAGAIN` and a lost library handled, requests a master
-//! no longer serves sent again on their own, and the reply split into one answer per request.
+//! no longer serves sent again on their own, and until when a call waits for Redis.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -13,11 +13,11 @@ use fred::types::{ClusterHash, CustomCommand};
 use futures_util::future::join_all;
 use tokio::time::Instant;
 
-use super::encode::{int, number};
+use super::encode::{int, number, split};
 use super::master::Master;
-use super::packed::{self, Item, Items};
+use super::take_back::TakeBack;
 use super::{Library, call_failed};
-use crate::store::StoreError;
+use crate::store::{Bound, Deadlines, StoreError, Waited};
 
 /// How long to wait before sending a call Redis answered `TRYAGAIN` (a slot mid-migration).
 const TRY_AGAIN_AFTER: Duration = Duration::from_millis(5);
@@ -38,9 +38,12 @@ pub(super) struct Request {
     /// Which of the pool's clients carries it (taken modulo the pool's size; on a cluster, of
     /// its master's own clients), so that requests take the clients in turn.
     pub lane: usize,
-    /// When it is answered by the failure policy if Redis has not answered it
-    /// ([`crate::store::answer_by`]).
-    pub answer_by: Instant,
+    /// Until when it may wait for its turn, and for Redis once sent ([`Deadlines`]).
+    pub deadlines: Deadlines,
+    /// Where its caller is answered `OVER_LIMIT` by the deny policy if Redis has not answered
+    /// by its moment: what it records, taken back from a reply that comes after all
+    /// (`take_back.rs`).
+    pub take_back: Option<Arc<TakeBack>>,
 }
 
 impl Request {
@@ -64,7 +67,7 @@ pub(super) enum Slots {
 
 /// What Redis Cluster answers a script that reaches for a key of a slot its master does not
 /// serve (moved, or mid-migration with the key already gone).
-const NOT_SERVED: &str = "Script attempted to access a non local key";
+pub(super) const NOT_SERVED: &str = "Script attempted to access a non local key";
 
 /// One request's answer: the script's reply for it, as integers.
 pub(super) type Answer = Result<Vec<i64>, StoreError>;
@@ -149,9 +152,10 @@ impl Sender {
     /// its own (it loads one it finds missing), never in a pipeline behind `ASKING`.
     pub async fn call_asking(&self, importer: &Master, request: Request) -> Answer {
         let requests = [request];
-        let Some((_, until)) = self.terms(&requests) else {
-            return Err(StoreError::Timeout(Duration::ZERO));
+        let Some(term) = self.terms(&requests) else {
+            return Err(no_time_left(&requests));
         };
+        let until = term.until;
         if self.library.by_script() {
             return Err(not_served_error(
                 "the slot is migrating and calls go by EVALSHA",
@@ -166,7 +170,7 @@ impl Sender {
         loop {
             let wait = until.saturating_duration_since(Instant::now());
             if wait.is_zero() {
-                return Err(StoreError::Timeout(self.timeout));
+                return Err(term.gave_up());
             }
             let pool = importer.pool.load();
             let client = client_of(&pool, request.lane, false);
@@ -207,9 +211,20 @@ impl Sender {
                     tokio::time::sleep_until(until.min(Instant::now() + TRY_AGAIN_AFTER)).await;
                 }
                 Some(Err(e)) if elsewhere(&e) => return Err(not_served_error(e.details())),
+                Some(Err(e)) if *e.kind() == ErrorKind::Timeout => return Err(term.gave_up()),
                 Some(Err(e)) => return Err(call_failed(&e)),
                 None => return Err(StoreError::Protocol("no reply to ASKING's call".into())),
             }
+        }
+    }
+
+    /// The client a call of `lane` goes by: `master`'s own, on a cluster where its master is
+    /// known; else the redirect client on a cluster, or the pool's client of `lane`.
+    pub fn client_for(&self, master: Option<&Master>, lane: usize) -> Client {
+        match master {
+            Some(master) => client_of(&master.pool.load(), lane, false).clone(),
+            None if self.redirect => redirect_client(&self.pool.load()).clone(),
+            None => client_of(&self.pool.load(), lane, false).clone(),
         }
     }
 
@@ -251,17 +266,24 @@ impl Sender {
 
     /// A call's client (its first request's lane) and until when it waits ([`call_until`]);
     /// `None` when every request's time is up.
-    fn terms(&self, requests: &[Request]) -> Option<(usize, Instant)> {
+    fn terms(&self, requests: &[Request]) -> Option<Term> {
         let lane = requests.first().map_or(0, |r| r.lane);
-        call_until(requests, Instant::now()).map(|until| (lane, until))
+        let sent = Instant::now();
+        let (until, bound) = call_until(requests, sent, self.timeout, self.load_timeout)?;
+        Some(Term {
+            lane,
+            sent,
+            until,
+            bound,
+        })
     }
 
     /// One call with every key declared (they share a slot, or there are no slots). The
     /// requests are not needed after it, so their parts move into the command.
     async fn call_declared(&self, master: Option<&Master>, requests: Vec<Request>) -> Vec<Answer> {
         let count = requests.len();
-        let Some((lane, until)) = self.terms(&requests) else {
-            return vec![Err(StoreError::Timeout(Duration::ZERO)); count];
+        let Some(term) = self.terms(&requests) else {
+            return vec![Err(no_time_left(&requests)); count];
         };
         let mut keys = Vec::with_capacity(requests.iter().map(|r| r.keys.len()).sum());
         let mut args = Vec::with_capacity(2 + requests.iter().map(|r| r.args.len()).sum::<usize>());
@@ -274,11 +296,11 @@ impl Sender {
         let via = match master {
             // By `EVALSHA` on a cluster: the master's own client, which follows no
             // redirection (a refusal comes back as `MOVED` or `ASK`: [`elsewhere`]).
-            Some(master) => Via::Master(lane, master),
+            Some(master) => Via::Master(term.lane, master),
             None if self.redirect => Via::Redirect,
-            None => Via::Lane(lane),
+            None => Via::Lane(term.lane),
         };
-        match self.send(via, until, keys, args, false).await {
+        match self.send(via, &term, keys, args, false).await {
             Ok(reply) => split(reply, count),
             Err(e) => vec![Err(e); count],
         }
@@ -290,8 +312,8 @@ impl Sender {
     /// caller finds where the slot went (`RedisStore::call_group`).
     async fn call_master(&self, master: &Master, requests: Vec<Request>) -> Vec<Answer> {
         let count = requests.len();
-        let Some((lane, until)) = self.terms(&requests) else {
-            return vec![Err(StoreError::Timeout(Duration::ZERO)); count];
+        let Some(term) = self.terms(&requests) else {
+            return vec![Err(no_time_left(&requests)); count];
         };
         let key_count: usize = requests.iter().map(|r| r.keys.len()).sum();
         let arg_count: usize = requests.iter().map(|r| r.args.len()).sum();
@@ -305,14 +327,14 @@ impl Sender {
         for request in &requests {
             args.extend(request.args.iter().cloned());
         }
-        let via = Via::Master(lane, master);
-        match self.send(via, until, Vec::new(), args, true).await {
+        let via = Via::Master(term.lane, master);
+        match self.send(via, &term, Vec::new(), args, true).await {
             Ok(reply) => split(reply, count),
             Err(e) => vec![Err(e); count],
         }
     }
 
-    /// Sends until Redis answers, or `until`. TRYAGAIN: a slot is being migrated and this
+    /// Sends until Redis answers, or the term's end. TRYAGAIN: a slot is being migrated and this
     /// call's keys are split between two masters for a moment; Redis asks to send it again
     /// shortly. A missing function (a restart, FUNCTION FLUSH, a node that never saw it): load
     /// it and send again, once. Keys and arguments are shared buffers: a copy to send again is
@@ -320,17 +342,18 @@ impl Sender {
     async fn send(
         &self,
         via: Via<'_>,
-        until: Instant,
+        term: &Term,
         keys: Vec<Key>,
         args: Vec<Value>,
         spread: bool,
     ) -> Result<Value, StoreError> {
+        let until = term.until;
         let mut loaded = false;
         loop {
             // A zero timeout is none to the client: a call with no time left is not sent.
             let wait = until.saturating_duration_since(Instant::now());
             if wait.is_zero() {
-                return Err(StoreError::Timeout(self.timeout));
+                return Err(term.gave_up());
             }
             let pool = match via {
                 Via::Master(_, master) => master.pool.load(),
@@ -371,8 +394,10 @@ impl Sender {
                     loaded = true;
                     // Boxed: rare, and its future (about 7 KB) would otherwise be part of
                     // every call's, and of every decision's that awaits one.
-                    Box::pin(self.load_by(&pool, until)).await?;
+                    Box::pin(self.load_by(&pool, term)).await?;
                 }
+                // The client's own timeout: the call's term ended.
+                Err(e) if *e.kind() == ErrorKind::Timeout => return Err(term.gave_up()),
                 Err(e) => return Err(call_failed(&e)),
             }
         }
@@ -381,32 +406,71 @@ impl Sender {
     /// Loads the library for a call that found it missing: in a task of its own, so that it
     /// completes (within `--redis-connect-timeout`) for the calls after this one even when
     /// this call's time runs out first.
-    async fn load_by(&self, pool: &Pool, until: Instant) -> Result<(), StoreError> {
+    async fn load_by(&self, pool: &Pool, term: &Term) -> Result<(), StoreError> {
         let (library, client, timeout) =
             (self.library.clone(), pool.next().clone(), self.load_timeout);
         let load = tokio::spawn(async move { library.load(&client, timeout).await });
-        match tokio::time::timeout_at(until, load).await {
+        match tokio::time::timeout_at(term.until, load).await {
             Ok(Ok(Ok(()))) => Ok(()),
             Ok(Ok(Err(e))) => Err(call_failed(&e)),
             Ok(Err(_)) => Err(StoreError::unavailable(
                 "loading the function library failed",
             )),
-            Err(_) => Err(StoreError::Timeout(self.timeout)),
+            Err(_) => Err(term.gave_up()),
         }
     }
 }
 
-/// Until when a call carrying `requests` waits for Redis, from `now`: as long as the latest
-/// of their [`Request::answer_by`], so that none is answered by the failure policy while it
-/// would still take Redis's answer (a request whose time is up sooner is answered then by
-/// [`super::batch::Batcher`]'s timer). `None` when every request's time is up: nothing to
-/// send.
-fn call_until(requests: &[Request], now: Instant) -> Option<Instant> {
+/// What a call waits for: its client (its first request's lane), when it was sent, and until
+/// when it waits for Redis ([`call_until`]) and why then.
+pub(super) struct Term {
+    pub lane: usize,
+    pub sent: Instant,
+    pub until: Instant,
+    pub bound: Bound,
+}
+
+impl Term {
+    /// The call's error once its term ended without Redis's reply.
+    pub fn gave_up(&self) -> StoreError {
+        let waited = self.until.saturating_duration_since(self.sent);
+        StoreError::Timeout(Waited::Redis(waited, self.bound))
+    }
+}
+
+/// Until when a call carrying `requests`, sent at `now`, waits for Redis: as long as the
+/// latest of their moments ([`Deadlines::reply_by`], `timeout` being `--redis-timeout`), so
+/// that none is answered by the failure policy while it would still take Redis's answer (one
+/// whose moment comes sooner is answered then by [`super::batch::Batcher`]); and `late` after
+/// it is sent (`--redis-connect-timeout`: how long the client waits on a silent connection
+/// before it drops it, and with it any reply) where a request's recorded hits are to be taken
+/// back from a reply that comes after its moment ([`Request::take_back`]). `None` when every
+/// request's time is up: nothing to send.
+fn call_until(
+    requests: &[Request],
+    now: Instant,
+    timeout: Duration,
+    late: Duration,
+) -> Option<(Instant, Bound)> {
     requests
         .iter()
-        .map(|r| r.answer_by)
-        .max()
-        .filter(|&until| until > now)
+        .filter_map(|r| {
+            let (by, bound) = r.deadlines.reply_by(now, timeout);
+            match &r.take_back {
+                _ if by <= now => None,
+                Some(_) if now + late > by => Some((now + late, Bound::ConnectTimeout)),
+                _ => Some((by, bound)),
+            }
+        })
+        .max_by_key(|(until, _)| *until)
+}
+
+/// Why a call whose every request's time is up before it is sent answers so: they waited for
+/// a turn until their moments.
+fn no_time_left(requests: &[Request]) -> StoreError {
+    let deadlines = requests.first().map(|r| r.deadlines);
+    let bound = deadlines.map_or(Bound::CallerDeadline, |d| d.turn_bound());
+    StoreError::Timeout(Waited::Turn(Duration::ZERO, bound))
 }
 
 /// Whether a cluster call failed because its keys are not where it was sent: a replica since a
@@ -463,7 +527,7 @@ fn call_now(requests: &[Request]) -> Value {
 #[error("the master does not serve this key's slot")]
 struct NotServed;
 
-fn not_served_error(why: &str) -> StoreError {
+pub(super) fn not_served_error(why: &str) -> StoreError {
     StoreError::Unavailable {
         context: format!("script: {why}"),
         source: Some(Arc::new(NotServed)),
@@ -475,90 +539,9 @@ pub(super) fn not_served(answer: &Result<impl Sized, StoreError>) -> bool {
     matches!(answer, Err(StoreError::Unavailable { source: Some(source), .. }) if source.is::<NotServed>())
 }
 
-/// Splits the script's reply (one flat array, packed: the call's time, then per request its
-/// length and its integers, or `-1` and what failed; see [`super::packed`]) into the requests'
-/// answers, each the call's time and the request's integers. A reply of the wrong shape fails
-/// every request of the call.
-fn split(reply: Value, count: usize) -> Vec<Answer> {
-    split_flat(&reply, count).unwrap_or_else(|e| vec![Err(e); count])
-}
-
-fn split_flat(reply: &Value, count: usize) -> Result<Vec<Answer>, StoreError> {
-    let bad = |what: &str| StoreError::Protocol(format!("script reply {what}"));
-    // fred hands a bulk string over as bytes unless it is valid UTF-8, which a packed array's
-    // first byte (0x90 to 0x9f, 0xdc or 0xdd) all but rules out; text is read the same.
-    let bytes: &[u8] = match reply {
-        Value::Bytes(bytes) => bytes,
-        Value::String(text) => text.as_bytes(),
-        _ => return Err(bad("is not the script's packed array")),
-    };
-    let mut values = packed::array(bytes).map_err(|e| bad(&e.to_string()))?;
-    fn next<'a>(values: &mut Items<'a>) -> Result<Option<Item<'a>>, StoreError> {
-        values
-            .next()
-            .transpose()
-            .map_err(|e| StoreError::Protocol(format!("script reply {e}")))
-    }
-    let now = match next(&mut values)? {
-        Some(Item::Int(now)) if now >= 0 => now,
-        _ => return Err(bad("does not start with the call's time")),
-    };
-    let mut answers = Vec::with_capacity(count);
-    while answers.len() < count {
-        let length = match next(&mut values)? {
-            Some(Item::Int(-1)) => {
-                let message = match next(&mut values)? {
-                    Some(Item::Text(text)) => String::from_utf8_lossy(text).into_owned(),
-                    _ => String::new(),
-                };
-                answers.push(Err(failed(&message)));
-                continue;
-            }
-            Some(Item::Int(length)) => {
-                usize::try_from(length).map_err(|_| bad("holds a negative length"))?
-            }
-            _ => return Err(bad("does not answer every request of the call")),
-        };
-        // (A length no reply could hold allocates no more than what is left.)
-        let mut integers = Vec::with_capacity(1 + length.min(values.len()));
-        integers.push(now);
-        for _ in 0..length {
-            match next(&mut values)? {
-                Some(Item::Int(n)) => integers.push(n),
-                Some(Item::Text(_)) => return Err(bad("holds a value that is not an integer")),
-                None => return Err(bad("ends inside a request's part")),
-            }
-        }
-        answers.push(Ok(integers));
-    }
-    if !values.is_empty() {
-        return Err(bad("is longer than its requests"));
-    }
-    values.finish().map_err(|e| bad(&e.to_string()))?;
-    Ok(answers)
-}
-
-/// What a request that failed inside the script says: Redis's error (a key of another type, a
-/// slot its master does not serve) or the script's own (code `SLIDEGATE`).
-fn failed(message: &str) -> StoreError {
-    if message.contains(NOT_SERVED) {
-        return not_served_error(message);
-    }
-    super::request_failed(message)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    /// The script's reply of these integers, packed as Redis's cmsgpack packs it.
-    fn ints(values: &[i64]) -> Value {
-        packed_reply(&values.iter().map(|&n| Item::Int(n)).collect::<Vec<_>>())
-    }
-
-    fn packed_reply(items: &[Item<'_>]) -> Value {
-        Value::Bytes(packed::tests::pack(items).into())
-    }
 
     /// A lane names one client of the pool however many calls it makes, and requests in turn
     /// take every client.
@@ -582,31 +565,64 @@ mod tests {
         );
     }
 
-    /// A call waits until the latest of its requests' moments to be answered; a call whose
-    /// requests' time is all up is not sent.
+    /// A call waits until the latest of its requests' moments to be answered, and as long as
+    /// the client waits on a silent connection where a request's recorded hits are to be taken
+    /// back from a late reply; a call whose requests' time is all up is not sent.
     #[test]
     fn a_call_waits_until_its_latest_requests_moment() {
         let now = Instant::now();
-        let request = |ms: i64| Request {
+        let ms = |ms: i64| {
+            if ms >= 0 {
+                now + Duration::from_millis(ms.unsigned_abs())
+            } else {
+                now - Duration::from_millis(ms.unsigned_abs())
+            }
+        };
+        let request = |caller: i64, take_back: bool| Request {
             now_ms: None,
             keys: Vec::new(),
             args: Vec::new(),
             slots: Slots::Standalone,
             lane: 0,
-            answer_by: if ms >= 0 {
-                now + Duration::from_millis(ms.unsigned_abs())
-            } else {
-                now - Duration::from_millis(ms.unsigned_abs())
+            deadlines: Deadlines {
+                caller: Some(ms(caller)),
+                turn: ms(caller),
             },
+            take_back: take_back.then(|| Arc::new(TakeBack::default())),
         };
-        let until = |ms: &[i64]| {
-            let requests: Vec<Request> = ms.iter().map(|&m| request(m)).collect();
-            call_until(&requests, now).map(|u| u.duration_since(now).as_millis())
+        let until = |callers: &[(i64, bool)]| {
+            let requests: Vec<Request> = callers.iter().map(|&(c, t)| request(c, t)).collect();
+            let late = Duration::from_millis(2_000);
+            call_until(&requests, now, Duration::from_millis(15), late)
+                .map(|(u, bound)| (u.duration_since(now).as_millis(), bound))
         };
-        assert_eq!(until(&[15]), Some(15));
-        assert_eq!(until(&[5, 15, 12]), Some(15), "the latest");
-        assert_eq!(until(&[-1, 4]), Some(4), "one whose time is up rides along");
-        assert_eq!(until(&[0, -3]), None, "every request's time is up");
+        let caller = Bound::CallerDeadline;
+        assert_eq!(until(&[(10, false)]), Some((10, caller)));
+        assert_eq!(
+            until(&[(100, false)]),
+            Some((15, Bound::RedisTimeout)),
+            "--redis-timeout first"
+        );
+        assert_eq!(
+            until(&[(5, false), (12, false), (9, false)]),
+            Some((12, caller)),
+            "the latest"
+        );
+        assert_eq!(
+            until(&[(-1, false), (4, false)]),
+            Some((4, caller)),
+            "one whose time is up rides along"
+        );
+        assert_eq!(
+            until(&[(4, false), (10, true)]),
+            Some((2_000, Bound::ConnectTimeout)),
+            "a late reply is waited for where hits are to be taken back"
+        );
+        assert_eq!(
+            until(&[(0, false), (-3, true)]),
+            None,
+            "every request's time is up"
+        );
         assert_eq!(until(&[]), None, "no request, no call");
     }
 
@@ -618,7 +634,8 @@ mod tests {
             args: Vec::new(),
             slots: Slots::Standalone,
             lane: 0,
-            answer_by: Instant::now(),
+            deadlines: Deadlines::for_caller(Instant::now(), Duration::ZERO, None),
+            take_back: None,
         };
         let now = |nows: &[Option<u64>]| {
             let requests: Vec<Request> = nows.iter().map(|&n| request(n)).collect();
@@ -630,85 +647,5 @@ mod tests {
         );
         // Redis's clock: its own time.
         assert_eq!(now(&[None, None]), Value::from_static_str(""));
-    }
-
-    #[test]
-    fn a_reply_splits_into_one_answer_per_request() {
-        let mut flat = vec![1_000, 9, 1, 1, 0, 0, 1, 1, 1, 1, 1_000];
-        flat.extend([4, 5, 3, 3, 999]);
-        let mut reply: Vec<Item<'_>> = flat.iter().map(|&n| Item::Int(n)).collect();
-        reply.splice(
-            11..11,
-            [
-                Item::Int(-1),
-                Item::Text(b"WRONGTYPE Operation against a key"),
-                Item::Int(-1),
-                Item::Text(b"SLIDEGATE request 3: mode must be 0, 1 or 2"),
-            ],
-        );
-        let answers = split(packed_reply(&reply), 4);
-        assert_eq!(answers.len(), 4);
-        assert_eq!(
-            answers[0].as_ref().ok(),
-            Some(&vec![1_000, 1, 1, 0, 0, 1, 1, 1, 1, 1_000])
-        );
-        // Redis's own error: the store is unavailable for that request; the script's code: a
-        // protocol error, for that request alone.
-        assert!(
-            matches!(&answers[1], Err(StoreError::Unavailable { context, .. }) if context.contains("WRONGTYPE"))
-        );
-        assert!(matches!(&answers[2], Err(StoreError::Protocol(m)) if m.contains("mode")));
-        // Each answer starts with the call's time.
-        assert_eq!(answers[3].as_ref().ok(), Some(&vec![1_000, 5, 3, 3, 999]));
-    }
-
-    #[test]
-    fn replies_of_the_wrong_shape_fail_every_request_of_the_call() {
-        let protocol = |a: &Answer| matches!(a, Err(StoreError::Protocol(_)));
-        for reply in [
-            // Not the packed array: a RESP array or integer, a packed map, bytes after it.
-            Value::Array(vec![
-                Value::Integer(9),
-                Value::Integer(1),
-                Value::Integer(7),
-            ]),
-            Value::Integer(1),
-            Value::Bytes(vec![0x81, 0x09, 0x01].into()),
-            Value::Bytes(vec![0x93, 0x09, 0x01, 0x07, 0x00].into()),
-            // No time, or a negative one.
-            ints(&[]),
-            ints(&[-5, 1, 7, 1, 7]),
-            // One request answered where two were sent.
-            ints(&[9, 1, 7]),
-            // A length past the reply's end, or one no reply could hold.
-            ints(&[9, 3, 7, 7]),
-            ints(&[9, i64::MAX, 7]),
-            ints(&[9, -2, 7]),
-            // More than the requests.
-            ints(&[9, 1, 7, 1, 7, 1, 7]),
-            // A header and a request's length that claim billions of values, over a few bytes:
-            // refused without allocating for them.
-            Value::Bytes(
-                vec![
-                    0xdd, 0xff, 0xff, 0xff, 0xff, 0x09, 0xce, 0xff, 0xff, 0xff, 0xff, 0x01,
-                ]
-                .into(),
-            ),
-            // A value that is not an integer.
-            packed_reply(&[
-                Item::Int(9),
-                Item::Int(1),
-                Item::Text(b"x"),
-                Item::Int(1),
-                Item::Int(7),
-            ]),
-        ] {
-            let answers = split(reply.clone(), 2);
-            assert_eq!(answers.len(), 2, "{reply:?}");
-            assert!(answers.iter().all(protocol), "{reply:?} -> {answers:?}");
-        }
-        let answers = split(ints(&[4, 1, 7, 2, 8, 9]), 2);
-        assert_eq!(answers[0].as_ref().ok(), Some(&vec![4, 7]));
-        assert_eq!(answers[1].as_ref().ok(), Some(&vec![4, 8, 9]));
     }
 }

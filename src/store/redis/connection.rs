@@ -125,7 +125,9 @@ impl PoolRecipe {
             }
             Err(_) => {
                 let _ = pool.quit().await;
-                Err(StoreError::Timeout(deadline))
+                let waited =
+                    crate::store::Waited::Redis(deadline, crate::store::Bound::ConnectTimeout);
+                Err(StoreError::Timeout(waited))
             }
         }
     }

@@ -5,6 +5,7 @@
 use tracing::Instrument as _;
 
 use super::encode::{parse_reply, unavailable};
+use super::take_back::{Recorded, Taken, removal};
 use super::*;
 
 /// The counts of a rejected spread request's group without the hits taken back: every
@@ -52,15 +53,6 @@ fn take_back_counts(
         }
     }
     unsettled
-}
-
-/// One recorded item of a rejected request, for its removal: its place in its call, the entry
-/// the script reported, the call's time and the request's prefix.
-struct Taken<'a> {
-    position: usize,
-    entry: &'a Entry,
-    now_ms: u64,
-    prefix: &'a str,
 }
 
 impl RedisStore {
@@ -124,13 +116,16 @@ impl RedisStore {
         mode: Mode,
         span: &tracing::Span,
     ) -> Result<GroupReply, StoreError> {
-        let request = self.script_input(items, group, now_ms, call, mode);
+        let mut request = self.script_input(items, group, now_ms, call, mode);
         let batcher = self.batcher.as_ref().or(group.master.as_ref());
         let mut answer = match batcher {
             Some(batcher) => batcher.submit(request, &self.sender).await,
             // A cluster whose slots the client has not read yet: the redirect client routes
-            // it alone.
-            None => self.sender.call_one(None, request).await,
+            // it alone, awaited here, so it waits for no late reply: what it records stands.
+            None => {
+                request.take_back = None;
+                self.sender.call_one(None, request).await
+            }
         };
         if let Slots::One(slot) = group.slots
             && self.nodes.is_some()
@@ -154,7 +149,9 @@ impl RedisStore {
         mode: Mode,
     ) -> call::Answer {
         self.sender.resent.fetch_add(1, Ordering::Relaxed);
-        self.sender.refresh(call.answer_by).await;
+        // Reading the slots again is waited for as a call sent now would be.
+        let (until, _) = call.deadlines.reply_by(Instant::now(), self.sender.timeout);
+        self.sender.refresh(until).await;
         let now = self
             .nodes
             .as_ref()
@@ -164,7 +161,7 @@ impl RedisStore {
             (Some(_), None) => true,
             (None, _) => false,
         };
-        let request = self.script_input(items, group, now_ms, call, mode);
+        let mut request = self.script_input(items, group, now_ms, call, mode);
         let source = match now {
             Some(master) if moved => {
                 tracing::debug!(
@@ -179,11 +176,15 @@ impl RedisStore {
         // Still the master that refused it: the slot is migrating from it, and this request's
         // keys have left it (or are new).
         let importer = match (&source, &self.nodes) {
-            (Some(source), Some(nodes)) => nodes.importer(slot, source, call.answer_by).await,
+            (Some(source), Some(nodes)) => nodes.importer(slot, source, until).await,
             _ => None,
         };
         let answer = match importer.as_ref().and_then(|b| b.master()) {
-            Some(importer) => self.sender.call_asking(importer, request).await,
+            // Awaited here, so it waits for no late reply: what it records stands.
+            Some(importer) => {
+                request.take_back = None;
+                self.sender.call_asking(importer, request).await
+            }
             None => Err(StoreError::unavailable("no master imports it")),
         };
         match answer {
@@ -196,21 +197,25 @@ impl RedisStore {
         }
     }
 
-    /// With `rejected`, the request is already rejected elsewhere (`Store::check_rejected`).
+    /// With `rejected`, the request is already rejected elsewhere (`Store::check_rejected`);
+    /// with `take_back`, what a late reply shows recorded is taken back
+    /// (`Store::check_or_take_back`).
     pub(super) async fn decide(
         &self,
         items: &[CheckItem<'_>],
         groups: Vec<Group>,
         now_ms: u64,
         rejected: bool,
+        take_back: bool,
     ) -> Result<CheckOutcome, StoreError> {
         let number = self.calls.fetch_add(1, Ordering::Relaxed);
         let call = Call {
+            take_back: take_back && !rejected,
             number,
             // Requests take the pool's clients in turn, as `Pool::next` would hand them out
             // (the low 32 bits: a `usize` on every target).
             lane: usize::try_from(number & u64::from(u32::MAX)).unwrap_or(0),
-            answer_by: crate::store::answer_by(Instant::now(), self.sender.timeout),
+            deadlines: Deadlines::new(Instant::now(), self.recipe.options.queue_timeout),
         };
         let mode = match (rejected, groups.len()) {
             (true, _) => Mode::Rejected,
@@ -349,12 +354,13 @@ impl RedisStore {
                 }
                 outcomes[i].recorded = false;
                 let taken = Taken {
-                    position,
-                    entry,
+                    entry: *entry,
                     now_ms: *now_ms,
-                    prefix: &prefix,
+                    tentative: Some((&prefix, position + 1)),
                 };
-                self.removals(&items[i], &taken, call.lane, &mut removals);
+                let client = self.undo_client(&items[i], call.lane);
+                let recorded = Recorded::of(self, &items[i]);
+                removals.extend(removal(&client, &self.sender, None, &recorded, &taken));
             }
         }
         for result in join_all(removals).await {
@@ -365,71 +371,6 @@ impl RedisStore {
         }
         self.read_again(items, &unsettled, call.lane, outcomes)
             .await;
-    }
-
-    /// The calls that remove what `item` recorded (see [`RedisStore::undo`]).
-    fn removals<'a>(
-        &self,
-        item: &CheckItem<'_>,
-        taken: &Taken<'_>,
-        lane: usize,
-        removals: &mut Vec<UndoFuture<'a>>,
-    ) {
-        let client = self.undo_client(item, lane);
-        let Entry { cum, at_ms } = *taken.entry;
-        match item.algorithm {
-            Algorithm::SlidingLog => {
-                // The member as the script writes it in a sorted-set log for a tentative
-                // request: "<cum>:<weight>:<time>:<prefix>:<i>", i 1-based per call; a compact
-                // log's entry goes by its time and weight.
-                let (prefix, i) = (taken.prefix, taken.position + 1);
-                let member = format!("{cum:020}:{}:{at_ms}:{prefix}:{i}", item.hits);
-                let args = vec![
-                    member.into(),
-                    at_ms.to_string().into(),
-                    item.hits.to_string().into(),
-                ];
-                let log = self.key(item.key.log());
-                let library = self.sender.library.clone();
-                let slot = fred::util::redis_keyslot(item.key.tag().as_bytes());
-                let load_timeout = self.recipe.options.connect_timeout;
-                removals.push(Box::pin(async move {
-                    library
-                        .run(
-                            &client,
-                            (&client, load_timeout),
-                            Function::Undo,
-                            slot,
-                            vec![log],
-                            args,
-                        )
-                        .await
-                        .map(|_| ())
-                }));
-            }
-            Algorithm::SlidingCounter { buckets } => {
-                // The script added the hits once to the current bucket of every distinct
-                // bucket length.
-                let hits = i64::try_from(item.hits).unwrap_or(i64::MAX);
-                let mut sizes: Vec<u64> = item
-                    .windows
-                    .iter()
-                    .map(|w| w.bucket_span(buckets, taken.now_ms).0)
-                    .collect();
-                sizes.sort_unstable();
-                sizes.dedup();
-                for size in sizes {
-                    let field = format!("{size}:{}", taken.now_ms / size);
-                    let (client, counters) = (client.clone(), self.key(item.key.counters()));
-                    removals.push(Box::pin(async move {
-                        client
-                            .hincrby::<i64, _, _>(counters, field, -hits)
-                            .await
-                            .map(|_| ())
-                    }));
-                }
-            }
-        }
     }
 
     /// The descriptors whose resets the counts do not settle (`take_back_counts`), read again
@@ -542,8 +483,11 @@ impl RedisStore {
 pub(super) struct Call {
     pub(super) number: u64,
     pub(super) lane: usize,
-    /// When the request is answered by the failure policy if Redis has not answered it.
-    pub(super) answer_by: Instant,
+    /// Until when the request may wait for its turn, and for Redis once sent.
+    pub(super) deadlines: Deadlines,
+    /// What its calls record is taken back from a reply that comes after its moment
+    /// (`take_back.rs`).
+    pub(super) take_back: bool,
 }
 
 /// Items of a request that go in one script call.

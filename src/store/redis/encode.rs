@@ -1,7 +1,11 @@
 //! What a script call carries and answers: a request's `KEYS` and `ARGV` (the rule as one text,
-//! made once per rule), the reply read back into outcomes, and which errors are the script's own.
+//! made once per rule), the call's reply split into one answer per request and read back into
+//! outcomes, and which errors are the script's own.
 //! The layout of both is the table at the top of `lua/contract.lua`.
 
+use super::call::{Answer, NOT_SERVED, not_served_error};
+use super::packed::{self, Item, Items};
+use super::take_back::{Recorded, TakeBack};
 use super::*;
 
 /// The error code the script puts first in its error replies (Redis error replies start with a
@@ -80,13 +84,22 @@ impl RedisStore {
             ClockSource::Server => Some(now_ms),
             ClockSource::Redis => None,
         };
+        let take_back = call.take_back.then(|| {
+            let recorded = group
+                .iter()
+                .map(|&i| Recorded::of(self, &items[i]))
+                .collect();
+            let prefix = (mode == Mode::Tentative).then(|| self.prefix(call));
+            std::sync::Arc::new(TakeBack::new(recorded, prefix))
+        });
         Request {
             now_ms,
             keys,
             args,
             slots,
             lane: call.lane,
-            answer_by: call.answer_by,
+            deadlines: call.deadlines,
+            take_back,
         }
     }
 
@@ -168,12 +181,28 @@ pub(super) const FITS: u64 = 1;
 pub(super) const BAN_SET: u64 = 2;
 pub(super) const RECORDED: u64 = 4;
 pub(super) const BANNED: u64 = 8;
+/// The entry recorded is later than the call's time, which it is otherwise stamped with: its
+/// time follows.
+pub(super) const LATER: u64 = 16;
 
 /// Reads the script's reply (layout in `lua/contract.lua`); anything else is a protocol error.
 pub(super) fn parse_reply(
     reply: &[i64],
     items: &[CheckItem<'_>],
     group: &[usize],
+    tentative: bool,
+) -> Result<GroupReply, StoreError> {
+    read_reply(
+        reply,
+        group.iter().map(|&i| items[i].windows.len()),
+        tentative,
+    )
+}
+
+/// [`parse_reply`] for descriptors whose rules have `windows` windows each, in order.
+pub(super) fn read_reply(
+    reply: &[i64],
+    windows: impl ExactSizeIterator<Item = usize>,
     tentative: bool,
 ) -> Result<GroupReply, StoreError> {
     let bad = |what: &str| StoreError::Protocol(format!("script reply {what}"));
@@ -185,11 +214,11 @@ pub(super) fn parse_reply(
         u64::try_from(v).map_err(|_| bad(&format!("has a negative {what}")))
     };
     let now_ms = next("now")?;
-    let mut outcomes = Vec::with_capacity(group.len());
-    let mut entries = Vec::with_capacity(group.len());
-    for &i in group {
+    let mut outcomes = Vec::with_capacity(windows.len());
+    let mut entries = Vec::with_capacity(windows.len());
+    for m in windows {
         let flags = next("flags")?;
-        if flags >= BANNED * 2 {
+        if flags >= LATER * 2 || (tentative && flags & LATER != 0) {
             return Err(bad("has unknown flags"));
         }
         let has = |flag: u64| flags & flag != 0;
@@ -197,24 +226,21 @@ pub(super) fn parse_reply(
         if has(BANNED) == (ban_remaining_ms == 0) {
             return Err(bad("has a ban flag and time that disagree"));
         }
-        // A tentative request's entry is named by its time too.
-        entries.push(match (has(RECORDED), tentative) {
-            (true, true) => Entry {
+        // An entry is named by its time too: a tentative request's follows its running total,
+        // as does another's stamped later than the call.
+        entries.push(match has(RECORDED) {
+            true => Entry {
                 cum: next("entry")?,
-                at_ms: next("entry's time")?,
+                at_ms: if tentative || has(LATER) {
+                    next("entry's time")?
+                } else {
+                    now_ms
+                },
             },
-            (true, false) => Entry {
-                cum: next("entry")?,
-                at_ms: 0,
-            },
-            (false, _) => Entry::default(),
+            false => Entry::default(),
         });
         // A banned item reports no windows; the others one pair per window of their rule.
-        let m = if has(BANNED) {
-            0
-        } else {
-            items[i].windows.len()
-        };
+        let m = if has(BANNED) { 0 } else { m };
         let mut windows = Vec::with_capacity(m);
         for _ in 0..m {
             windows.push(WindowOutcome {
@@ -240,9 +266,91 @@ pub(super) fn parse_reply(
     })
 }
 
+/// Splits the script's reply (one flat array, packed: the call's time, then per request its
+/// length and its integers, or `-1` and what failed; see [`super::packed`]) into the requests'
+/// answers, each the call's time and the request's integers. A reply of the wrong shape fails
+/// every request of the call.
+pub(super) fn split(reply: Value, count: usize) -> Vec<Answer> {
+    split_flat(&reply, count).unwrap_or_else(|e| vec![Err(e); count])
+}
+
+fn split_flat(reply: &Value, count: usize) -> Result<Vec<Answer>, StoreError> {
+    let bad = |what: &str| StoreError::Protocol(format!("script reply {what}"));
+    // fred hands a bulk string over as bytes unless it is valid UTF-8, which a packed array's
+    // first byte (0x90 to 0x9f, 0xdc or 0xdd) all but rules out; text is read the same.
+    let bytes: &[u8] = match reply {
+        Value::Bytes(bytes) => bytes,
+        Value::String(text) => text.as_bytes(),
+        _ => return Err(bad("is not the script's packed array")),
+    };
+    let mut values = packed::array(bytes).map_err(|e| bad(&e.to_string()))?;
+    fn next<'a>(values: &mut Items<'a>) -> Result<Option<Item<'a>>, StoreError> {
+        values
+            .next()
+            .transpose()
+            .map_err(|e| StoreError::Protocol(format!("script reply {e}")))
+    }
+    let now = match next(&mut values)? {
+        Some(Item::Int(now)) if now >= 0 => now,
+        _ => return Err(bad("does not start with the call's time")),
+    };
+    let mut answers = Vec::with_capacity(count);
+    while answers.len() < count {
+        let length = match next(&mut values)? {
+            Some(Item::Int(-1)) => {
+                let message = match next(&mut values)? {
+                    Some(Item::Text(text)) => String::from_utf8_lossy(text).into_owned(),
+                    _ => String::new(),
+                };
+                answers.push(Err(failed(&message)));
+                continue;
+            }
+            Some(Item::Int(length)) => {
+                usize::try_from(length).map_err(|_| bad("holds a negative length"))?
+            }
+            _ => return Err(bad("does not answer every request of the call")),
+        };
+        // (A length no reply could hold allocates no more than what is left.)
+        let mut integers = Vec::with_capacity(1 + length.min(values.len()));
+        integers.push(now);
+        for _ in 0..length {
+            match next(&mut values)? {
+                Some(Item::Int(n)) => integers.push(n),
+                Some(Item::Text(_)) => return Err(bad("holds a value that is not an integer")),
+                None => return Err(bad("ends inside a request's part")),
+            }
+        }
+        answers.push(Ok(integers));
+    }
+    if !values.is_empty() {
+        return Err(bad("is longer than its requests"));
+    }
+    values.finish().map_err(|e| bad(&e.to_string()))?;
+    Ok(answers)
+}
+
+/// What a request that failed inside the script says: Redis's error (a key of another type, a
+/// slot its master does not serve) or the script's own (code `SLIDEGATE`).
+fn failed(message: &str) -> StoreError {
+    if message.contains(NOT_SERVED) {
+        return not_served_error(message);
+    }
+    request_failed(message)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The script's reply of these integers, packed as Redis's cmsgpack packs it.
+    fn ints(values: &[i64]) -> Value {
+        packed_reply(&values.iter().map(|&n| Item::Int(n)).collect::<Vec<_>>())
+    }
+
+    fn packed_reply(items: &[Item<'_>]) -> Value {
+        Value::Bytes(packed::tests::pack(items).into())
+    }
+
     use crate::store::{Role, RuleText};
 
     #[test]
@@ -267,13 +375,35 @@ mod tests {
         assert!(reply.recorded() && reply.items[0].fits && reply.items[0].recorded);
         assert_eq!(reply.items[0].windows[0].count, 1);
         assert_eq!(reply.items[0].windows[0].reset_ms, 999);
-        assert_eq!(reply.entries, [Entry { cum: 7, at_ms: 0 }]);
+        assert_eq!(
+            reply.entries,
+            [Entry {
+                cum: 7,
+                at_ms: 1_000
+            }],
+            "stamped at the call's time"
+        );
+        // Stamped later than the call (the log's newest entry was): its time follows.
+        let later =
+            parse_reply(&[1_000, 5 | 16, 7, 1_004, 1, 999], &items, &[0], false).expect("later");
+        assert_eq!(
+            later.entries,
+            [Entry {
+                cum: 7,
+                at_ms: 1_004
+            }]
+        );
+        assert_eq!(later.items[0].windows[0].reset_ms, 999);
         // Tentative: the entry's time follows its running total.
         let tentative =
             parse_reply(&[1_000, 5, 7, 990, 1, 999], &items, &[0], true).expect("well-formed");
         assert_eq!(tentative.entries, [Entry { cum: 7, at_ms: 990 }]);
         assert_eq!(tentative.items[0].windows[0].reset_ms, 999);
         assert!(parse_reply(&good, &items, &[0], true).is_err(), "no time");
+        assert!(
+            parse_reply(&[1_000, 5 | 16, 7, 990, 1, 999], &items, &[0], true).is_err(),
+            "a tentative request's entry's time follows without flag 16"
+        );
         // Rejected: no entry, so the count follows the flags.
         let rejected = parse_reply(&[1_000, 0, 5, 400], &items, &[0], false).expect("well-formed");
         assert!(!rejected.recorded() && !rejected.items[0].fits);
@@ -287,11 +417,11 @@ mod tests {
         assert!(banned.items[0].ban_set && banned.items[0].windows.is_empty());
         assert_eq!(banned.items[0].ban_remaining_ms, 900_000);
         for wrong in [
-            &good[..4],                // ends early
-            &[1_000, 5, 7, 1, 999, 0], // longer
-            &[1_000, 16, 7, 1, 999],   // unknown flag
-            &[1_000, 8, 0],            // banned for no time
-            &[1_000, 5, -7, 1, 999],   // negative
+            &good[..4],                  // ends early
+            &[1_000, 5, 7, 1, 999, 0],   // longer
+            &[1_000, 32 | 5, 7, 1, 999], // unknown flag
+            &[1_000, 8, 0],              // banned for no time
+            &[1_000, 5, -7, 1, 999],     // negative
         ] {
             assert!(
                 matches!(
@@ -436,5 +566,85 @@ mod tests {
         // The small ones are static: nothing made per call.
         assert!(matches!(number(7), Value::Bytes(_)));
         assert!(matches!(number(1_000), Value::Integer(1_000)));
+    }
+
+    #[test]
+    fn a_reply_splits_into_one_answer_per_request() {
+        let mut flat = vec![1_000, 9, 1, 1, 0, 0, 1, 1, 1, 1, 1_000];
+        flat.extend([4, 5, 3, 3, 999]);
+        let mut reply: Vec<Item<'_>> = flat.iter().map(|&n| Item::Int(n)).collect();
+        reply.splice(
+            11..11,
+            [
+                Item::Int(-1),
+                Item::Text(b"WRONGTYPE Operation against a key"),
+                Item::Int(-1),
+                Item::Text(b"SLIDEGATE request 3: mode must be 0, 1 or 2"),
+            ],
+        );
+        let answers = split(packed_reply(&reply), 4);
+        assert_eq!(answers.len(), 4);
+        assert_eq!(
+            answers[0].as_ref().ok(),
+            Some(&vec![1_000, 1, 1, 0, 0, 1, 1, 1, 1, 1_000])
+        );
+        // Redis's own error: the store is unavailable for that request; the script's code: a
+        // protocol error, for that request alone.
+        assert!(
+            matches!(&answers[1], Err(StoreError::Unavailable { context, .. }) if context.contains("WRONGTYPE"))
+        );
+        assert!(matches!(&answers[2], Err(StoreError::Protocol(m)) if m.contains("mode")));
+        // Each answer starts with the call's time.
+        assert_eq!(answers[3].as_ref().ok(), Some(&vec![1_000, 5, 3, 3, 999]));
+    }
+
+    #[test]
+    fn replies_of_the_wrong_shape_fail_every_request_of_the_call() {
+        let protocol = |a: &Answer| matches!(a, Err(StoreError::Protocol(_)));
+        for reply in [
+            // Not the packed array: a RESP array or integer, a packed map, bytes after it.
+            Value::Array(vec![
+                Value::Integer(9),
+                Value::Integer(1),
+                Value::Integer(7),
+            ]),
+            Value::Integer(1),
+            Value::Bytes(vec![0x81, 0x09, 0x01].into()),
+            Value::Bytes(vec![0x93, 0x09, 0x01, 0x07, 0x00].into()),
+            // No time, or a negative one.
+            ints(&[]),
+            ints(&[-5, 1, 7, 1, 7]),
+            // One request answered where two were sent.
+            ints(&[9, 1, 7]),
+            // A length past the reply's end, or one no reply could hold.
+            ints(&[9, 3, 7, 7]),
+            ints(&[9, i64::MAX, 7]),
+            ints(&[9, -2, 7]),
+            // More than the requests.
+            ints(&[9, 1, 7, 1, 7, 1, 7]),
+            // A header and a request's length that claim billions of values, over a few bytes:
+            // refused without allocating for them.
+            Value::Bytes(
+                vec![
+                    0xdd, 0xff, 0xff, 0xff, 0xff, 0x09, 0xce, 0xff, 0xff, 0xff, 0xff, 0x01,
+                ]
+                .into(),
+            ),
+            // A value that is not an integer.
+            packed_reply(&[
+                Item::Int(9),
+                Item::Int(1),
+                Item::Text(b"x"),
+                Item::Int(1),
+                Item::Int(7),
+            ]),
+        ] {
+            let answers = split(reply.clone(), 2);
+            assert_eq!(answers.len(), 2, "{reply:?}");
+            assert!(answers.iter().all(protocol), "{reply:?} -> {answers:?}");
+        }
+        let answers = split(ints(&[4, 1, 7, 2, 8, 9]), 2);
+        assert_eq!(answers[0].as_ref().ok(), Some(&vec![4, 7]));
+        assert_eq!(answers[1].as_ref().ok(), Some(&vec![4, 8, 9]));
     }
 }

@@ -7,12 +7,11 @@
 //! * `library.rs`: the script as a Redis function library, loaded once on every primary
 //!   (`FUNCTION LOAD`) and called with `FCALL`; loaded again when a restart, `FUNCTION FLUSH` or a
 //!   new master lost it; by `EVALSHA` where `FUNCTION LOAD` is refused.
-//! * `encode.rs`: a request's `KEYS` and `ARGV`, and the reply read back (`packed.rs` reads the
-//!   MessagePack string the reply comes in).
+//! * `encode.rs`: a request's `KEYS` and `ARGV`, and the reply split per request and read back
+//!   (`packed.rs` reads the MessagePack string the reply comes in).
 //! * `call.rs`: one script call: to a cluster master by name through the script's spread
 //!   function, or with the keys declared (standalone Redis; on a cluster by the redirect client,
-//!   or by `ASKING` to the master importing a slot); `TRYAGAIN` and a lost library handled; the
-//!   reply split per request.
+//!   or by `ASKING` to the master importing a slot); `TRYAGAIN` and a lost library handled.
 //! * `batch.rs`: requests that arrive while every call to a Redis is out go together in the next
 //!   call, each decided on its own; `nodes.rs` keeps one such batcher per cluster master, so a
 //!   master's call carries requests of all its slots, with clients of that master's own
@@ -21,6 +20,9 @@
 //!   masters is sent as tentative calls, concurrently, and if the combined answer is a rejection
 //!   the entries recorded are removed again. That can briefly make other requests see a fuller
 //!   log (never an emptier one): it can under-admit for a moment, never over-admit.
+//! * `take_back.rs`: what a call recorded for a request whose caller the deny policy already
+//!   answered `OVER_LIMIT` (its reply came after the decision's moment), taken back; and the
+//!   removal of one entry, which the undo of a rejected spread request shares.
 //! * `operator_calls.rs`: the admin API's inspect and reset (the library's inspect and reset
 //!   functions), and the read of a descriptor after an undo; `compact.rs` reads a compact log's
 //!   bytes in Rust for them.
@@ -51,6 +53,7 @@ mod operator_calls;
 pub mod packed;
 mod quota_calls;
 mod replicas;
+mod take_back;
 
 use batch::Batcher;
 use call::{Request, Sender, Slots, not_served};
@@ -59,15 +62,15 @@ use connection::{
 };
 pub use connection::{normalize_url, redact};
 use decide::{Call, Entry, Group, GroupReply};
-use encode::{call_failed, request_failed};
+use encode::call_failed;
 pub use library::{Function, Library};
 use nodes::Nodes;
 
 pub use crate::tls::TlsFiles;
 
 use super::{
-    Algorithm, CheckItem, CheckOutcome, ItemOutcome, LogFormat, Store, StoreError, StoreFuture,
-    WindowOutcome, admits, push_decimal, rule_text,
+    Algorithm, CheckItem, CheckOutcome, Deadlines, ItemOutcome, LogFormat, Store, StoreError,
+    StoreFuture, Waited, WindowOutcome, admits, push_decimal, rule_text,
 };
 
 type UndoFuture<'a> =
@@ -91,8 +94,12 @@ pub struct RedisOptions {
     /// user and password in the URL.
     pub url: String,
     pub pool_size: usize,
-    /// Deadline for one decision, all slots included.
+    /// How long a call sent to Redis is waited for (`--redis-timeout`; a caller's deadline may
+    /// end it sooner).
     pub timeout: Duration,
+    /// How long a decision whose caller sent no deadline may wait for its turn to call Redis
+    /// (`--redis-queue-timeout`).
+    pub queue_timeout: Duration,
     pub connect_timeout: Duration,
     pub clock: ClockSource,
     /// CA, client certificate and hostname policy for `rediss://`; empty: system CAs.
@@ -232,25 +239,27 @@ impl RedisStore {
 
 impl RedisStore {
     /// [`RedisStore::decide`] when its turn comes, and the health note of how it went. A
-    /// decision has until its moment ([`crate::store::answer_by`]: `--redis-timeout` after it
-    /// reaches the store, or sooner before its caller's deadline), its wait for a turn
-    /// included (the batchers' queues, one per master on a cluster: `batch.rs`). A call's
+    /// decision waits for its turn (the batchers' queues, one per master on a cluster:
+    /// `batch.rs`) and then for Redis, each within its own bound ([`Deadlines`]). A call's
     /// commands are bounded by the client's own timeout, which also marks a command so that it
     /// is never sent after a reconnection once its caller was told it failed (a timer of ours
     /// dropping the call would leave it unmarked, and Redis would record hits for a call long
-    /// answered with an error).
+    /// answered with an error). A decision that never had its turn says nothing of the client.
     async fn checked(
         &self,
         items: &[CheckItem<'_>],
         now_ms: u64,
         rejected: bool,
+        take_back: bool,
     ) -> Result<CheckOutcome, StoreError> {
         let groups = self.groups(items);
-        let result = self.decide(items, groups, now_ms, rejected).await;
+        let result = self
+            .decide(items, groups, now_ms, rejected, take_back)
+            .await;
         // A protocol error is an answer: the client works.
         self.note(!matches!(
             result,
-            Err(StoreError::Timeout(_) | StoreError::Unavailable { .. })
+            Err(StoreError::Timeout(Waited::Redis(..)) | StoreError::Unavailable { .. })
         ));
         result
     }
@@ -277,11 +286,19 @@ async fn evicting_policy(client: &Client) -> Option<String> {
 
 impl Store for RedisStore {
     fn check<'a>(&'a self, items: &'a [CheckItem<'a>], now_ms: u64) -> StoreFuture<'a> {
-        Box::pin(self.checked(items, now_ms, false))
+        Box::pin(self.checked(items, now_ms, false, false))
+    }
+
+    fn check_or_take_back<'a>(
+        &'a self,
+        items: &'a [CheckItem<'a>],
+        now_ms: u64,
+    ) -> StoreFuture<'a> {
+        Box::pin(self.checked(items, now_ms, false, true))
     }
 
     fn check_rejected<'a>(&'a self, items: &'a [CheckItem<'a>], now_ms: u64) -> StoreFuture<'a> {
-        Box::pin(self.checked(items, now_ms, true))
+        Box::pin(self.checked(items, now_ms, true, false))
     }
 
     fn inspect<'a>(
@@ -359,6 +376,10 @@ impl Store for RedisStore {
 
     fn data_losses(&self) -> Option<u64> {
         Some(self.markers.losses.load(Ordering::Relaxed))
+    }
+
+    fn data_lost_at(&self) -> Option<u64> {
+        Some(self.markers.lost_at_ms.load(Ordering::Relaxed)).filter(|&at| at > 0)
     }
 
     fn silent(&self) -> Vec<String> {
