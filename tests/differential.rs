@@ -180,7 +180,8 @@ fn on_a_cluster_the_lua_script_answers_alike() {
     answer_alike(&shared_cluster().url(), &[LogFormat::Compact]);
 }
 
-/// The sorted-set log of the releases before the compact one, still written when asked for.
+/// The sorted-set log, written when asked for (`--redis-log-format sorted-set`) and for logs past
+/// 1,000 entries.
 #[test]
 fn sorted_set_logs_answer_alike() {
     answer_alike(&shared_standalone().url(), &[LogFormat::SortedSet]);

@@ -4,8 +4,8 @@
 //! decision worth saving (`docs/performance.md`, *The gRPC path*). What it answers is
 //! what tonic's generated server answers for the same bytes, errors included (a test compares
 //! the two): the message with `grpc-status: 0` in the trailers, or a trailers-only response
-//! with the status. Compression is not offered, as before: a compressed request is refused the
-//! way tonic refuses it.
+//! with the status. Compression is not offered: a compressed request is refused the way tonic
+//! refuses it.
 
 use std::convert::Infallible;
 use std::pin::Pin;
