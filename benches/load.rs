@@ -71,6 +71,9 @@ mod redis_settings;
 #[path = "common/limitador.rs"]
 mod limitador;
 
+#[path = "common/usage.rs"]
+mod usage;
+
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -81,16 +84,10 @@ use hyper_util::rt::{TokioExecutor, TokioIo};
 use prost::Message as _;
 use prost::bytes::{BufMut as _, Bytes, BytesMut};
 use slidegate::proto::{RateLimitRequest, RateLimitResponse};
+use usage::{cpu_s, env_number, redis_cpu};
 use workload::{
     ENVOY_AUTHORITY, STEADY_WINDOW_SECS, Shape, config, envoy_headers, request, request_number,
 };
-
-fn env_or(name: &str, default: u64) -> u64 {
-    std::env::var(name)
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(default)
-}
 
 /// Context switches of a process's threads so far, voluntary (it waited: for a socket, a lock,
 /// work) and not (the kernel took its core), summed over `/proc/<pid>/task/*/status`. Per
@@ -112,30 +109,6 @@ fn context_switches(pid: u32) -> u64 {
         .sum()
 }
 
-/// CPU seconds of a process, user plus system, from `/proc/<pid>/stat` (fields 14 and 15, in
-/// clock ticks of 1/100 s, the value on Linux for x86-64 and arm64).
-fn cpu_s(pid: u32) -> f64 {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
-    // The command name (field 2) may hold spaces; the fields after it start past its ')'.
-    let fields: Vec<&str> = stat
-        .rsplit_once(')')
-        .map_or(Vec::new(), |(_, rest)| rest.split_whitespace().collect());
-    let ticks = |i: usize| {
-        fields
-            .get(i)
-            .and_then(|v| v.parse::<f64>().ok())
-            .unwrap_or(0.0)
-    };
-    (ticks(11) + ticks(12)) / 100.0
-}
-
-fn info_field(info: &str, name: &str) -> f64 {
-    info.lines()
-        .find_map(|l| l.strip_prefix(name))
-        .and_then(|v| v.trim().parse().ok())
-        .unwrap_or(0.0)
-}
-
 /// Keys held by the Redis servers at `ports` together.
 fn redis_keys(ports: &[u16]) -> u64 {
     ports
@@ -150,8 +123,7 @@ fn redis_usage(ports: &[u16]) -> (f64, u64) {
     let mut cpu = 0.0;
     let mut commands = 0;
     for &port in ports {
-        let info = redis_proc::command(port, "INFO cpu").unwrap_or_default();
-        cpu += info_field(&info, "used_cpu_sys:") + info_field(&info, "used_cpu_user:");
+        cpu += redis_cpu(port);
         let stats = redis_proc::command(port, "INFO commandstats").unwrap_or_default();
         commands += stats
             .lines()
@@ -1189,10 +1161,10 @@ fn workload_note() -> String {
 
 fn main() {
     let load = Load {
-        connections: env_or("SLIDEGATE_BENCH_CONNECTIONS", 16),
-        streams: env_or("SLIDEGATE_BENCH_STREAMS", 16),
-        secs: env_or("SLIDEGATE_BENCH_SECS", 5),
-        warm_secs: env_or("SLIDEGATE_BENCH_WARM_SECS", 0),
+        connections: env_number::<u64>("SLIDEGATE_BENCH_CONNECTIONS", 16),
+        streams: env_number::<u64>("SLIDEGATE_BENCH_STREAMS", 16),
+        secs: env_number::<u64>("SLIDEGATE_BENCH_SECS", 5),
+        warm_secs: env_number::<u64>("SLIDEGATE_BENCH_WARM_SECS", 0),
     };
     let only = std::env::var("SLIDEGATE_BENCH_ONLY").unwrap_or_default();
     let extra: Vec<String> = std::env::var("SLIDEGATE_BENCH_ARGS")

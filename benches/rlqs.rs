@@ -25,6 +25,9 @@
 #[path = "../tests/common/redis.rs"]
 mod redis_proc;
 
+#[path = "common/usage.rs"]
+mod usage;
+
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
@@ -38,43 +41,10 @@ use slidegate::proto::envoy::service::rate_limit_quota::v3::{
 };
 use tokio::sync::mpsc;
 use tonic::codegen::tokio_stream::wrappers::ReceiverStream;
+use usage::{cpu_s, env_number, info_field, redis_cpu};
 
 const ROUND: Duration = Duration::from_secs(5);
 const CONNECTIONS: usize = 20;
-
-fn env_number(name: &str, default: usize) -> usize {
-    std::env::var(name)
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(default)
-}
-
-/// CPU seconds of a process, user plus system, from `/proc/<pid>/stat`.
-fn cpu_s(pid: u32) -> f64 {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
-    let fields: Vec<&str> = stat
-        .rsplit_once(')')
-        .map_or(Vec::new(), |(_, rest)| rest.split_whitespace().collect());
-    let ticks = |i: usize| {
-        fields
-            .get(i)
-            .and_then(|v| v.parse::<f64>().ok())
-            .unwrap_or(0.0)
-    };
-    (ticks(11) + ticks(12)) / 100.0
-}
-
-fn info_field(info: &str, name: &str) -> f64 {
-    info.lines()
-        .find_map(|l| l.strip_prefix(name))
-        .and_then(|v| v.trim().parse().ok())
-        .unwrap_or(0.0)
-}
-
-fn redis_cpu(port: u16) -> f64 {
-    let info = redis_proc::command(port, "INFO cpu").unwrap_or_default();
-    info_field(&info, "used_cpu_sys:") + info_field(&info, "used_cpu_user:")
-}
 
 fn redis_memory(port: u16) -> f64 {
     let info = redis_proc::command(port, "INFO memory").unwrap_or_default();

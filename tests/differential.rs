@@ -17,16 +17,15 @@ mod common;
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::time::Duration;
 
 use common::redis::{RedisProcess, shared_cluster, shared_standalone};
-use common::{T0, unique_domain};
+use common::{T0, redis_options, unique_domain};
 use proptest::prelude::*;
 use proptest::test_runner::{Config, TestCaseError, TestRunner};
 use slidegate::limiter::{Descriptor, Limiter, LimiterOptions, ManualClock, Override, Request};
 use slidegate::store::{
-    CheckItem, ClockSource, InspectFuture, LogFormat, MemoryStore, RedisOptions, RedisStore,
-    ResetFuture, Store, StoreFuture, StoreKey,
+    CheckItem, InspectFuture, LogFormat, MemoryStore, RedisOptions, RedisStore, ResetFuture, Store,
+    StoreFuture, StoreKey,
 };
 
 const CONFIG: &str = r#"
@@ -284,16 +283,8 @@ fn answer_alike(url: &str, formats: &[LogFormat]) {
         for &log_format in formats {
             stores.push(Arc::new(
                 RedisStore::connect(RedisOptions {
-                    url: url.to_owned(),
-                    pool_size: 2,
-                    timeout: Duration::from_secs(5),
-                    queue_timeout: Duration::from_secs(5),
-                    connect_timeout: Duration::from_secs(5),
-                    clock: ClockSource::Server,
-                    tls: Default::default(),
-                    key_prefix: String::new(),
-                    wait_replicas: 0,
                     log_format,
+                    ..redis_options(url.to_owned())
                 })
                 .await
                 .expect("connect to the test Redis"),
@@ -385,16 +376,8 @@ fn quota_shares_answer_alike() {
     let redis: Arc<dyn Store> = runtime.block_on(async {
         Arc::new(
             RedisStore::connect(RedisOptions {
-                url: shared_standalone().url(),
-                pool_size: 2,
-                timeout: Duration::from_secs(5),
-                queue_timeout: Duration::from_secs(5),
-                connect_timeout: Duration::from_secs(5),
-                clock: ClockSource::Server,
-                tls: Default::default(),
-                key_prefix: String::new(),
-                wait_replicas: 0,
                 log_format: LogFormat::Compact,
+                ..redis_options(shared_standalone().url())
             })
             .await
             .expect("connect to the test Redis"),

@@ -999,16 +999,10 @@ async fn health_follows_the_store() {
     let mut redis = RedisProcess::start(&[]);
     let store: Arc<dyn Store> = Arc::new(
         RedisStore::connect(RedisOptions {
-            url: redis.url(),
             pool_size: 1,
             timeout: Duration::from_millis(200),
             queue_timeout: Duration::from_secs(1),
-            connect_timeout: Duration::from_secs(5),
-            clock: slidegate::store::ClockSource::Server,
-            tls: Default::default(),
-            key_prefix: String::new(),
-            wait_replicas: 0,
-            log_format: slidegate::store::LogFormat::default(),
+            ..redis_options(redis.url())
         })
         .await
         .expect("connect"),

@@ -22,10 +22,10 @@ use std::time::{Duration, Instant};
 use common::redis::{
     RedisProcess, RedisSentinel, free_port, make_certs, shared_cluster, shared_standalone,
 };
-use common::{KillOnDrop, TempDir, connect, descriptor, http, ok, over, request, unique_domain};
+use common::{
+    KillOnDrop, TempDir, connect, descriptor, http, ok, over, request, unique_domain, venv_python,
+};
 use slidegate::proto::RateLimitResponse;
-
-const MANIFEST: &str = env!("CARGO_MANIFEST_DIR");
 
 /// A config directory as a ConfigMap mounts it: `<dir>/..<version>/limits.yaml`, `<dir>/..data`
 /// linking to the current version, and `<dir>/limits.yaml` linking through `..data`.
@@ -142,7 +142,7 @@ fn header<'a>(r: &'a RateLimitResponse, name: &str) -> Option<&'a str> {
 /// (The parser names a counter's samples `<family>_total` whatever the exposition says; the
 /// family is what the exposition's `# TYPE` line and sample names gave.)
 fn parse_prometheus(text: &str) -> Vec<(String, String, serde_json::Value, f64)> {
-    let python = format!("{MANIFEST}/.venv/bin/python");
+    let python = venv_python();
     let script = "import sys, json\nfrom prometheus_client.parser import text_string_to_metric_families\nout = []\nfor f in text_string_to_metric_families(sys.stdin.read()):\n    for s in f.samples:\n        out.append([f.name, f.type, s.labels, s.value])\nprint(json.dumps(out))\n";
     let mut child = Command::new(&python)
         .args(["-c", script])
@@ -150,7 +150,7 @@ fn parse_prometheus(text: &str) -> Vec<(String, String, serde_json::Value, f64)>
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
-        .unwrap_or_else(|e| panic!("no {python} ({e}): run tests/run.sh, which installs it"));
+        .unwrap_or_else(|e| panic!("run {} ({e})", python.display()));
     use std::io::Write;
     child
         .stdin

@@ -19,7 +19,7 @@ use common::envoy::*;
 use common::redis::{shared_cluster, shared_standalone};
 use common::{TestServer, unique_domain};
 use slidegate::limiter::LimiterOptions;
-use slidegate::store::{MemoryStore, RedisOptions, RedisStore, Store};
+use slidegate::store::{MemoryStore, RedisStore, Store};
 
 const LIMITS: &str = r#"
 domain: DOMAIN
@@ -36,27 +36,7 @@ descriptors:
 /// Runs tests/clients/rlqs_client.py against `address` with `streams` (its argument): its
 /// output as JSON.
 async fn python_client(address: String, streams: serde_json::Value) -> serde_json::Value {
-    let python = std::path::PathBuf::from(MANIFEST).join(".venv/bin/python");
-    assert!(
-        python.exists(),
-        "no {}: run tests/run.sh, which installs grpcio there",
-        python.display()
-    );
-    let script = format!("{MANIFEST}/tests/clients/rlqs_client.py");
-    let output = tokio::task::spawn_blocking(move || {
-        std::process::Command::new(python)
-            .args([script, address, streams.to_string()])
-            .output()
-            .expect("run the Python client")
-    })
-    .await
-    .expect("joined");
-    assert!(
-        output.status.success(),
-        "the Python client failed: {}",
-        String::from_utf8_lossy(&output.stderr)
-    );
-    serde_json::from_slice(&output.stdout).expect("JSON")
+    common::python_client("rlqs_client.py", vec![address, streams.to_string()]).await
 }
 
 fn report(domain: &str, buckets: &[serde_json::Value]) -> serde_json::Value {
@@ -158,20 +138,9 @@ async fn the_wire_as_a_client_written_elsewhere_sees_it(store: Arc<dyn Store>) {
 
 async fn redis_store(url: String) -> Arc<dyn Store> {
     Arc::new(
-        RedisStore::connect(RedisOptions {
-            url,
-            pool_size: 2,
-            timeout: Duration::from_secs(5),
-            queue_timeout: Duration::from_secs(5),
-            connect_timeout: Duration::from_secs(5),
-            clock: slidegate::store::ClockSource::Server,
-            tls: Default::default(),
-            key_prefix: String::new(),
-            wait_replicas: 0,
-            log_format: Default::default(),
-        })
-        .await
-        .expect("connect to the test Redis"),
+        RedisStore::connect(common::redis_options(url))
+            .await
+            .expect("connect to the test Redis"),
     )
 }
 

@@ -525,36 +525,17 @@ async fn many_streams_on_one_connection_are_all_answered() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_client_written_elsewhere_calls_by_reflection_alone() {
     let server = start().await;
-    let python = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join(".venv/bin/python");
-    assert!(
-        python.exists(),
-        "no {}: run tests/run.sh, which installs grpcio there",
-        python.display()
-    );
-    let script = concat!(
-        env!("CARGO_MANIFEST_DIR"),
-        "/tests/clients/reflection_call.py"
-    );
     let address = server.grpc_addr.to_string();
-    let output = tokio::task::spawn_blocking(move || {
-        std::process::Command::new(python)
-            .args([
-                script,
-                &address,
-                r#"{"domain":"web","descriptors":[{"entries":[{"key":"user","value":"by-reflection"}]}]}"#,
-                "3",
-            ])
-            .output()
-            .expect("run the Python client")
-    })
-    .await
-    .expect("joined");
-    assert!(
-        output.status.success(),
-        "the Python client failed: {}",
-        String::from_utf8_lossy(&output.stderr)
-    );
-    let seen: serde_json::Value = serde_json::from_slice(&output.stdout).expect("JSON");
+    let seen = python_client(
+        "reflection_call.py",
+        vec![
+            address,
+            r#"{"domain":"web","descriptors":[{"entries":[{"key":"user","value":"by-reflection"}]}]}"#
+                .into(),
+            "3".into(),
+        ],
+    )
+    .await;
     assert_eq!(seen["services"], serde_json::json!(README_SERVICES));
     let responses = seen["responses"].as_array().expect("responses");
     let codes: Vec<&str> = responses

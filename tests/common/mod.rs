@@ -16,7 +16,7 @@ use slidegate::proto::rate_limit_response::{Code, DescriptorStatus};
 use slidegate::proto::rate_limit_service_client::RateLimitServiceClient;
 use slidegate::proto::{RateLimitDescriptor, RateLimitRequest, RateLimitResponse};
 use slidegate::server::{App, ServerOptions};
-use slidegate::store::Store;
+use slidegate::store::{ClockSource, RedisOptions, Store};
 use tokio::net::TcpListener;
 use tokio::sync::oneshot;
 use tonic::transport::Channel;
@@ -111,6 +111,59 @@ impl TestServer {
         if let Some(join) = self.join.take() {
             join.await.expect("server task panicked");
         }
+    }
+}
+
+/// `.venv/bin/python`, where tests/run.sh installs the Python clients' packages from PyPI.
+pub fn venv_python() -> std::path::PathBuf {
+    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join(".venv/bin/python");
+    assert!(
+        path.exists(),
+        "no {}: run tests/run.sh, which installs grpcio, opentelemetry-proto and prometheus-client there",
+        path.display()
+    );
+    path
+}
+
+/// Runs the client `tests/clients/<script>` with `args` and reads what it prints as JSON; a
+/// client that fails fails the test with its stderr.
+pub async fn python_client(script: &str, args: Vec<String>) -> serde_json::Value {
+    let python = venv_python();
+    let script = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/clients")
+        .join(script);
+    let output = tokio::task::spawn_blocking(move || {
+        std::process::Command::new(python)
+            .arg(script)
+            .args(args)
+            .output()
+            .expect("run the Python client")
+    })
+    .await
+    .expect("joined");
+    assert!(
+        output.status.success(),
+        "the Python client failed: {}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    serde_json::from_slice(&output.stdout).expect("the Python client's output is JSON")
+}
+
+/// Options for a test's store on the Redis at `url`: timeouts long enough that a slow, shared
+/// machine never has a call answered by the failure policy. A test that needs other values sets
+/// those fields (`RedisOptions { timeout, ..redis_options(url) }`).
+pub fn redis_options(url: String) -> RedisOptions {
+    RedisOptions {
+        url,
+        pool_size: 2,
+        timeout: Duration::from_secs(5),
+        queue_timeout: Duration::from_secs(5),
+        connect_timeout: Duration::from_secs(5),
+        clock: ClockSource::Server,
+        tls: Default::default(),
+        key_prefix: String::new(),
+        wait_replicas: 0,
+        log_format: Default::default(),
     }
 }
 

@@ -38,23 +38,13 @@ pub struct Receiver {
     _process: KillOnDrop,
 }
 
-fn python() -> PathBuf {
-    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join(".venv/bin/python");
-    assert!(
-        path.exists(),
-        "no {}: run tests/run.sh (it installs opentelemetry-proto and grpcio from PyPI into .venv)",
-        path.display()
-    );
-    path
-}
-
 impl Receiver {
     /// A receiver answering each export `delay` late; waits until it listens.
     pub fn start(delay: Duration) -> Receiver {
         let (grpc_port, http_port) = (free_port(), free_port());
         let script =
             PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/clients/otlp_receiver.py");
-        let mut child = Command::new(python())
+        let mut child = Command::new(super::venv_python())
             .arg(script)
             .args([grpc_port.to_string(), http_port.to_string()])
             .args(["--delay", &delay.as_secs_f64().to_string()])

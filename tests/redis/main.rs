@@ -39,16 +39,9 @@ use slidegate::store::{ClockSource, RedisOptions, RedisStore, Store};
 
 fn options(url: String, timeout: Duration) -> RedisOptions {
     RedisOptions {
-        url,
-        pool_size: 2,
         timeout,
         queue_timeout: Duration::from_secs(1),
-        connect_timeout: Duration::from_secs(5),
-        clock: ClockSource::Server,
-        tls: Default::default(),
-        key_prefix: String::new(),
-        wait_replicas: 0,
-        log_format: slidegate::store::LogFormat::default(),
+        ..common::redis_options(url)
     }
 }
 
