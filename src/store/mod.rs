@@ -100,6 +100,14 @@ impl StoreKey {
         self.with_suffix(":cnt")
     }
 
+    /// Where a rule of `algorithm` keeps its counts: the log, or the counters' hash.
+    pub fn data(&self, algorithm: Algorithm) -> String {
+        match algorithm {
+            Algorithm::SlidingLog => self.log(),
+            Algorithm::SlidingCounter { .. } => self.counters(),
+        }
+    }
+
     /// The ban marker, present (with a TTL) while the descriptor is banned.
     pub fn ban(&self) -> String {
         self.with_suffix(":ban")

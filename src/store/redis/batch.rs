@@ -95,7 +95,6 @@ impl Batcher {
                 queue.next_id += 1;
                 let until = request.deadlines.turn;
                 let bound = request.deadlines.turn_bound();
-                let take_back = request.take_back.clone();
                 queue.waiting.push_back(Waiting {
                     id,
                     request,
@@ -108,7 +107,6 @@ impl Batcher {
                     since,
                     until,
                     bound,
-                    take_back,
                 }
             }
         };
@@ -132,7 +130,6 @@ impl Batcher {
                 since,
                 until,
                 bound,
-                take_back,
             } => {
                 let answer = match tokio::time::timeout_at(until, &mut later).await {
                     Ok(answer) => answer,
@@ -142,17 +139,11 @@ impl Batcher {
                     // Its call is out: the call answers it by its reply moment.
                     Err(_) => later.await,
                 };
-                let answer = answer.unwrap_or_else(|_| {
+                answer.unwrap_or_else(|_| {
                     Err(StoreError::unavailable(
                         "the call carrying this request was dropped",
                     ))
-                });
-                if let (Some(take_back), Err(StoreError::Timeout(Waited::Redis(..)))) =
-                    (take_back, &answer)
-                {
-                    take_back.answered();
-                }
-                answer
+                })
             }
         }
     }
@@ -181,9 +172,6 @@ impl Batcher {
             () = tokio::time::sleep_until(by) => {
                 drop(out);
                 let (sender, master) = (sender.clone(), self.master.clone());
-                if let Some(take_back) = &take_back {
-                    take_back.answered();
-                }
                 tokio::spawn(async move {
                     if let (Ok(reply), Some(take_back)) = (call.await, take_back) {
                         take_back.take_back(&reply, &sender, master.as_deref(), lane).await;
@@ -305,6 +293,7 @@ impl Batcher {
                 answer: Some(waiting.answer),
                 by: waiting.request.deadlines.reply_by(sent, sender.timeout),
                 take_back: waiting.request.take_back.clone(),
+                answered_by_policy: false,
                 lane: waiting.request.lane,
             });
             requests.push(waiting.request);
@@ -322,7 +311,7 @@ impl Batcher {
                 (Some(answer), _, reply) => {
                     let _ = answer.send(reply);
                 }
-                (None, Some(take_back), Ok(reply)) if take_back.was_answered() => {
+                (None, Some(take_back), Ok(reply)) if pending.answered_by_policy => {
                     late.push((take_back, reply, pending.lane));
                 }
                 _ => {}
@@ -341,11 +330,15 @@ impl Batcher {
 /// A request of a call that is out: where its answer goes (until it is given), until when
 /// Redis's reply is its caller's ([`crate::store::Deadlines::reply_by`]), and, where its
 /// recorded hits are to be taken back if its caller is answered by the policy first, what it
-/// records (its decision marks there that the policy answered it).
+/// records.
 struct Pending {
     answer: Option<oneshot::Sender<Answer>>,
     by: (Instant, Bound),
     take_back: Option<Arc<TakeBack>>,
+    /// Its decision was handed the policy's answer before the reply came. A decision whose
+    /// caller had left by then (the answer not taken) keeps its hits: Envoy's own failure mode
+    /// decided whether the request passed.
+    answered_by_policy: bool,
     lane: usize,
 }
 
@@ -379,7 +372,7 @@ async fn answer_in_time(
                 for p in pending.iter_mut().filter(|p| p.by.0 <= now) {
                     if let Some(answer) = p.answer.take() {
                         let waited = Waited::Redis(p.by.0.saturating_duration_since(sent), p.by.1);
-                        let _ = answer.send(Err(StoreError::Timeout(waited)));
+                        p.answered_by_policy = answer.send(Err(StoreError::Timeout(waited))).is_ok();
                     }
                 }
             }
@@ -390,14 +383,13 @@ async fn answer_in_time(
 enum Turn {
     Now(Request),
     /// Queued as `id` at `since`, answered by the policy at `until` (for `bound`) if its call
-    /// has not taken it by then; what it records, where it is to be taken back.
+    /// has not taken it by then.
     Later {
         id: u64,
         later: oneshot::Receiver<Answer>,
         since: Instant,
         until: Instant,
         bound: Bound,
-        take_back: Option<Arc<TakeBack>>,
     },
 }
 

@@ -359,7 +359,8 @@ impl RedisStore {
                     tentative: Some((&prefix, position + 1)),
                 };
                 let client = self.undo_client(&items[i], call.lane);
-                let recorded = Recorded::of(self, &items[i]);
+                let recorded =
+                    Recorded::of(self.key(items[i].key.data(items[i].algorithm)), &items[i]);
                 removals.extend(removal(&client, &self.sender, None, &recorded, &taken));
             }
         }
@@ -411,11 +412,7 @@ impl RedisStore {
             let slot = fred::util::redis_keyslot(key.tag().as_bytes());
             nodes.batcher(slot, &self.sender)?.master().cloned()
         });
-        match master {
-            Some(master) => call::client_of(&master.pool.load(), lane, false).clone(),
-            None if self.sender.redirect => call::redirect_client(&self.sender.pool.load()).clone(),
-            None => call::client_of(&self.sender.pool.load(), lane, false).clone(),
-        }
+        self.sender.client_for(master.as_deref(), lane)
     }
 
     /// A single group on standalone Redis. On a cluster, one group per master that serves

@@ -62,13 +62,16 @@ impl RedisStore {
         let mut args: Vec<Value> = Vec::with_capacity(2 + group.len() * 2);
         // The request's shape: its descriptor count and mode in one argument.
         args.push(number(4 * group.len() as u64 + mode.code()));
+        // What each descriptor records, kept only where a late reply's hits are taken back.
+        let mut recorded = Vec::with_capacity(if call.take_back { group.len() } else { 0 });
         for &i in group {
             let item = &items[i];
             let ban_ms = item.ban_ms.unwrap_or(0);
-            keys.push(self.key(match item.algorithm {
-                Algorithm::SlidingLog => item.key.log(),
-                Algorithm::SlidingCounter { .. } => item.key.counters(),
-            }));
+            let data = self.key(item.key.data(item.algorithm));
+            if call.take_back {
+                recorded.push(Recorded::of(data.clone(), item));
+            }
+            keys.push(data);
             if ban_ms > 0 {
                 keys.push(self.key(item.key.ban()));
             }
@@ -85,10 +88,6 @@ impl RedisStore {
             ClockSource::Redis => None,
         };
         let take_back = call.take_back.then(|| {
-            let recorded = group
-                .iter()
-                .map(|&i| Recorded::of(self, &items[i]))
-                .collect();
             let prefix = (mode == Mode::Tentative).then(|| self.prefix(call));
             std::sync::Arc::new(TakeBack::new(recorded, prefix))
         });

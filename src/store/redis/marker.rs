@@ -145,9 +145,15 @@ async fn redis_time_ms(client: &Client, key: &str) -> Result<u64, Error> {
     let command = CustomCommand::new_static("TIME", ClusterHash::Custom(slot), false);
     let time: Vec<String> = client.custom(command, Vec::<String>::new()).await?;
     let number = |i: usize| time.get(i).and_then(|n| n.parse::<u64>().ok());
-    match (number(0), number(1)) {
-        (Some(seconds), Some(micros)) => Ok(seconds * 1_000 + micros / 1_000),
-        _ => Err(Error::new(
+    let ms = match (number(0), number(1)) {
+        (Some(seconds), Some(micros)) => seconds
+            .checked_mul(1_000)
+            .and_then(|ms| ms.checked_add(micros / 1_000)),
+        _ => None,
+    };
+    match ms {
+        Some(ms) => Ok(ms),
+        None => Err(Error::new(
             ErrorKind::Protocol,
             format!("TIME answered {time:?}"),
         )),

@@ -9,7 +9,6 @@
 //! The removal of one recorded entry is here too: the undo of a rejected request spread over
 //! several masters (`decide.rs`) removes its entries the same way.
 
-use std::sync::atomic::AtomicBool;
 use std::time::Duration;
 
 use fred::types::config::Options;
@@ -34,13 +33,10 @@ pub(super) struct Recorded {
 }
 
 impl Recorded {
-    /// `item` as the store sends it.
-    pub fn of(store: &RedisStore, item: &CheckItem<'_>) -> Recorded {
+    /// `item`, whose data key the store sends as `key`.
+    pub fn of(key: Key, item: &CheckItem<'_>) -> Recorded {
         Recorded {
-            key: store.key(match item.algorithm {
-                Algorithm::SlidingLog => item.key.log(),
-                Algorithm::SlidingCounter { .. } => item.key.counters(),
-            }),
+            key,
             slot: fred::util::redis_keyslot(item.key.tag().as_bytes()),
             algorithm: item.algorithm,
             hits: item.hits,
@@ -58,10 +54,6 @@ pub(super) struct TakeBack {
     descriptors: Vec<Recorded>,
     /// A tentative request's member prefix, which names its entries.
     prefix: Option<String>,
-    /// Its decision took the policy's answer (Redis had not replied by its moment): set by the
-    /// decision itself, so that a request whose caller left before any answer keeps its hits
-    /// (Envoy's own failure mode decided whether it passed).
-    answered: AtomicBool,
 }
 
 impl TakeBack {
@@ -69,18 +61,7 @@ impl TakeBack {
         TakeBack {
             descriptors,
             prefix,
-            answered: AtomicBool::new(false),
         }
-    }
-
-    /// Its decision took the policy's answer.
-    pub fn answered(&self) {
-        self.answered.store(true, Ordering::SeqCst);
-    }
-
-    /// Whether its decision took the policy's answer.
-    pub fn was_answered(&self) -> bool {
-        self.answered.load(Ordering::SeqCst)
     }
 
     /// Takes back what `reply` (the request's answer: the call's time, then its descriptors')
