@@ -137,10 +137,14 @@ impl Limiter {
         } else {
             "unknown"
         };
-        for usage in usages {
-            self.observer
-                .quota_usage(label, usage.allowed, usage.denied);
-        }
+        // Counted once a report, not once a bucket: a report may hold a thousand.
+        let (allowed, denied) = usages.iter().fold((0u64, 0u64), |(a, d), usage| {
+            (
+                a.saturating_add(usage.allowed),
+                d.saturating_add(usage.denied),
+            )
+        });
+        self.observer.quota_usage(label, allowed, denied);
         let Some(domain) = domain else {
             self.observer.unknown_domain();
             return self.assigned(label, vec![Some(Assignment::AllowAll); usages.len()]);
@@ -180,9 +184,17 @@ impl Limiter {
         domain: &str,
         assignments: Vec<Option<Assignment>>,
     ) -> Vec<Option<Assignment>> {
+        // By kind, once a report: a report may hold a thousand buckets, of four kinds at most.
+        let mut kinds: Vec<(&'static str, u64)> = Vec::with_capacity(4);
         for assignment in &assignments {
-            self.observer
-                .quota_assignment(domain, assignment.map_or("none", Assignment::kind));
+            let kind = assignment.map_or("none", Assignment::kind);
+            match kinds.iter_mut().find(|(k, _)| *k == kind) {
+                Some((_, count)) => *count += 1,
+                None => kinds.push((kind, 1)),
+            }
+        }
+        for (kind, count) in kinds {
+            self.observer.quota_assignments(domain, kind, count);
         }
         assignments
     }

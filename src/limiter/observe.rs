@@ -122,14 +122,14 @@ pub trait Observer: Send + Sync + 'static {
     fn quota_buckets(&self, delta: i64) {
         let _ = delta;
     }
-    /// A bucket's reported usage.
+    /// The usage a report's buckets reported, together.
     fn quota_usage(&self, domain: &str, allowed: u64, denied: u64) {
         let _ = (domain, allowed, denied);
     }
-    /// A bucket's assignment, by kind (`token_bucket`, `deny_all`, `allow_all`, or `none`
-    /// when the store failed under the `error` policy).
-    fn quota_assignment(&self, domain: &str, kind: &'static str) {
-        let _ = (domain, kind);
+    /// `count` buckets of a report assigned `kind` (`token_bucket`, `deny_all`, `allow_all`,
+    /// or `none` when the store failed under the `error` policy).
+    fn quota_assignments(&self, domain: &str, kind: &'static str, count: u64) {
+        let _ = (domain, kind, count);
     }
     /// What to keep in `rule` to count its decisions there, made when its config is handed to
     /// the limiter; `None` to keep nothing.

@@ -71,8 +71,8 @@ impl Observer for Metrics {
         self.quota.usage(domain, allowed, denied);
     }
 
-    fn quota_assignment(&self, domain: &str, kind: &'static str) {
-        self.quota.assignment(domain, kind);
+    fn quota_assignments(&self, domain: &str, kind: &'static str, count: u64) {
+        self.quota.assignments(domain, kind, count);
     }
 
     fn global_shadow(&self) {

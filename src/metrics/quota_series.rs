@@ -76,11 +76,11 @@ impl QuotaMetrics {
         }
     }
 
-    pub(super) fn assignment(&self, domain: &str, kind: &'static str) {
+    pub(super) fn assignments(&self, domain: &str, kind: &'static str, count: u64) {
         let labels = AssignmentLabels {
             domain: domain.to_string(),
             kind,
         };
-        self.assignments.get_or_create(&labels).inc();
+        self.assignments.get_or_create(&labels).inc_by(count);
     }
 }

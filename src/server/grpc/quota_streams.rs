@@ -213,15 +213,18 @@ fn bucket_entries(
     i: usize,
     bounds: &RequestBounds,
 ) -> Result<Vec<(String, String)>, Status> {
-    let field = format!("bucket_quota_usages[{i}].bucket_id");
+    // Named only in an error: most ids have none.
+    let field = || format!("bucket_quota_usages[{i}].bucket_id");
     if id.bucket.is_empty() {
         return Err(Status::invalid_argument(format!(
-            "{field}: a bucket id needs at least one entry"
+            "{}: a bucket id needs at least one entry",
+            field()
         )));
     }
     if id.bucket.len() > bounds.entries {
         return Err(Status::resource_exhausted(format!(
-            "{field}: a bucket id holds at most {} entries (--max-entries); this one held {}",
+            "{}: a bucket id holds at most {} entries (--max-entries); this one held {}",
+            field(),
             bounds.entries,
             id.bucket.len()
         )));
@@ -230,13 +233,16 @@ fn bucket_entries(
     for (key, value) in &id.bucket {
         if key.is_empty() || value.is_empty() {
             return Err(Status::invalid_argument(format!(
-                "{field}: every entry needs a key and a value; {key:?} = {value:?} lacks one"
+                "{}: every entry needs a key and a value; {key:?} = {value:?} lacks one",
+                field()
             )));
         }
         if key.len() > bounds.key_bytes || value.len() > bounds.value_bytes {
             return Err(Status::resource_exhausted(format!(
-                "{field}: keys hold at most {} bytes (--max-key-bytes) and values {} (--max-value-bytes); {key:?} is past them",
-                bounds.key_bytes, bounds.value_bytes
+                "{}: keys hold at most {} bytes (--max-key-bytes) and values {} (--max-value-bytes); {key:?} is past them",
+                field(),
+                bounds.key_bytes,
+                bounds.value_bytes
             )));
         }
         entries.push((key.clone(), value.clone()));

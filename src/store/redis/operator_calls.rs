@@ -84,7 +84,7 @@ impl RedisStore {
     /// client with options has no Lua calls of its own, and `fcall` on it reaches the client
     /// inside, which waits only a decision's `--redis-timeout`, so the library sends it as a
     /// custom command.
-    async fn admin_run(
+    pub(super) async fn admin_run(
         &self,
         key: &StoreKey,
         function: Function,

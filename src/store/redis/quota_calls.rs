@@ -30,8 +30,8 @@ impl RedisStore {
                 slots.entry(slot).or_default().push(i);
             }
             let calls = slots
-                .into_iter()
-                .map(|(slot, group)| self.quota_slot(items, group, slot, ttl_ms, now_ms));
+                .into_values()
+                .map(|group| self.quota_slot(items, group, ttl_ms, now_ms));
             let mut outcomes: Vec<Option<QuotaOutcome>> = vec![None; items.len()];
             for answered in join_all(calls).await {
                 for (i, outcome) in answered? {
@@ -45,12 +45,11 @@ impl RedisStore {
         })
     }
 
-    /// One call of the quota function for the buckets `group` of `items`, all in `slot`.
+    /// One call of the quota function for the buckets `group` of `items`, all in one slot.
     async fn quota_slot(
         &self,
         items: &[QuotaItem<'_>],
         group: Vec<usize>,
-        slot: u16,
         ttl_ms: u64,
         now_ms: u64,
     ) -> Result<Vec<(usize, QuotaOutcome)>, StoreError> {
@@ -66,11 +65,7 @@ impl RedisStore {
         ];
         for &i in &group {
             let item = &items[i];
-            let data = match item.algorithm {
-                Algorithm::SlidingLog => item.key.log(),
-                Algorithm::SlidingCounter { .. } => item.key.counters(),
-            };
-            keys.push(self.key(data));
+            keys.push(self.key(item.key.data(item.algorithm)));
             keys.push(self.key(item.key.holders()));
             let rule = rule_text(
                 &item.windows,
@@ -94,25 +89,9 @@ impl RedisStore {
             return Ok(Vec::new());
         };
         // Reports come every few seconds, not on a request's path: they wait as admin calls do.
-        let client = self.slot_client(&items[first].key, 0);
-        let timeout = self.recipe.options.connect_timeout;
-        let options = fred::types::config::Options {
-            timeout: Some(timeout),
-            ..fred::types::config::Options::default()
-        };
         let reply = self
-            .sender
-            .library
-            .run(
-                &client.with_options(&options),
-                (&client, timeout),
-                Function::Quota,
-                slot,
-                keys,
-                args,
-            )
-            .await
-            .map_err(|e| encode::call_failed(&e))?;
+            .admin_run(&items[first].key, Function::Quota, keys, args)
+            .await?;
         let counted: Vec<usize> = group.iter().map(|&i| items[i].windows.len()).collect();
         let outcomes = read_reply(&reply, &counted)?;
         Ok(group.into_iter().zip(outcomes).collect())
