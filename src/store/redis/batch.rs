@@ -111,9 +111,23 @@ impl Batcher {
             }
         };
         match turn {
-            // Boxed: its future would otherwise enlarge every decision's.
+            // A request whose hits are taken back if its reply comes after its caller was
+            // answered: sent as a batch of one, by a task of its own that waits on for a late
+            // reply (`send`).
             Turn::Now(request) if request.take_back.is_some() => {
-                Box::pin(self.alone_taking_back(request, sender)).await
+                let (answer, later) = oneshot::channel();
+                let alone = Waiting {
+                    id: 0,
+                    request,
+                    since: Instant::now(),
+                    answer,
+                };
+                tokio::spawn(self.clone().send(vec![alone], sender.clone()));
+                later.await.unwrap_or_else(|_| {
+                    Err(StoreError::unavailable(
+                        "the call carrying this request was dropped",
+                    ))
+                })
             }
             Turn::Now(request) => {
                 let _out = CallOut {
@@ -144,40 +158,6 @@ impl Batcher {
                         "the call carrying this request was dropped",
                     ))
                 })
-            }
-        }
-    }
-
-    /// A call of `request` alone, whose recorded hits are taken back if its caller is answered
-    /// by the policy before the reply comes: the call waits for the late reply (`call.rs`,
-    /// `call_until`), in a task of its own once the decision's moment has passed, and its
-    /// place goes on then, as any call's does at its moment.
-    async fn alone_taking_back(self: &Arc<Self>, request: Request, sender: &Sender) -> Answer {
-        let sent = Instant::now();
-        let (by, bound) = request.deadlines.reply_by(sent, sender.timeout);
-        let (take_back, lane) = (request.take_back.clone(), request.lane);
-        let out = CallOut {
-            batcher: self.clone(),
-            sender: sender.clone(),
-        };
-        let (batcher, owned) = (self.clone(), sender.clone());
-        let mut call = Box::pin(async move {
-            let answer = owned.call_one(batcher.master.as_deref(), request).await;
-            batcher.note(&answer, &owned);
-            answer
-        });
-        tokio::select! {
-            biased;
-            answer = &mut call => answer,
-            () = tokio::time::sleep_until(by) => {
-                drop(out);
-                let (sender, master) = (sender.clone(), self.master.clone());
-                tokio::spawn(async move {
-                    if let (Ok(reply), Some(take_back)) = (call.await, take_back) {
-                        take_back.take_back(&reply, &sender, master.as_deref(), lane).await;
-                    }
-                });
-                Err(StoreError::Timeout(Waited::Redis(by.duration_since(sent), bound)))
             }
         }
     }
