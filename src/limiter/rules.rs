@@ -216,6 +216,38 @@ pub struct Node {
     pub children: HashMap<String, KeyChildren>,
 }
 
+impl Node {
+    /// Calls `f` with every rule at or under this node and the (key, value) pairs that lead
+    /// to it from here, after `path`: a wildcard's pattern, `*` for any value.
+    fn each_rule<'a>(
+        &'a self,
+        path: &mut Vec<(&'a str, &'a str)>,
+        f: &mut impl FnMut(&[(&'a str, &'a str)], &'a Arc<Rule>),
+    ) {
+        if let Some(rule) = &self.rule {
+            f(path, rule);
+        }
+        for (key, children) in &self.children {
+            let next = children
+                .exact
+                .iter()
+                .map(|(value, node)| (value.as_str(), node))
+                .chain(
+                    children
+                        .wildcards
+                        .iter()
+                        .map(|w| (w.pattern.as_str(), &w.node)),
+                )
+                .chain(children.any_value.iter().map(|node| ("*", &**node)));
+            for (value, node) in next {
+                path.push((key.as_str(), value));
+                node.each_rule(path, f);
+                path.pop();
+            }
+        }
+    }
+}
+
 /// The children of a node that share one entry key.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct KeyChildren {
@@ -291,24 +323,11 @@ impl Limits {
 
     /// Every rule with the domain it belongs to, for introspection.
     pub fn rules(&self) -> Vec<(&str, &Arc<Rule>)> {
-        fn walk<'a>(domain: &'a str, node: &'a Node, out: &mut Vec<(&'a str, &'a Arc<Rule>)>) {
-            if let Some(rule) = &node.rule {
-                out.push((domain, rule));
-            }
-            for children in node.children.values() {
-                children.exact.values().for_each(|n| walk(domain, n, out));
-                children
-                    .wildcards
-                    .iter()
-                    .for_each(|w| walk(domain, &w.node, out));
-                if let Some(n) = &children.any_value {
-                    walk(domain, n, out);
-                }
-            }
-        }
         let mut out = Vec::new();
         for (name, domain) in &self.domains {
-            walk(name, &domain.root, &mut out);
+            domain.root.each_rule(&mut Vec::new(), &mut |_, rule| {
+                out.push((name.as_str(), rule))
+            });
         }
         out.sort_by(|a, b| (a.0, &a.1.path).cmp(&(b.0, &b.1.path)));
         out
@@ -481,35 +500,18 @@ impl Limits {
     /// Every rule, one line each, sorted by domain and path, with the Rate Limit Quota Service
     /// bucket id that matches it (`*` for any value).
     pub fn describe(&self) -> String {
-        fn walk(node: &Node, id: &mut Vec<String>, out: &mut Vec<(String, String)>) {
-            if let Some(rule) = &node.rule {
-                out.push((
-                    rule.path.clone(),
-                    format!("{}; quota bucket {{{}}}", rule.describe(), id.join(", ")),
-                ));
-            }
-            for (key, children) in &node.children {
-                let mut visit = |value: &str, next: &Node| {
-                    id.push(format!("{key}: {value}"));
-                    walk(next, id, out);
-                    id.pop();
-                };
-                children.exact.iter().for_each(|(v, n)| visit(v, n));
-                children
-                    .wildcards
-                    .iter()
-                    .for_each(|w| visit(w.pattern.as_str(), &w.node));
-                if let Some(n) = &children.any_value {
-                    visit("*", n);
-                }
-            }
-        }
         let mut lines = Vec::new();
         let mut domains: Vec<(&String, &Domain)> = self.domains.iter().collect();
         domains.sort_by_key(|(name, _)| *name);
         for (_, domain) in domains {
             let mut out = Vec::new();
-            walk(&domain.root, &mut Vec::new(), &mut out);
+            domain.root.each_rule(&mut Vec::new(), &mut |path, rule| {
+                let id: Vec<String> = path.iter().map(|(k, v)| format!("{k}: {v}")).collect();
+                out.push((
+                    rule.path.clone(),
+                    format!("{}; quota bucket {{{}}}", rule.describe(), id.join(", ")),
+                ));
+            });
             out.sort();
             lines.extend(out.into_iter().map(|(_, line)| line + "\n"));
         }
@@ -609,5 +611,39 @@ mod tests {
                 "{pattern} ~ {value}"
             );
         }
+    }
+
+    /// Each rule's line names the bucket id that matches it: its path's pairs, a wildcard's
+    /// pattern as written, `*` for any value; sorted by path within a domain.
+    #[test]
+    fn each_rule_is_described_with_its_bucket_id() {
+        let limits = crate::config::compile_sources(&[(
+            "t.yaml".into(),
+            "domain: api
+descriptors:
+  - key: tenant
+    descriptors:
+      - key: plan
+        value: free
+        rate_limit: {unit: minute, requests_per_unit: 600}
+  - key: path
+    value: /api/*
+    rate_limit: {unit: second, requests_per_unit: 5}
+"
+            .into(),
+        )])
+        .expect("valid");
+        let text = limits.describe();
+        let lines: Vec<&str> = text.lines().collect();
+        assert_eq!(lines.len(), 2, "{text}");
+        assert!(
+            lines[0].ends_with("; quota bucket {path: /api/*}"),
+            "{text}"
+        );
+        assert!(
+            lines[1].ends_with("; quota bucket {tenant: *, plan: free}"),
+            "{text}"
+        );
+        assert_eq!(limits.rules().len(), 2);
     }
 }
